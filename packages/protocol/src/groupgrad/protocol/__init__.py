@@ -1,0 +1,53 @@
+"""groupgrad.protocol: where a grouped layer's weight gradient goes, in which dtype, exactly once.
+
+Two parts:
+
+* The ``DistributedWeight`` protocol and its dispatchers, for weights whose
+  storage and gradient reduction belong to someone else (sharded expert
+  weights): :class:`DistributedWeight`, :func:`is_distributed_weight`,
+  :func:`materialize_weight_for_forward`, :func:`materialize_weight_for_backward`,
+  :func:`finalize_weight_grads`, :func:`weight_grad_dtype`,
+  :func:`weight_grad_buffers`.
+* The ``main_grad`` contract, resolved into a :class:`WeightGradPlan` by
+  :func:`plan_weight_grads` (with :func:`defer_weight_grads` and
+  :func:`accumulate_grads_like_autograd` for a deferred wgrad GEMM). The
+  framework attributes (``main_grad``, ``__fsdp_param__``/``get_main_grad()``,
+  ``overwrite_main_grad``, ``grad_added_to_main_grad``, ``zero_out_wgrad``)
+  are read in this package and nowhere else.
+"""
+
+from groupgrad.protocol._buffers import weight_grad_buffers
+from groupgrad.protocol._distributed import (
+    DistributedWeight,
+    WeightGroup,
+    finalize_weight_grads,
+    is_distributed_weight,
+    materialize_weight_for_backward,
+    materialize_weight_for_forward,
+    weight_grad_dtype,
+)
+from groupgrad.protocol._plan import (
+    WeightGradPlan,
+    WgradRoute,
+    accumulate_grads_like_autograd,
+    defer_weight_grads,
+    plan_weight_grads,
+    wgrad_route,
+)
+
+__all__ = [
+    "DistributedWeight",
+    "WeightGradPlan",
+    "WeightGroup",
+    "WgradRoute",
+    "accumulate_grads_like_autograd",
+    "defer_weight_grads",
+    "finalize_weight_grads",
+    "is_distributed_weight",
+    "materialize_weight_for_backward",
+    "materialize_weight_for_forward",
+    "plan_weight_grads",
+    "weight_grad_buffers",
+    "weight_grad_dtype",
+    "wgrad_route",
+]

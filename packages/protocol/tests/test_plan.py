@@ -1,0 +1,298 @@
+"""The main_grad contract as resolved by plan_weight_grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from groupgrad.protocol import (
+    WgradRoute,
+    accumulate_grads_like_autograd,
+    defer_weight_grads,
+    plan_weight_grads,
+    wgrad_route,
+)
+from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+
+NAMES = ["weight0", "weight1", "weight2"]
+
+
+def _params(count: int = 3, shape: tuple[int, ...] = (4, 3), dtype=torch.bfloat16, **attrs):
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(count):
+        param = torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+        for name, value in attrs.items():
+            if name == "main_grad":
+                value = torch.randn(shape, generator=gen).to(value)
+            setattr(param, name, value)
+        params.append(param)
+    return params
+
+
+def _plan(params, *, into_main_grad: bool = True, shape=(4, 3), **kwargs):
+    return plan_weight_grads(
+        params,
+        shape=shape,
+        compute_dtype=torch.bfloat16,
+        device="cpu",
+        wgrad_into_main_grad=into_main_grad,
+        names=NAMES[: len(params)] if len(params) <= 3 else None,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------- routes
+
+
+def test_routes() -> None:
+    assert wgrad_route(_params(), wgrad_into_main_grad=False) is WgradRoute.AUTOGRAD
+    assert wgrad_route(_params(), wgrad_into_main_grad=True) is WgradRoute.MAIN_GRAD
+    group = make_fake_group([torch.zeros(2, 2)] * 2, leader_only=True)
+    assert wgrad_route(group, wgrad_into_main_grad=True) is WgradRoute.DISTRIBUTED
+    assert wgrad_route(group, wgrad_into_main_grad=False) is WgradRoute.DISTRIBUTED
+
+
+def test_fsdp_parameter_that_is_also_distributed_is_rejected() -> None:
+    group = make_fake_group([torch.zeros(4, 3)] * 2)
+    group[1].__fsdp_param__ = True  # type: ignore[union-attr]
+    with pytest.raises(
+        RuntimeError,
+        match=r"'weight1' is both a Megatron-FSDP parameter .* and a DistributedWeight",
+    ):
+        _plan(group)
+
+
+# ---------------------------------------------------------------- autograd route
+
+
+def test_autograd_route_returns_fresh_buffers_in_the_parameter_dtype() -> None:
+    params = _params(dtype=torch.float16)
+    plan = _plan(params, into_main_grad=False)
+    assert plan.route is WgradRoute.AUTOGRAD
+    assert plan.accumulate is False
+    assert plan.dtype is torch.float16
+    for buffer in plan.buffers:
+        buffer.fill_(1.0)
+    out = plan.finish()
+    assert all(o is b for o, b in zip(out, plan.buffers, strict=True))
+
+
+def test_a_plain_parameter_of_another_shape_is_rejected() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'weight0' has shape \(4, 3\), but the wgrad GEMM produces \(3, 4\)",
+    ):
+        _plan(_params(), into_main_grad=False, shape=(3, 4))
+
+
+# ---------------------------------------------------------------- main_grad route
+
+
+def test_main_grad_is_the_gemm_output_and_accumulates_by_default() -> None:
+    params = _params(main_grad=torch.float32)
+    plan = _plan(params)
+    assert plan.route is WgradRoute.MAIN_GRAD
+    assert plan.accumulate is True
+    assert plan.dtype is torch.float32
+    assert all(b is p.main_grad for b, p in zip(plan.buffers, params, strict=True))
+    assert plan.gemm_out == plan.buffers
+
+
+def test_overwrite_flag_is_read_when_the_plan_is_made() -> None:
+    params = _params(main_grad=torch.float32)
+    for param in params:
+        param.overwrite_main_grad = False
+    first = _plan(params)
+    for param in params:
+        param.overwrite_main_grad = True
+    second = _plan(params)
+    assert first.accumulate is True
+    assert second.accumulate is False
+
+
+def test_mixed_overwrite_flags_in_one_group_are_rejected() -> None:
+    params = _params(main_grad=torch.float32)
+    params[1].overwrite_main_grad = True
+    with pytest.raises(
+        RuntimeError,
+        match=r"overwrite_main_grad differs within one group \(weight0=False, weight1=True, weight2=False\)",
+    ):
+        _plan(params)
+
+
+def test_missing_main_grad_names_the_parameter() -> None:
+    params = _params(main_grad=torch.float32)
+    del params[2].main_grad
+    with pytest.raises(RuntimeError, match=r"parameter 'weight2' has no main_grad"):
+        _plan(params)
+    params[2].main_grad = None
+    with pytest.raises(RuntimeError, match=r"parameter 'weight2' has no main_grad"):
+        _plan(params)
+
+
+def test_main_grad_of_the_wrong_shape_dtype_or_sharing_storage_is_rejected() -> None:
+    params = _params(main_grad=torch.float32)
+    params[1].main_grad = torch.zeros(3, 4)
+    with pytest.raises(
+        RuntimeError, match=r"main_grad of weight1 has shape \(3, 4\), expected \(4, 3\)"
+    ):
+        _plan(params)
+    params[1].main_grad = torch.zeros(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(
+        RuntimeError,
+        match=r"main_grad of weight1 has dtype torch\.bfloat16, expected torch\.float32 like weight0",
+    ):
+        _plan(params)
+    params[1].main_grad = params[0].main_grad
+    with pytest.raises(RuntimeError, match=r"main_grads of weight0 and weight1 overlap in memory"):
+        _plan(params)
+    for param in params:
+        param.main_grad = torch.zeros(4, 3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"main_grad of 'weight0' has dtype torch\.int32"):
+        _plan(params)
+
+
+def test_get_main_grad_is_preferred_on_fsdp_parameters_and_called_once() -> None:
+    params = _params(main_grad=torch.float32)
+    calls = [0] * 3
+    fresh = [torch.empty(4, 3) for _ in range(3)]
+
+    def getter(index: int):
+        def get_main_grad() -> torch.Tensor:
+            calls[index] += 1
+            return fresh[index]
+
+        return get_main_grad
+
+    for index, param in enumerate(params):
+        param.__fsdp_param__ = True
+        param.get_main_grad = getter(index)
+        param.overwrite_main_grad = True
+    plan = _plan(params)
+    assert calls == [1, 1, 1]
+    assert all(b is f for b, f in zip(plan.buffers, fresh, strict=True))
+    assert plan.accumulate is False
+    plan.finish()
+    assert calls == [1, 1, 1]
+
+
+def test_finish_sets_the_flag_and_hands_out_a_zero_dummy_alias() -> None:
+    params = _params(main_grad=torch.float32, grad_added_to_main_grad=False)
+    plan = _plan(params)
+    out = plan.finish()
+    for param, dummy in zip(params, out, strict=True):
+        assert param.grad_added_to_main_grad is True
+        assert isinstance(dummy, torch.Tensor)
+        assert dummy.shape == param.shape
+        assert dummy.dtype == param.dtype
+        assert dummy.grad_fn is None
+        assert not dummy.requires_grad
+        assert dummy._is_view() or dummy._base is None
+        assert not dummy.any()
+    # one cached buffer behind every dummy of the same shape and dtype
+    assert len({d.data_ptr() for d in out if d is not None}) == 1
+
+
+def test_without_the_flag_attribute_autograd_receives_none() -> None:
+    params = _params(main_grad=torch.float32)
+    assert _plan(params).finish() == [None, None, None]
+    assert not hasattr(params[0], "grad_added_to_main_grad")
+
+
+def test_zero_out_wgrad_rezeroes_the_dummy_before_each_hand_out() -> None:
+    params = _params(count=1, shape=(5, 7), main_grad=torch.float32, grad_added_to_main_grad=False)
+    first = _plan(params, shape=(5, 7)).finish()[0]
+    assert first is not None
+    first.add_(3.0)  # a framework that adds the dummy somewhere in place
+    kept = _plan(params, shape=(5, 7)).finish()[0]
+    assert kept is not None
+    assert kept.data_ptr() == first.data_ptr()
+    assert bool((kept == 3.0).all())  # without zero_out_wgrad nobody re-zeroes
+    params[0].zero_out_wgrad = True
+    again = _plan(params, shape=(5, 7)).finish()[0]
+    assert again is not None
+    assert again.data_ptr() == first.data_ptr()
+    assert not again.any()
+
+
+def test_finish_twice_is_an_error() -> None:
+    plan = _plan(_params(main_grad=torch.float32))
+    plan.finish()
+    with pytest.raises(RuntimeError, match=r"finish\(\) was called twice"):
+        plan.finish()
+
+
+def test_packed_parameter_writes_into_its_whole_main_grad() -> None:
+    params = _params(count=1, shape=(6, 4, 3), main_grad=torch.float32)
+    plan = _plan(params, shape=(6, 4, 3))
+    assert plan.gemm_out is params[0].main_grad
+
+
+# ---------------------------------------------------------------- distributed route
+
+
+@pytest.mark.parametrize("leader_only", [False, True])
+def test_distributed_route_writes_fp32_buffers_and_finalizes(leader_only: bool) -> None:
+    group = make_fake_group(
+        [torch.randn(4, 3).bfloat16() for _ in range(3)],
+        leader_only=leader_only,
+        main_grad_dtype=torch.float32,
+    )
+    plan = _plan(group)
+    assert plan.route is WgradRoute.DISTRIBUTED
+    assert plan.accumulate is False
+    assert plan.dtype is torch.float32
+    for index, buffer in enumerate(plan.buffers):
+        buffer.fill_(float(index + 1))
+    out = plan.finish()
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight)
+    assert leader.calls["finalize_group_grads"] == 1
+    received = leader.finalized[0]
+    assert [g.dtype for g in received] == [torch.float32] * 3
+    assert [float(g[0, 0]) for g in received] == [1.0, 2.0, 3.0]
+    assert len(out) == 3
+    for member in group:
+        assert bool((member.main_grad != 0).all())  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- deferred wgrad
+
+
+def test_deferred_main_grad_hands_over_at_backward_and_writes_later() -> None:
+    params = _params(main_grad=torch.float32, grad_added_to_main_grad=False)
+    now = defer_weight_grads(params, wgrad_into_main_grad=True)
+    assert all(p.grad_added_to_main_grad for p in params)
+    assert all(isinstance(d, torch.Tensor) and not d.any() for d in now)
+    plan = _plan(params, deferred=True)
+    assert plan.accumulate is True
+    assert plan.finish() == [None, None, None]
+
+
+def test_deferred_autograd_route_accumulates_into_grad_and_fires_hooks() -> None:
+    params = _params(dtype=torch.float32)
+    assert defer_weight_grads(params, wgrad_into_main_grad=False) == [None, None, None]
+    fired: list[int] = []
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(lambda p, i=index: fired.append(i))
+    params[1].grad = torch.ones(4, 3)
+
+    plan = _plan(params, into_main_grad=False, deferred=True)
+    for buffer in plan.buffers:
+        buffer.fill_(2.0)
+    accumulate_grads_like_autograd(params, plan.finish())
+
+    assert fired == [0, 1, 2]
+    assert bool((params[0].grad == 2.0).all())
+    assert bool((params[1].grad == 3.0).all())
+    with pytest.raises(ValueError, match="grads has 1 entries but the group has 3 weights"):
+        accumulate_grads_like_autograd(params, [None])
+
+
+def test_deferred_distributed_route_hands_autograd_nothing_at_backward() -> None:
+    group = make_fake_group([torch.randn(4, 3) for _ in range(2)], main_grad_dtype=torch.float32)
+    assert defer_weight_grads(group, wgrad_into_main_grad=True) == [None, None]
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight)
+    assert leader.calls["finalize_group_grads"] == 0

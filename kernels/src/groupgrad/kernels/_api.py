@@ -1,0 +1,277 @@
+"""Public grouped GEMMs and their pure-PyTorch twins.
+
+Each public kernel validates its arguments (``_validate``), then runs the
+matching ``groupgrad::`` custom op (``_ops``): CUTLASS on CUDA where it can,
+the reference elsewhere. Each twin ``*_ref`` validates the same way and runs
+the reference directly, on any device.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar, overload
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import _ops, _reference, _splits, _validate
+from groupgrad.kernels._grouped import per_expert
+
+Splits = Sequence[int] | Tensor
+Weights = Tensor | Sequence[Tensor]
+OutList = TypeVar("OutList", bound=Sequence[Tensor])
+
+
+def grouped_fprop(
+    x: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+) -> Tensor:
+    """Grouped forward GEMM: ``y_e = x_e @ w_e.T`` for every expert ``e``.
+
+    Rows of ``x`` are grouped by expert in order: expert ``e`` owns the next
+    ``splits[e]`` rows. On CUDA the CUTLASS kernel runs when it supports the
+    call (bf16/fp16, contiguous, ``K`` and ``N`` multiples of 8, 16-byte
+    aligned); otherwise, and on every other device, the reference runs (a
+    fallback is logged once). Products accumulate in fp32. Not differentiable:
+    autograd lives in ``groupgrad.modules``.
+
+    Args:
+        x: ``(T, K)`` input, bf16, fp16 or fp32, row-major.
+        weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)``
+            tensors (each row-major; not necessarily adjacent in memory), in
+            ``x``'s dtype and on its device.
+        splits: ``E`` token counts, each ``>= 0``, summing to ``T``: a
+            sequence of ints, a CPU tensor, or an int32/int64 tensor on
+            ``x``'s device (its values are not checked, and the CUTLASS path
+            never reads them on the host).
+        out: optional ``(T, N)`` row-major tensor in ``x``'s dtype; it is
+            overwritten (the only argument written).
+
+    Returns:
+        ``y`` of shape ``(T, N)`` in ``x``'s dtype: ``out`` itself when given.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
+            Nothing is written when a call is rejected.
+    """
+    call = _validate.grouped_call("fprop", x, weights, splits, out)
+    _ops.grouped_fprop_op(call.a, call.weights, call.splits, call.out)
+    return call.out
+
+
+def grouped_dgrad(
+    dy: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+) -> Tensor:
+    """Grouped input-gradient GEMM: ``dx_e = dy_e @ w_e`` for every expert ``e``.
+
+    Rows of ``dy`` are grouped by expert in order. Backend choice, numerics
+    and ``splits`` as in :func:`grouped_fprop`. Not differentiable.
+
+    Args:
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major.
+        weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)``
+            tensors, in ``dy``'s dtype and on its device.
+        splits: ``E`` token counts summing to ``T`` (see
+            :func:`grouped_fprop`).
+        out: optional ``(T, K)`` row-major tensor in ``dy``'s dtype; it is
+            overwritten (the only argument written).
+
+    Returns:
+        ``dx`` of shape ``(T, K)`` in ``dy``'s dtype: ``out`` itself when given.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
+            Nothing is written when a call is rejected.
+    """
+    call = _validate.grouped_call("dgrad", dy, weights, splits, out)
+    _ops.grouped_dgrad_op(call.a, call.weights, call.splits, call.out)
+    return call.out
+
+
+@overload
+def grouped_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor: ...
+@overload
+def grouped_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor: ...
+@overload
+def grouped_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: OutList,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> OutList: ...
+def grouped_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor | Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor | Sequence[Tensor]:
+    """Grouped weight-gradient GEMM: ``dw_e = dy_e.T @ x_e`` for every expert ``e``.
+
+    The tokens are the reduction dimension: an expert with no tokens has a
+    zero gradient (``out[e]`` exactly zero when overwriting, untouched when
+    accumulating). ``dy`` is read transposed without a copy on the CUTLASS
+    path. Backend choice, numerics and ``splits`` as in
+    :func:`grouped_fprop`; the output dtype is independent of the input
+    dtype, so a bf16 GEMM can write straight into fp32 ``main_grad`` buffers.
+    Not differentiable.
+
+    Args:
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major.
+        x: ``(T, K)`` input in ``dy``'s dtype and on its device.
+        splits: ``E`` token counts summing to ``T`` (see
+            :func:`grouped_fprop`); its length sets ``E``.
+        out: optional ``(E, N, K)`` tensor, or a sequence of ``E`` ``(N, K)``
+            tensors (for example each expert's own ``main_grad``), bf16, fp16
+            or fp32 (one dtype), row-major, not overlapping each other or the
+            inputs. It is written in place (the only argument written).
+        out_dtype: dtype of a freshly allocated output (``out`` not given);
+            with ``out`` it must equal ``out``'s dtype. Default: ``dy``'s.
+        accumulate: ``True`` adds the gradient into ``out`` (``D = C + A·B``
+            in fp32, rounded once); ``False`` overwrites ``out`` without
+            reading it (old contents, even NaN, do not matter). ``True``
+            requires ``out``.
+
+    Returns:
+        ``dw``: ``out`` itself (the same tensor or the same sequence object)
+        when given, else a new ``(E, N, K)`` tensor.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
+            Nothing is written when a call is rejected.
+    """
+    call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
+    _ops.grouped_wgrad_op(call.dy, call.x, call.splits, call.out, call.accumulate)
+    return call.result
+
+
+def grouped_fprop_ref(
+    x: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+) -> Tensor:
+    """Pure-PyTorch twin of :func:`grouped_fprop`: same arguments, checks and result.
+
+    Runs on any device, computing each expert's product in fp32. A device
+    ``splits`` is read on the host (the values are then checked), which
+    synchronizes with the device.
+
+    Args:
+        x: ``(T, K)`` input, bf16, fp16 or fp32.
+        weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)`` tensors.
+        splits: ``E`` token counts summing to ``T``.
+        out: optional ``(T, N)`` tensor in ``x``'s dtype; overwritten.
+
+    Returns:
+        ``y`` of shape ``(T, N)``: ``out`` itself when given.
+    """
+    call = _validate.grouped_call("fprop", x, weights, splits, out)
+    host_splits = _splits.host_values(call.splits, call.a.shape[0], "x")
+    _reference.fprop(call.a, per_expert(call.weights), host_splits, call.out)
+    return call.out
+
+
+def grouped_dgrad_ref(
+    dy: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+) -> Tensor:
+    """Pure-PyTorch twin of :func:`grouped_dgrad`: same arguments, checks and result.
+
+    Runs on any device; a device ``splits`` is read on the host (a sync).
+
+    Args:
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32.
+        weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)`` tensors.
+        splits: ``E`` token counts summing to ``T``.
+        out: optional ``(T, K)`` tensor in ``dy``'s dtype; overwritten.
+
+    Returns:
+        ``dx`` of shape ``(T, K)``: ``out`` itself when given.
+    """
+    call = _validate.grouped_call("dgrad", dy, weights, splits, out)
+    host_splits = _splits.host_values(call.splits, call.a.shape[0], "dy")
+    _reference.dgrad(call.a, per_expert(call.weights), host_splits, call.out)
+    return call.out
+
+
+@overload
+def grouped_wgrad_ref(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor: ...
+@overload
+def grouped_wgrad_ref(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor: ...
+@overload
+def grouped_wgrad_ref(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: OutList,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> OutList: ...
+def grouped_wgrad_ref(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor | Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+) -> Tensor | Sequence[Tensor]:
+    """Pure-PyTorch twin of :func:`grouped_wgrad`: same arguments, checks and result.
+
+    Runs on any device; a device ``splits`` is read on the host (a sync).
+
+    Args:
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32.
+        x: ``(T, K)`` input in ``dy``'s dtype.
+        splits: ``E`` token counts summing to ``T``.
+        out: optional ``(E, N, K)`` tensor or sequence of ``E`` ``(N, K)``
+            tensors, bf16, fp16 or fp32; written in place.
+        out_dtype: dtype of a freshly allocated output.
+        accumulate: add into ``out`` (``True``) or overwrite it (``False``).
+
+    Returns:
+        ``dw``: ``out`` itself when given, else a new ``(E, N, K)`` tensor.
+    """
+    call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
+    host_splits = _splits.host_values(call.splits, call.x.shape[0], "x")
+    _reference.wgrad(call.dy, call.x, host_splits, per_expert(call.out), call.accumulate)
+    return call.result

@@ -1,0 +1,65 @@
+"""Pure-PyTorch grouped GEMMs: the reference path and the oracle for GPU tests.
+
+These functions take validated, normalized arguments (per-expert lists and
+host token counts) and write into ``out``; they run on any device. Each
+expert's product is computed in fp32 (inputs are upcast, so a bf16/fp16
+product is exact and the sum is accumulated in fp32) and rounded once into
+the output dtype. For wgrad, accumulating adds the fp32 product to ``out``
+in fp32 before that single rounding (``D = C + A·B``, as the CUTLASS epilogue
+does); overwriting never reads ``out``.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+
+def fprop(x_TK: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], y_TN: Tensor) -> None:
+    """``y_e = x_e @ w_e.T`` for each expert ``e``; overwrites ``y_TN``."""
+    start = 0
+    for w_NK, count in zip(w_list, splits, strict=True):
+        if count:
+            rows = slice(start, start + count)
+            y_TN[rows].copy_(x_TK[rows].float() @ w_NK.float().T)
+        start += count
+
+
+def dgrad(dy_TN: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], dx_TK: Tensor) -> None:
+    """``dx_e = dy_e @ w_e`` for each expert ``e``; overwrites ``dx_TK``."""
+    start = 0
+    for w_NK, count in zip(w_list, splits, strict=True):
+        if count:
+            rows = slice(start, start + count)
+            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())
+        start += count
+
+
+def wgrad(
+    dy_TN: Tensor,
+    x_TK: Tensor,
+    splits: Sequence[int],
+    dw_list: Sequence[Tensor],
+    accumulate: bool,
+) -> None:
+    """``dw_e = dy_e.T @ x_e`` into ``dw_list[e]``: added when ``accumulate``, else written.
+
+    An expert with no tokens has a zero gradient: its ``dw`` is left as it is
+    when accumulating and set to exactly zero when overwriting.
+    """
+    start = 0
+    for dw_NK, count in zip(dw_list, splits, strict=True):
+        if count == 0:
+            if not accumulate:
+                dw_NK.zero_()
+            continue
+        rows = slice(start, start + count)
+        product_NK = dy_TN[rows].float().T @ x_TK[rows].float()
+        if accumulate:
+            dw_NK.add_(product_NK)  # fp32 sum, one rounding into dw's dtype
+        else:
+            dw_NK.copy_(product_NK)
+        start += count

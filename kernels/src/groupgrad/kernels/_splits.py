@@ -1,0 +1,48 @@
+"""Token counts per expert (``splits``): host values and device copies.
+
+Legend: ``E`` experts; ``splits_E`` holds how many rows (tokens) of the
+row-grouped operand belong to each expert, in order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SPLITS_DTYPES = (torch.int32, torch.int64)
+
+
+def check_values(values: list[int], rows: int, rows_name: str) -> None:
+    """Raise ``ValueError`` unless ``values`` are non-negative and sum to ``rows``."""
+    for index, count in enumerate(values):
+        if count < 0:
+            raise ValueError(f"splits[{index}] is {count}, expected a token count >= 0")
+    total = sum(values)
+    if total != rows:
+        raise ValueError(f"splits sums to {total} but {rows_name} has {rows} rows")
+
+
+def host_values(splits_E: Tensor, rows: int, rows_name: str) -> list[int]:
+    """The token counts as Python ints, checked against ``rows``.
+
+    Reading a device tensor synchronizes the host with the device; only the
+    reference path does this (the CUTLASS path never reads ``splits`` on the
+    host).
+    """
+    values: list[int] = splits_E.tolist()
+    check_values(values, rows, rows_name)
+    return values
+
+
+def on_device(splits_E: Tensor, device: torch.device) -> Tensor:
+    """``splits_E`` as an int64 tensor on ``device``, without a host sync.
+
+    A CPU tensor is staged through a fresh pinned buffer and copied
+    asynchronously (PyTorch's caching host allocator keeps the buffer alive
+    until the copy has run); a device tensor is converted on the device.
+    """
+    if splits_E.device.type == "cpu" and device.type != "cpu":
+        staged = torch.empty(splits_E.shape, dtype=torch.int64, pin_memory=True)
+        staged.copy_(splits_E)
+        return staged.to(device, non_blocking=True)
+    return splits_E.to(device=device, dtype=torch.int64)

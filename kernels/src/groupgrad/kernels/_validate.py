@@ -1,0 +1,351 @@
+"""Argument checks and normalization for the grouped GEMMs.
+
+Every public entry point — kernel and reference twin alike — passes its
+arguments through :func:`grouped_call` (fprop, dgrad) or :func:`wgrad_call`
+before anything is written, so a rejected call leaves ``out`` untouched.
+Problems raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape,
+device, layout, token counts, overlap) naming the argument, its value and
+what was expected.
+
+What is checked for ``splits`` depends on where it lives:
+
+* a Python sequence or a CPU tensor: length, dtype, and the values (each
+  ``>= 0``, summing to the number of rows);
+* a device tensor: length, dtype and device only — reading the values would
+  synchronize the host. The reference path reads (and then checks) them
+  anyway; the CUTLASS path never does.
+
+Under ``torch.compile`` the checks that need real memory (the values of a
+CPU ``splits`` tensor, overlap between outputs and inputs) are skipped; the
+reference kernel still checks the values of ``splits`` when it reads them.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import _grouped, _splits
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_CHOICES = "torch.bfloat16, torch.float16 or torch.float32"
+
+
+@dataclass(frozen=True)
+class GroupedCall:
+    """A validated fprop (``y_e = x_e @ w_e.T``) or dgrad (``dx_e = dy_e @ w_e``) call.
+
+    ``a`` is ``x_TK`` for fprop and ``dy_TN`` for dgrad; ``out`` is ``y_TN``
+    or ``dx_TK``; ``weights`` is in op-argument form (see ``_grouped``);
+    ``splits`` is ``splits_E``, an int32/int64 tensor on the CPU or ``a``'s
+    device.
+    """
+
+    a: Tensor
+    weights: list[Tensor]
+    splits: Tensor
+    out: Tensor
+
+
+@dataclass(frozen=True)
+class WgradCall:
+    """A validated wgrad call: ``dw_e = dy_e.T @ x_e`` written into ``out``.
+
+    ``dy`` is ``dy_TN``, ``x`` is ``x_TK``, ``splits`` is ``splits_E``;
+    ``out`` is in op-argument form (``[dw_ENK]`` or ``E`` matrices);
+    ``result`` is what the public function returns (the caller's ``out``
+    object, or the freshly allocated ``(E, N, K)`` tensor).
+    """
+
+    dy: Tensor
+    x: Tensor
+    splits: Tensor
+    out: list[Tensor]
+    accumulate: bool
+    result: Tensor | Sequence[Tensor]
+
+
+def grouped_call(
+    op: Literal["fprop", "dgrad"],
+    a: object,
+    weights: object,
+    splits: object,
+    out: object,
+) -> GroupedCall:
+    """Check an fprop/dgrad call and put its arguments into op form."""
+    a_name = "x" if op == "fprop" else "dy"
+    a_TX = _input_matrix(a_name, a)
+    packed, (E, N, K) = _weights(weights, a_name, a_TX)
+    T = a_TX.shape[0]
+    inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
+    if a_TX.shape[1] != inner:
+        raise ValueError(
+            f"{a_name} has {a_TX.shape[1]} columns, expected {inner_name} = {inner} "
+            f"like weights of shape (E, N, K) = ({E}, {N}, {K})"
+        )
+    splits_E = _splits_arg(splits, a_name, a_TX, experts=E)
+    out_shape = (T, N) if op == "fprop" else (T, K)
+    out_dims = "(T, N)" if op == "fprop" else "(T, K)"
+    if out is None:
+        out_TX = a_TX.new_empty(out_shape)
+    else:
+        out_TX = _tensor("out", out)
+        if out_TX.dtype != a_TX.dtype:
+            raise TypeError(f"out has dtype {out_TX.dtype}, expected {a_TX.dtype} like {a_name}")
+        _check_device("out", out_TX, a_name, a_TX)
+        if tuple(out_TX.shape) != out_shape:
+            raise ValueError(
+                f"out has shape {tuple(out_TX.shape)}, expected {out_dims} = {out_shape}"
+            )
+        _check_row_major("out", out_TX)
+        inputs = [(a_name, a_TX), *_named("weights", packed)]
+        _check_no_overlap([("out", out_TX)], inputs)
+    return GroupedCall(a=a_TX, weights=packed, splits=splits_E, out=out_TX)
+
+
+def wgrad_call(
+    dy: object,
+    x: object,
+    splits: object,
+    out: object,
+    out_dtype: object,
+    accumulate: object,
+) -> WgradCall:
+    """Check a wgrad call and put its arguments into op form."""
+    dy_TN = _input_matrix("dy", dy)
+    x_TK = _input_matrix("x", x)
+    if x_TK.dtype != dy_TN.dtype:
+        raise TypeError(f"x has dtype {x_TK.dtype}, expected {dy_TN.dtype} like dy")
+    _check_device("x", x_TK, "dy", dy_TN)
+    if x_TK.shape[0] != dy_TN.shape[0]:
+        raise ValueError(f"x has {x_TK.shape[0]} rows but dy has {dy_TN.shape[0]} rows")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    if out_dtype is not None and out_dtype not in WGRAD_OUT_DTYPES:
+        raise TypeError(f"out_dtype is {out_dtype}, expected {_DTYPE_CHOICES} or None")
+    splits_E = _splits_arg(splits, "x", x_TK, experts=None)
+    E, N, K = splits_E.shape[0], dy_TN.shape[1], x_TK.shape[1]
+    if E == 0:
+        raise ValueError("splits has no entries, expected one token count per expert")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out: there is nothing to accumulate into")
+        dtype = dy_TN.dtype if out_dtype is None else out_dtype
+        dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
+        return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
+    if isinstance(out, Tensor):
+        members = [out]
+        _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
+        outputs = [(f"out[{e}]", dw_NK) for e, dw_NK in enumerate(out.unbind(0))]
+    elif isinstance(out, Iterable) and not isinstance(out, str | bytes):
+        members = list(out)
+        if len(members) != E:
+            raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
+        for e, member in enumerate(members):
+            name = f"out[{e}]"
+            dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
+            if e > 0 and dw_NK.dtype != members[0].dtype:
+                raise TypeError(
+                    f"{name} has dtype {dw_NK.dtype}, expected {members[0].dtype} like out[0]"
+                )
+        outputs = _named("out", members)
+    else:
+        raise TypeError(
+            "out must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
+            f"got {type(out).__name__}"
+        )
+    _check_no_overlap(outputs, [("dy", dy_TN), ("x", x_TK)])
+    result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
+    return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result)
+
+
+# --- pieces -----------------------------------------------------------------
+
+
+def _tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _input_matrix(name: str, value: object) -> Tensor:
+    t = _tensor(name, value)
+    if t.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {_DTYPE_CHOICES}")
+    if t.dim() != 2:
+        dims = "(T, K)" if name == "x" else "(T, N)"
+        raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
+    _check_row_major(name, t)
+    return t
+
+
+def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tuple[int, int, int]]:
+    """Check ``weights`` against the row operand ``a``; return op form and ``(E, N, K)``."""
+    expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
+    if isinstance(weights, Tensor):
+        if weights.dim() != 3:
+            raise ValueError(
+                f"weights must be {expected}, got a tensor of shape {tuple(weights.shape)}"
+            )
+        members = [weights]
+        E, N, K = weights.shape
+        if E == 0:
+            raise ValueError("weights has shape (0, N, K), expected at least one expert")
+    elif isinstance(weights, Iterable) and not isinstance(weights, str | bytes):
+        members = list(weights)
+        if not members:
+            raise ValueError(f"weights holds no experts, expected {expected}")
+        for e, member in enumerate(members):
+            name = f"weights[{e}]"
+            w_NK = _tensor(name, member)
+            if w_NK.dim() != 2:
+                raise ValueError(f"{name} must be 2-D (N, K), got shape {tuple(w_NK.shape)}")
+            if e > 0 and w_NK.dtype != members[0].dtype:
+                raise TypeError(
+                    f"{name} has dtype {w_NK.dtype}, expected {members[0].dtype} like weights[0]"
+                )
+            if e > 0 and w_NK.shape != members[0].shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(w_NK.shape)}, "
+                    f"expected {tuple(members[0].shape)} like weights[0]"
+                )
+        E, (N, K) = len(members), members[0].shape
+    else:
+        raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
+    for name, w in _named("weights", members):
+        if w.dtype != a.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype}, expected {a.dtype} like {a_name}")
+        _check_device(name, w, a_name, a)
+        _check_row_major(name, w)
+    return _grouped.pack(weights if isinstance(weights, Tensor) else members), (E, N, K)
+
+
+def _wgrad_out_member(
+    name: str,
+    value: object,
+    shape: tuple[int, ...],
+    dims: str,
+    out_dtype: object,
+    dy: Tensor,
+) -> Tensor:
+    t = _tensor(name, value)
+    if t.dtype not in WGRAD_OUT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {_DTYPE_CHOICES}")
+    if out_dtype is not None and t.dtype != out_dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but out_dtype is {out_dtype}")
+    _check_device(name, t, "dy", dy)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {dims} = {shape}")
+    _check_row_major(name, t)
+    return t
+
+
+def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | None) -> Tensor:
+    """``splits`` as an integer tensor (CPU or ``rows_of``'s device), checked."""
+    rows = rows_of.shape[0]
+    if isinstance(splits, Tensor):
+        if splits.dtype not in _splits.SPLITS_DTYPES:
+            raise TypeError(f"splits has dtype {splits.dtype}, expected torch.int32 or torch.int64")
+        if splits.dim() != 1:
+            raise ValueError(f"splits must be 1-D (E,), got shape {tuple(splits.shape)}")
+        _check_length(splits.shape[0], experts)
+        if splits.device.type != "cpu" and splits.device != rows_of.device:
+            raise ValueError(
+                f"splits is on {splits.device}, expected cpu or {rows_of.device} like {rows_name}"
+            )
+        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
+            _splits.check_values(splits.tolist(), rows, rows_name)
+        return splits
+    if not isinstance(splits, Iterable) or isinstance(splits, str | bytes):
+        raise TypeError(
+            f"splits must be a sequence of ints or an integer tensor, got {type(splits).__name__}"
+        )
+    values = [_token_count(e, count) for e, count in enumerate(splits)]
+    _check_length(len(values), experts)
+    _splits.check_values(values, rows, rows_name)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _token_count(index: int, count: object) -> int:
+    if isinstance(count, bool):
+        raise TypeError(f"splits[{index}] must be an int, got bool")
+    try:
+        return operator.index(count)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"splits[{index}] must be an int, got {type(count).__name__}") from None
+
+
+def _check_length(length: int, experts: int | None) -> None:
+    if experts is not None and length != experts:
+        raise ValueError(f"splits has {length} entries but weights has {experts} experts")
+
+
+def _check_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device}, expected {ref.device} like {ref_name}")
+
+
+def _check_row_major(name: str, t: Tensor) -> None:
+    """Unit stride in the last dimension, rows at least a row apart (padding allowed)."""
+    inner_ok = t.shape[-1] <= 1 or t.stride(-1) == 1
+    rows_ok = t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]
+    if not (inner_ok and rows_ok):
+        raise ValueError(
+            f"{name} must be row-major (stride 1 in the last dimension), got shape "
+            f"{tuple(t.shape)} with strides {t.stride()}; call .contiguous()"
+        )
+
+
+def _named(prefix: str, members: list[Tensor]) -> list[tuple[str, Tensor]]:
+    if len(members) == 1 and members[0].dim() == 3:
+        return [(prefix, members[0])]
+    return [(f"{prefix}[{i}]", t) for i, t in enumerate(members)]
+
+
+def _span(t: Tensor) -> tuple[int, int] | None:
+    """Byte range ``[start, end)`` that ``t`` can touch, or ``None`` when empty."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _check_no_overlap(outputs: list[tuple[str, Tensor]], inputs: list[tuple[str, Tensor]]) -> None:
+    """Raise if an output's memory range meets another output's or an input's.
+
+    Compares address ranges, so two outputs that interleave (for example two
+    column slices of one matrix) count as overlapping. One sweep over the
+    ranges sorted by start: O((outputs + inputs) log(...)).
+    """
+    if torch.compiler.is_compiling() or outputs[0][1].device.type == "meta":
+        return
+    spans = []
+    for is_output, named in ((True, outputs), (False, inputs)):
+        for name, t in named:
+            span = _span(t)
+            if span is not None:
+                spans.append((span[0], span[1], is_output, name))
+    spans.sort(key=lambda span: span[0])
+    reach_any: tuple[int, str] | None = None  # furthest end so far, and whose
+    reach_out: tuple[int, str] | None = None  # the same among outputs
+    for start, end, is_output, name in spans:
+        earlier = reach_any if is_output else reach_out
+        if earlier is not None and start < earlier[0]:
+            first, second = (name, earlier[1]) if is_output else (earlier[1], name)
+            raise ValueError(
+                f"{first} overlaps {second} in memory; "
+                "outputs must not overlap each other or the inputs"
+            )
+        if reach_any is None or end > reach_any[0]:
+            reach_any = (end, name)
+        if is_output and (reach_out is None or end > reach_out[0]):
+            reach_out = (end, name)

@@ -236,14 +236,12 @@ def plan_weight_grads(
     ``backward_dw()`` when deferred): ``overwrite_main_grad`` is read now and
     ``get_main_grad()`` is called now, once per parameter.
 
-    ==============  ================================  ==============  ==========
-    route           buffers                           dtype           accumulate
-    ==============  ================================  ==============  ==========
-    ``AUTOGRAD``    fresh, packed, per-member views   parameter's     ``False``
-    ``MAIN_GRAD``   each parameter's ``main_grad``    ``main_grad``'s not
-                                                                      overwrite
-    ``DISTRIBUTED`` :func:`weight_grad_buffers`       see there       ``False``
-    ==============  ================================  ==============  ==========
+    * ``AUTOGRAD``: fresh buffers (one packed allocation, per-member views) in
+      the parameter's dtype; ``accumulate=False``.
+    * ``MAIN_GRAD``: each parameter's ``main_grad`` in its dtype;
+      ``accumulate`` unless ``overwrite_main_grad``.
+    * ``DISTRIBUTED``: :func:`weight_grad_buffers` (fp32 when the leader's
+      ``main_grad`` is fp32); ``accumulate=False``.
 
     Args:
         weights: The group's parameters, leader first (the module's own

@@ -120,7 +120,7 @@ def make_fake_group(
     Args:
         tensors: The members' initial values.
         leader_only: When ``True`` only the leader implements the protocol and
-            the followers are plain ``torch.nn.Parameter``s.
+            the followers are plain ``torch.nn.Parameter`` objects.
         main_grad_dtype: When given, every member gets a zeroed ``main_grad``
             of this dtype.
 

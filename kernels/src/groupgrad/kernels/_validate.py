@@ -258,9 +258,8 @@ def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | 
             raise ValueError(f"splits must be 1-D (E,), got shape {tuple(splits.shape)}")
         _check_length(splits.shape[0], experts)
         if splits.device.type != "cpu" and splits.device != rows_of.device:
-            raise ValueError(
-                f"splits is on {splits.device}, expected cpu or {rows_of.device} like {rows_name}"
-            )
+            where = "cpu" if rows_of.device.type == "cpu" else f"cpu or {rows_of.device}"
+            raise ValueError(f"splits is on {splits.device}, expected {where} like {rows_name}")
         if splits.device.type == "cpu" and not torch.compiler.is_compiling():
             _splits.check_values(splits.tolist(), rows, rows_name)
         return splits

@@ -32,6 +32,7 @@ from groupgrad.protocol._plan import (
     accumulate_grads_like_autograd,
     defer_weight_grads,
     plan_weight_grads,
+    run_post_accumulate_grad_hooks,
     wgrad_route,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "materialize_weight_for_backward",
     "materialize_weight_for_forward",
     "plan_weight_grads",
+    "run_post_accumulate_grad_hooks",
     "weight_grad_buffers",
     "weight_grad_dtype",
     "wgrad_route",

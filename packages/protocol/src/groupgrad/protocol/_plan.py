@@ -43,6 +43,7 @@ __all__ = [
     "accumulate_grads_like_autograd",
     "defer_weight_grads",
     "plan_weight_grads",
+    "run_post_accumulate_grad_hooks",
     "wgrad_route",
 ]
 
@@ -138,8 +139,11 @@ class WeightGradPlan:
             * ``AUTOGRAD``: the buffers themselves.
             * ``MAIN_GRAD``: sets ``grad_added_to_main_grad = True`` where that
               attribute exists and gives a zero dummy there, ``None``
-              elsewhere; ``None`` everywhere when deferred (handed out
-              already).
+              elsewhere. When deferred: ``None`` everywhere (the dummies were
+              handed out at backward, and autograd ran those parameters'
+              post-accumulate-grad hooks then); the hooks of parameters that
+              received ``None`` at backward run now, once ``main_grad`` holds
+              their gradient.
             * ``DISTRIBUTED``: the result of ``finalize_weight_grads``.
 
         Raises:
@@ -155,6 +159,9 @@ class WeightGradPlan:
         if self.route is WgradRoute.DISTRIBUTED:
             return finalize_weight_grads(self.weights, self.buffers)
         if self.deferred:
+            for param in self.weights:
+                if not takes_grad_added_flag(param):
+                    run_post_accumulate_grad_hooks(param)
             return [None] * len(self.weights)
         return _hand_over_main_grad(self.weights)
 
@@ -325,6 +332,11 @@ def accumulate_grads_like_autograd(
                 param.grad = grad.detach().to(param.dtype).reshape(param.shape)
             else:
                 param.grad.add_(grad.reshape(param.shape))
-            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-            for hook in (hooks or {}).values():
-                hook(param)
+            run_post_accumulate_grad_hooks(param)
+
+
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Run the hooks ``param.register_post_accumulate_grad_hook`` registered, in order."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(param)

@@ -32,7 +32,8 @@ class FakeDistributedWeight(torch.nn.Parameter):
             (zeros shaped like each member), ``"grads"`` (the gradients
             themselves, cast to each member's dtype) or ``"none"``.
         add_to_main_grad: When ``True``, ``finalize_group_grads`` adds each
-            gradient into the member's ``main_grad`` (if it has one) and sets
+            gradient into the member's ``main_grad`` (if it has one; it copies
+            instead where ``overwrite_main_grad`` is set) and sets
             ``grad_added_to_main_grad`` there, as a reducing implementer would.
         provides_grad_buffer: Whether :meth:`grad_buffer` hands out a buffer
             typed like ``main_grad``; ``False`` makes it return ``None`` (the
@@ -94,9 +95,13 @@ class FakeDistributedWeight(torch.nn.Parameter):
         if self.add_to_main_grad:
             for member, grad in zip(self.group, grads, strict=True):
                 main_grad = getattr(member, "main_grad", None)
-                if main_grad is not None:
+                if main_grad is None:
+                    continue
+                if getattr(member, "overwrite_main_grad", False):
+                    main_grad.copy_(grad)
+                else:
                     main_grad.add_(grad.to(main_grad.dtype))
-                    member.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+                member.grad_added_to_main_grad = True  # type: ignore[attr-defined]
         if self.finalize_returns == "none":
             return None
         answers: list[torch.Tensor | None]

@@ -1,0 +1,122 @@
+"""The ``groupgrad::`` custom ops: ``torch.library.opcheck`` and ``torch.compile``.
+
+On the CPU the ops run the reference, so their registration (schema, fake
+kernels, declared mutation, functionalization) is testable without a GPU.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import (
+    _ops,
+    grouped_dgrad,
+    grouped_dgrad_ref,
+    grouped_fprop,
+    grouped_fprop_ref,
+    grouped_wgrad,
+    grouped_wgrad_ref,
+)
+
+E, N, K = 4, 16, 24
+SPLITS = [5, 0, 11, 3]
+T = sum(SPLITS)
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def splits_tensor(dtype: torch.dtype = torch.int64) -> Tensor:
+    return torch.tensor(SPLITS, dtype=dtype)
+
+
+@pytest.mark.parametrize("weights_form", ["packed", "list"])
+@pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
+def test_opcheck_fprop_and_dgrad(weights_form, splits_dtype):
+    w_ENK = rand(E, N, K, seed=1)
+    weights = [w_ENK] if weights_form == "packed" else list(rand(E, N, K, seed=2).unbind(0))
+    splits = splits_tensor(splits_dtype)
+    torch.library.opcheck(
+        _ops.grouped_fprop_op,
+        (rand(T, K), weights, splits, torch.empty(T, N, dtype=torch.bfloat16)),
+    )
+    torch.library.opcheck(
+        _ops.grouped_dgrad_op,
+        (rand(T, N), weights, splits, torch.empty(T, K, dtype=torch.bfloat16)),
+    )
+
+
+@pytest.mark.parametrize("out_form", ["packed", "list"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_opcheck_wgrad(out_form, accumulate):
+    out = [rand(E, N, K, dtype=torch.float32)]
+    if out_form == "list":
+        out = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
+    args = (rand(T, N, seed=3), rand(T, K, seed=4), splits_tensor(), out, accumulate)
+    torch.library.opcheck(_ops.grouped_wgrad_op, args)
+
+
+def test_ops_are_registered_for_cuda_without_touching_cuda():
+    for name in ("grouped_fprop", "grouped_dgrad", "grouped_wgrad"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"groupgrad::{name}", "CUDA")
+    assert not torch.cuda.is_initialized()
+
+
+# --- torch.compile(fullgraph=True) ------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn):
+    """The default backend (inductor): functionalizes the op's mutation, then re-inplaces it."""
+    return torch.compile(fn, fullgraph=True)
+
+
+@pytest.mark.parametrize("splits_form", ["list", "tensor"])
+def test_compile_fprop_and_dgrad(splits_form):
+    splits = SPLITS if splits_form == "list" else splits_tensor(torch.int32)
+    x, dy, w_ENK = rand(T, K, seed=5), rand(T, N, seed=6), rand(E, N, K, seed=7)
+    w_list = list(rand(E, N, K, seed=8).unbind(0))
+
+    def step(x, dy, w_ENK, w_list, out_TN):
+        y = grouped_fprop(x, w_ENK, splits, out=out_TN)
+        return y * 2, grouped_dgrad(dy, w_list, splits)
+
+    out_TN = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+    y2, dx = compiled(step)(x, dy, w_ENK, w_list, out_TN)
+    expected_y = grouped_fprop_ref(x, w_ENK, SPLITS)
+    assert torch.equal(out_TN, expected_y)  # the mutation reached the caller's out
+    assert torch.equal(y2, expected_y * 2)
+    assert torch.equal(dx, grouped_dgrad_ref(dy, w_list, SPLITS))
+
+
+@pytest.mark.parametrize("out_form", ["list", "views", "tensor"])
+def test_compile_wgrad_into_main_grads(out_form):
+    dy, x = rand(T, N, seed=9), rand(T, K, seed=10)
+    main_ENK = rand(E, N, K, dtype=torch.float32, seed=11)
+    expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=True)
+    out: Tensor | list[Tensor] = main_ENK
+    if out_form == "list":
+        out = [t.clone() for t in main_ENK.unbind(0)]
+    elif out_form == "views":
+        out = list(main_ENK.unbind(0))
+
+    def step(dy, x, out):
+        fresh = grouped_wgrad(dy, x, SPLITS, out_dtype=torch.float32)
+        return grouped_wgrad(dy, x, SPLITS, out=out, accumulate=True), fresh
+
+    result, fresh = compiled(step)(dy, x, out)
+    assert result is out
+    got = out if isinstance(out, Tensor) else torch.stack(out)
+    assert torch.equal(got, expected)
+    assert torch.equal(fresh, grouped_wgrad_ref(dy, x, SPLITS, out_dtype=torch.float32))

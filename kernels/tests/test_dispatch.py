@@ -1,0 +1,260 @@
+"""Routing of the CUDA kernels (``_dispatch``) between CUTLASS and the reference.
+
+The CUDA kernels are plain functions, so they run here on CPU tensors with a
+fake ``groupgrad.kernels._cutlass`` that records its calls and computes with
+the reference. This checks the internal contract (arguments, splits
+conversion, per-expert views), every fallback reason, and that a fallback is
+logged once and never printed.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import _dispatch, grouped_dgrad_ref, grouped_fprop_ref, grouped_wgrad_ref
+from groupgrad.kernels._grouped import per_expert
+
+E, N, K = 4, 16, 24
+SPLITS = [5, 0, 11, 3]
+T = sum(SPLITS)
+
+
+class FakeCutlass(types.ModuleType):
+    """Stands in for ``groupgrad.kernels._cutlass``: records calls, computes with the reference."""
+
+    def __init__(self) -> None:
+        super().__init__(_dispatch.CUTLASS_MODULE)
+        self.reason: str | None = None
+        self.asked: list[tuple[Any, ...]] = []
+        self.calls: list[tuple[Any, ...]] = []
+
+    def unsupported_reason(self, op, a, b, out):
+        self.asked.append((op, a, b, out))
+        return self.reason
+
+    def fprop(self, x, w, splits, out):
+        self.calls.append(("fprop", x, w, splits, out))
+        grouped_fprop_ref(x, w, splits.tolist(), out=out)
+
+    def dgrad(self, dy, w, splits, out):
+        self.calls.append(("dgrad", dy, w, splits, out))
+        grouped_dgrad_ref(dy, w, splits.tolist(), out=out)
+
+    def wgrad(self, dy, x, splits, out, accumulate):
+        self.calls.append(("wgrad", dy, x, splits, out, accumulate))
+        grouped_wgrad_ref(dy, x, splits.tolist(), out=out, accumulate=accumulate)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fresh fake backend in ``sys.modules``, with an empty import cache and log-once set."""
+    backend = FakeCutlass()
+    monkeypatch.setitem(sys.modules, _dispatch.CUTLASS_MODULE, backend)
+    monkeypatch.setattr(_dispatch, "_reasons_said", set())
+    _dispatch.load_cutlass.cache_clear()
+    yield backend
+    _dispatch.load_cutlass.cache_clear()
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def nans(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def misaligned(t: Tensor) -> Tensor:
+    """A copy of ``t`` whose data starts 2 bytes past a 16-byte boundary."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+# --- CUTLASS runs the call: the internal contract ---------------------------------
+
+
+@pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
+def test_fprop_hands_cutlass_per_expert_views_and_int64_splits(fake, splits_dtype):
+    x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
+    splits = torch.tensor(SPLITS, dtype=splits_dtype)
+    _dispatch.fprop_on_device(x, [w_ENK], splits, y)
+    [(op, a, w_list, got_splits, out)] = fake.calls
+    assert op == "fprop"
+    assert a is x
+    assert out is y
+    assert isinstance(w_list, list)
+    assert [w.data_ptr() for w in w_list] == [w.data_ptr() for w in w_ENK.unbind(0)]
+    assert got_splits.dtype == torch.int64
+    assert got_splits.tolist() == SPLITS
+    assert fake.asked[0][0] == "fprop"
+    assert fake.asked[0][1] is x
+    assert fake.asked[0][3] is y
+    assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))
+
+
+def test_dgrad_hands_cutlass_the_callers_weights(fake):
+    dy, dx = rand(T, N), nans(T, K)
+    w_list = [rand(N, K, seed=e) for e in range(E)]
+    _dispatch.dgrad_on_device(dy, w_list, torch.tensor(SPLITS), dx)
+    [(op, a, got_w, _, out)] = fake.calls
+    assert op == "dgrad"
+    assert a is dy
+    assert out is dx
+    assert all(g is w for g, w in zip(got_w, w_list, strict=True))
+    assert torch.equal(dx, grouped_dgrad_ref(dy, w_list, SPLITS))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("out_form", ["packed", "list"])
+def test_wgrad_hands_cutlass_a_list_of_outputs(fake, accumulate, out_form):
+    dy, x = rand(T, N), rand(T, K, seed=1)
+    main_ENK = rand(E, N, K, dtype=torch.float32, seed=2)
+    out = [main_ENK] if out_form == "packed" else [t.clone() for t in main_ENK.unbind(0)]
+    expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=accumulate)
+    _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, accumulate)
+    [(op, a, b, _, dw_list, got_accumulate)] = fake.calls
+    assert (op, got_accumulate) == ("wgrad", accumulate)
+    assert a is dy
+    assert b is x
+    assert isinstance(dw_list, list)
+    assert len(dw_list) == E
+    if out_form == "list":
+        assert all(g is o for g, o in zip(dw_list, out, strict=True))
+    assert torch.equal(torch.stack(dw_list), expected)
+    assert fake.asked == [("wgrad", dy, x, dw_list)]
+
+
+# --- the reference runs instead ----------------------------------------------------
+
+
+def test_unsupported_reason_falls_back_and_is_logged_once(fake, caplog, capsys):
+    fake.reason = "no kernel for this shape"
+    x, w_ENK = rand(T, K), rand(E, N, K, seed=1)
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
+        for _ in range(3):
+            y = nans(T, N)
+            _dispatch.fprop_on_device(x, [w_ENK], torch.tensor(SPLITS), y)
+            assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))
+    assert fake.calls == []
+    assert len(fake.asked) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["grouped_fprop runs on the reference path: no kernel for this shape"]
+    assert capsys.readouterr() == ("", "")
+
+
+def test_missing_backend_falls_back_and_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, _dispatch.CUTLASS_MODULE, None)  # import fails
+    monkeypatch.setattr(_dispatch, "_reasons_said", set())
+    _dispatch.load_cutlass.cache_clear()
+    try:
+        dy, x, out = rand(T, N), rand(T, K, seed=1), [nans(N, K) for _ in range(E)]
+        with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
+            _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
+            _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
+    finally:
+        _dispatch.load_cutlass.cache_clear()
+    assert torch.equal(torch.stack(out), grouped_wgrad_ref(dy, x, SPLITS))
+    [record] = caplog.records
+    assert "grouped_wgrad runs on the reference path: the CUTLASS backend cannot be imported" in (
+        record.getMessage()
+    )
+
+
+def fprop_case(change: str) -> tuple[Tensor, list[Tensor], Tensor]:
+    x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
+    if change == "fp32":
+        return x.float(), [w_ENK.float()], y.float()
+    if change == "K=20":
+        return rand(T, 20), [rand(E, N, 20)], y
+    if change == "N=12":
+        return x, [rand(E, 12, K)], nans(T, 12)
+    if change == "x-misaligned":
+        return misaligned(x), [w_ENK], y
+    if change == "weights-misaligned":
+        return x, [w_ENK[0], misaligned(w_ENK[1]), w_ENK[2], w_ENK[3]], y
+    if change == "out-padded":
+        return x, [w_ENK], nans(T, N + 8)[:, :N]
+    raise AssertionError(change)
+
+
+LAYOUT_REASONS = {
+    "fp32": "torch.float32 inputs (CUTLASS takes torch.bfloat16 and torch.float16)",
+    "K=20": "K = 20 is not a multiple of 8",
+    "N=12": "N = 12 is not a multiple of 8",
+    "x-misaligned": "x is not 16-byte aligned",
+    "weights-misaligned": "weights[1] is not 16-byte aligned",
+    "out-padded": "out is not contiguous",
+}
+
+
+@pytest.mark.parametrize("change", list(LAYOUT_REASONS))
+def test_layout_cutlass_cannot_take_falls_back_without_asking_it(fake, caplog, change):
+    x, weights, y = fprop_case(change)
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
+        _dispatch.fprop_on_device(x, weights, torch.tensor(SPLITS), y)
+    assert fake.calls == []
+    assert fake.asked == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"grouped_fprop runs on the reference path: {LAYOUT_REASONS[change]}"
+    ]
+    assert torch.equal(y, grouped_fprop_ref(x, per_expert(weights), SPLITS))
+
+
+def test_wgrad_layout_checks_every_output(fake):
+    dy, x = rand(T, N), rand(T, K, seed=1)
+    out = [nans(N, K, dtype=torch.float32) for _ in range(E)]
+    assert _dispatch.layout_reason("wgrad", dy, x, out) is None
+    assert _dispatch.layout_reason("wgrad", dy, x, [*out[:3], misaligned(out[3])]) == (
+        "out[3] is not 16-byte aligned"
+    )
+    narrow = [nans(N, 20, dtype=torch.float32) for _ in range(E)]
+    assert _dispatch.layout_reason("wgrad", dy, rand(T, 20), narrow) == (
+        "K = 20 is not a multiple of 8"
+    )
+    out[2] = nans(N, K + 8, dtype=torch.float32)[:, :K]
+    assert _dispatch.layout_reason("wgrad", dy, x, out) == "out[2] is not contiguous"
+    assert _dispatch.layout_reason("dgrad", dy, [rand(E, N, K)], nans(T, K)) is None
+
+
+def test_no_tokens_runs_nothing(fake):
+    dy, x = rand(0, N), rand(0, K)
+    out = [nans(N, K, dtype=torch.float32) for _ in range(E)]
+    kept = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
+    before = [t.clone() for t in kept]
+    zeros = torch.zeros(E, dtype=torch.int64)
+    _dispatch.wgrad_on_device(dy, x, zeros, out, False)
+    _dispatch.wgrad_on_device(dy, x, zeros, kept, True)
+    _dispatch.fprop_on_device(x, [rand(E, N, K)], zeros, nans(0, N))
+    assert fake.calls == []
+    assert fake.asked == []
+    assert all(torch.equal(t, torch.zeros(N, K)) for t in out)
+    assert all(torch.equal(a, b) for a, b in zip(kept, before, strict=True))
+
+
+def test_reference_fallback_checks_splits_values(fake):
+    fake.reason = "not today"
+    x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
+    with pytest.raises(ValueError, match=r"splits\[1\] is -1"):
+        _dispatch.fprop_on_device(x, [w_ENK], torch.tensor([5, -1, 12, 3]), y)
+    assert y.isnan().all()
+
+
+def test_splits_on_device_keeps_values_and_makes_int64():
+    from groupgrad.kernels import _splits
+
+    for dtype in (torch.int32, torch.int64):
+        moved = _splits.on_device(torch.tensor(SPLITS, dtype=dtype), torch.device("cpu"))
+        assert moved.dtype == torch.int64
+        assert moved.tolist() == SPLITS

@@ -267,7 +267,14 @@ def test_deferred_main_grad_hands_over_at_backward_and_writes_later() -> None:
     assert all(isinstance(d, torch.Tensor) and not d.any() for d in now)
     plan = _plan(params, deferred=True)
     assert plan.accumulate is True
-    assert plan.finish() == [None, None, None]
+    fired: list[int] = []
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(lambda p, i=index: fired.append(i))
+    grads = plan.finish()
+    assert grads == [None, None, None]
+    accumulate_grads_like_autograd(params, grads)
+    assert fired == [0, 1, 2]
+    assert all(p.grad is None for p in params)
 
 
 def test_deferred_autograd_route_accumulates_into_grad_and_fires_hooks() -> None:

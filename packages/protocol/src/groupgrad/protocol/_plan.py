@@ -139,11 +139,8 @@ class WeightGradPlan:
             * ``AUTOGRAD``: the buffers themselves.
             * ``MAIN_GRAD``: sets ``grad_added_to_main_grad = True`` where that
               attribute exists and gives a zero dummy there, ``None``
-              elsewhere. When deferred: ``None`` everywhere (the dummies were
-              handed out at backward, and autograd ran those parameters'
-              post-accumulate-grad hooks then); the hooks of parameters that
-              received ``None`` at backward run now, once ``main_grad`` holds
-              their gradient.
+              elsewhere; ``None`` everywhere when deferred (the flag and
+              dummies were handed out at backward).
             * ``DISTRIBUTED``: the result of ``finalize_weight_grads``.
 
         Raises:
@@ -159,9 +156,6 @@ class WeightGradPlan:
         if self.route is WgradRoute.DISTRIBUTED:
             return finalize_weight_grads(self.weights, self.buffers)
         if self.deferred:
-            for param in self.weights:
-                if not takes_grad_added_flag(param):
-                    run_post_accumulate_grad_hooks(param)
             return [None] * len(self.weights)
         return _hand_over_main_grad(self.weights)
 
@@ -308,11 +302,12 @@ def accumulate_grads_like_autograd(
 ) -> None:
     """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
 
-    For each parameter that requires grad and has a non-``None`` gradient:
-    ``.grad`` takes the gradient itself (detached, no copy, cast to the
-    parameter's dtype) when it is ``None``, else the gradient is added in
-    place; then the parameter's post-accumulate grad hooks run, as they would
-    after autograd's accumulation.
+    For each parameter that requires grad: a non-``None`` gradient goes into
+    ``.grad`` (the gradient itself, detached, no copy, cast to the parameter's
+    dtype, when ``.grad`` is ``None``; else added in place); then the
+    parameter's post-accumulate-grad hooks run, as autograd runs them (it does
+    so for a ``None`` gradient too). Call it with all-``None`` gradients to run
+    the hooks once a deferred GEMM has written ``main_grad``.
 
     Args:
         weights: The group's parameters.
@@ -326,11 +321,11 @@ def accumulate_grads_like_autograd(
         raise ValueError(f"grads has {len(grads)} entries but the group has {len(members)} weights")
     with torch.no_grad():
         for param, grad in zip(members, grads, strict=True):
-            if grad is None or not param.requires_grad:
+            if not param.requires_grad:
                 continue
-            if param.grad is None:
+            if grad is not None and param.grad is None:
                 param.grad = grad.detach().to(param.dtype).reshape(param.shape)
-            else:
+            elif grad is not None:
                 param.grad.add_(grad.reshape(param.shape))
             run_post_accumulate_grad_hooks(param)
 

@@ -1,0 +1,16 @@
+"""groupgrad.modules: grouped-linear layers for Mixture-of-Experts, with the main_grad contract.
+
+* :func:`grouped_linear` — the functional op (one autograd Function).
+* :class:`GroupedLinear` — ``E`` experts' ``nn.Linear`` as grouped GEMMs, with
+  per-expert or packed parameters, ``main_grad`` writing, delayed wgrad and
+  ``DistributedWeight`` support.
+
+Weight gradients go where :mod:`groupgrad.protocol` says: into ``main_grad``
+through the GEMM's epilogue (accumulate or overwrite), into a distributed
+implementer's buffers, or back to autograd.
+"""
+
+from groupgrad.modules._linear import GroupedLinear
+from groupgrad.modules._linear_fn import grouped_linear
+
+__all__ = ["GroupedLinear", "grouped_linear"]

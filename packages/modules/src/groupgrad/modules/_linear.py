@@ -1,0 +1,173 @@
+"""``GroupedLinear``: one ``nn.Linear`` per expert, run as grouped GEMMs.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from groupgrad.modules._group import WeightGroupSpec, WgradQueue
+from groupgrad.modules._linear_fn import GroupedLinearFunction
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(nn.Module):
+    """``E`` linear layers applied to consecutive row groups of one input.
+
+    Expert ``e`` computes ``y_e = x_e @ w_e.T + b_e`` on its ``splits[e]``
+    rows. Parameters are ``weight0 … weight{E-1}`` (``(N, K)`` each) and
+    ``bias0 …`` (``(N,)``), or with ``single_grouped_weight=True`` one
+    ``weight`` ``(E, N, K)`` and ``bias`` ``(E, N)``. They are looked up by name
+    at every forward, so a framework may replace them after construction
+    (e.g. ``weight0`` with a ``DistributedWeight`` leader).
+
+    Initialization follows ``nn.Linear`` for each expert: weights and biases
+    uniform in ``[-1/sqrt(K), 1/sqrt(K)]`` (Kaiming-uniform with ``a=sqrt(5)``).
+
+    Args:
+        num_groups: ``E``, the number of experts.
+        in_features: ``K``.
+        out_features: ``N``.
+        bias: Whether each expert has a bias.
+        dtype: Parameter dtype (default: PyTorch's default dtype).
+        device: Parameter device.
+        single_grouped_weight: Hold all experts in one packed parameter.
+        accumulate_into_main_grad: Write the weight gradient into each weight
+            parameter's ``main_grad`` (fp32 in mixed-precision training) through
+            the GEMM's epilogue: adding, or overwriting where the parameter's
+            ``overwrite_main_grad`` is set when the GEMM runs. Autograd then
+            receives a zero dummy (``grad_added_to_main_grad``) or ``None``.
+        delay_wgrad_compute: Backward computes only the input (and bias)
+            gradients; the weight-gradient GEMMs run at :meth:`backward_dw`.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        single_grouped_weight: bool = False,
+        accumulate_into_main_grad: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_groups", num_groups),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}, expected a positive int")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bias
+        self.single_grouped_weight = single_grouped_weight
+        self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wgrad_queue = WgradQueue()
+
+        factory = {"dtype": dtype, "device": device}
+        if single_grouped_weight:
+            self.weight = nn.Parameter(
+                torch.empty(num_groups, out_features, in_features, **factory)
+            )
+            if bias:
+                self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory))
+        else:
+            for e in range(num_groups):
+                self.register_parameter(
+                    f"weight{e}", nn.Parameter(torch.empty(out_features, in_features, **factory))
+                )
+                if bias:
+                    self.register_parameter(
+                        f"bias{e}", nn.Parameter(torch.empty(out_features, **factory))
+                    )
+        self.reset_parameters()
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """Names of the weight parameters, leader first."""
+        if self.single_grouped_weight:
+            return ("weight",)
+        return tuple(f"weight{e}" for e in range(self.num_groups))
+
+    @property
+    def bias_names(self) -> tuple[str, ...]:
+        """Names of the bias parameters (empty without bias)."""
+        if not self.use_bias:
+            return ()
+        if self.single_grouped_weight:
+            return ("bias",)
+        return tuple(f"bias{e}" for e in range(self.num_groups))
+
+    def reset_parameters(self) -> None:
+        """Re-initialize every expert like ``nn.Linear``."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for name in (*self.weight_names, *self.bias_names):
+                getattr(self, name).uniform_(-bound, bound)
+
+    def group_spec(self) -> WeightGroupSpec:
+        """The weight layout the grouped GEMMs see."""
+        return WeightGroupSpec(
+            self.weight_names, self.single_grouped_weight, self.accumulate_into_main_grad
+        )
+
+    def forward(self, x: Tensor, splits: Sequence[int] | Tensor) -> Tensor:
+        """Apply every expert to its rows.
+
+        Args:
+            x: ``(T, K)`` input, rows grouped by expert in order.
+            splits: ``E`` token counts summing to ``T`` (sequence, CPU tensor,
+                or device tensor; the GPU path never reads a device tensor on
+                the host).
+
+        Returns:
+            ``(T, N)`` output in ``x``'s dtype.
+        """
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"x has shape {shape}, expected (tokens, {self.in_features}) for in_features="
+                f"{self.in_features}"
+            )
+        params = [getattr(self, name) for name in (*self.weight_names, *self.bias_names)]
+        queue = self._wgrad_queue if self.delay_wgrad_compute else None
+        return GroupedLinearFunction.apply(
+            x, splits, self.group_spec(), queue, len(self.bias_names), *params
+        )
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs one backward deferred (oldest first).
+
+        Only with ``delay_wgrad_compute=True``; a no-op otherwise. With
+        ``main_grad`` the GEMM writes it now (the flag and dummy went to
+        autograd at backward); without, the gradient is added into ``.grad``
+        as autograd would have; a distributed group is finalized now, right
+        after its gradient exists.
+
+        Raises:
+            RuntimeError: No backward has queued a weight gradient.
+        """
+        if self.delay_wgrad_compute:
+            self._wgrad_queue.pop_and_run(type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}, "
+            f"single_grouped_weight={self.single_grouped_weight}, "
+            f"accumulate_into_main_grad={self.accumulate_into_main_grad}, "
+            f"delay_wgrad_compute={self.delay_wgrad_compute}"
+        )

@@ -1,0 +1,203 @@
+"""The grouped-linear op: one autograd Function, one backward.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features;
+``x_TK`` input, ``y_TN`` output, ``splits_E`` tokens per expert, ``b_EN`` bias.
+
+Forward materializes the weights (a ``DistributedWeight`` leader gathers the
+group), runs the grouped fprop GEMM and never saves the materialized weights.
+Backward re-materializes them for dgrad and runs the wgrad step of
+:mod:`groupgrad.modules._group`, which resolves every ``main_grad`` /
+distributed / deferred variant into a plan before its GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import grouped_dgrad, grouped_fprop
+from groupgrad.modules._group import (
+    DeferredWgrad,
+    WeightGroupSpec,
+    WgradQueue,
+    expert_index,
+    wgrad_step,
+)
+from groupgrad.protocol import (
+    is_distributed_weight,
+    materialize_weight_for_backward,
+    materialize_weight_for_forward,
+)
+
+__all__ = ["GroupedLinearFunction", "add_bias", "bias_grad", "grouped_linear"]
+
+Splits = Sequence[int] | Tensor
+
+
+def add_bias(y_TN: Tensor, b_EN: Tensor, expert_T: Tensor) -> None:
+    """Add each row's expert bias to ``y_TN`` in place."""
+    y_TN.add_(b_EN.index_select(0, expert_T).to(y_TN.dtype))
+
+
+def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
+    """``(E, N)`` bias gradient: the fp32 sum of each expert's rows of ``dy``, cast to ``dtype``."""
+    db_EN = torch.zeros(num_groups, dy_TN.shape[1], dtype=torch.float32, device=dy_TN.device)
+    db_EN.index_add_(0, expert_T, dy_TN.float())
+    return db_EN.to(dtype)
+
+
+def _stack_bias(biases: Sequence[Tensor], packed: bool) -> Tensor:
+    return biases[0] if packed else torch.stack(list(biases))
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """``y_e = x_e @ w_e.T (+ b_e)`` for every expert, with the ``main_grad`` contract in backward.
+
+    ``apply(x_TK, splits, spec, queue, num_biases, *weights, *biases)``: the
+    weights (and biases) are the layer's own parameters, leader first; they
+    are kept on the autograd context directly (not through
+    ``save_for_backward``), so ``saved_tensors_hooks`` cannot strip a
+    ``DistributedWeight`` subclass.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x_TK: Tensor,
+        splits: Splits,
+        spec: WeightGroupSpec,
+        queue: WgradQueue | None,
+        num_biases: int,
+        *params: Tensor,
+    ) -> Tensor:
+        weights = params[: len(params) - num_biases]
+        biases = params[len(params) - num_biases :]
+        materialized = materialize_weight_for_forward(list(weights))
+        y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
+        num_groups = spec.num_groups(materialized)
+        expert_T = None
+        if biases:
+            expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
+            add_bias(y_TN, _stack_bias(biases, spec.packed), expert_T)
+        ctx.wgrad_shape = tuple(materialized[0].shape)
+        ctx.num_groups = num_groups
+        del materialized  # never saved: backward materializes again
+
+        ctx.save_for_backward(x_TK, expert_T)
+        ctx.splits = splits
+        ctx.spec = spec
+        ctx.queue = queue
+        ctx.weights = weights
+        ctx.biases = biases
+        return y_TN
+
+    @staticmethod
+    def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x_TK, expert_T = ctx.saved_tensors
+        spec: WeightGroupSpec = ctx.spec
+        weights: tuple[Tensor, ...] = ctx.weights
+        biases: tuple[Tensor, ...] = ctx.biases
+        dy_TN = dy_TN.contiguous()
+
+        dx_TK = None
+        if ctx.needs_input_grad[0]:
+            materialized = materialize_weight_for_backward(list(weights))
+            dx_TK = grouped_dgrad(dy_TN, spec.gemm_weights(materialized), ctx.splits)
+            del materialized
+
+        deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
+        wgrads = wgrad_step(spec, ctx.wgrad_shape, weights, dy_TN, x_TK, ctx.splits, deferred)
+        if deferred is not None:
+            ctx.queue.push(deferred)
+
+        bgrads: list[Tensor | None] = [None] * len(biases)
+        if biases and any(b.requires_grad for b in biases):
+            db_EN = bias_grad(dy_TN, expert_T, ctx.num_groups, biases[0].dtype)
+            bgrads = [db_EN] if spec.packed else list(db_EN.unbind(0))
+        return (dx_TK, None, None, None, None, *wgrads, *bgrads)
+
+
+def grouped_linear(
+    x: Tensor,
+    weights: Tensor | Sequence[Tensor],
+    splits: Splits,
+    bias: Tensor | Sequence[Tensor] | None = None,
+    *,
+    accumulate_into_main_grad: bool = False,
+) -> Tensor:
+    """Grouped linear layer: ``y_e = x_e @ w_e.T + b_e`` for every expert ``e``.
+
+    Rows of ``x`` are grouped by expert in order (``splits[e]`` rows for
+    expert ``e``). Differentiable in ``x``, the weights and the bias.
+
+    Args:
+        x: ``(T, K)`` input (bf16, fp16 or fp32).
+        weights: One packed ``(E, N, K)`` parameter, or a sequence of ``E``
+            ``(N, K)`` parameters (the ``nn.Linear`` layout), in ``x``'s dtype.
+            The first is the group's leader: a ``DistributedWeight`` leader
+            materializes the group for each GEMM and finalizes its gradients.
+        splits: ``E`` token counts summing to ``T``: a sequence of ints, a CPU
+            tensor, or a device tensor (never read on the host on the GPU path).
+        bias: ``None``, a packed ``(E, N)`` tensor (with a packed weight), or
+            ``E`` ``(N,)`` tensors.
+        accumulate_into_main_grad: Write each weight's gradient into its
+            ``main_grad`` (accumulating, or overwriting where
+            ``overwrite_main_grad`` is set) instead of returning it to
+            autograd. A distributed group ignores it: its implementer owns
+            ``main_grad``.
+
+    Returns:
+        ``(T, N)`` output in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``x`` is not 2-D, or the weights and bias disagree in
+            layout or number (the kernels check shapes, dtypes, devices and
+            ``splits``).
+        RuntimeError: ``main_grad`` is missing or malformed (at backward).
+    """
+    spec, params, num_biases = _group_arguments(x, weights, bias, accumulate_into_main_grad)
+    return GroupedLinearFunction.apply(x, splits, spec, None, num_biases, *params)
+
+
+def _group_arguments(
+    x: Tensor,
+    weights: Tensor | Sequence[Tensor],
+    bias: Tensor | Sequence[Tensor] | None,
+    wgrad_into_main_grad: bool,
+) -> tuple[WeightGroupSpec, list[Tensor], int]:
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x has shape {shape}, expected a 2-D (tokens, in_features) tensor")
+    if isinstance(weights, Tensor):
+        if weights.dim() != 3 and not is_distributed_weight(weights):
+            raise ValueError(
+                f"weights has shape {tuple(weights.shape)}, expected (E, N, K) or a sequence "
+                "of (N, K) tensors"
+            )
+        params = [weights]
+        names: tuple[str, ...] = ("weight",)
+    else:
+        params = list(weights)
+        if not params:
+            raise ValueError("weights is empty; expected E >= 1 expert weights")
+        for index, w in enumerate(params):
+            if not isinstance(w, Tensor):
+                raise TypeError(f"weights[{index}] is a {type(w).__name__}, expected a Tensor")
+        names = tuple(f"weight{i}" for i in range(len(params)))
+    spec = WeightGroupSpec(names, isinstance(weights, Tensor), wgrad_into_main_grad)
+    biases: list[Tensor] = []
+    if bias is not None:
+        if spec.packed != isinstance(bias, Tensor):
+            raise ValueError(
+                f"bias is a {type(bias).__name__}; expected a packed (E, N) tensor with a packed "
+                "(E, N, K) weight, or a sequence of E (N,) tensors with per-expert weights"
+            )
+        biases = [bias] if isinstance(bias, Tensor) else list(bias)
+        if not spec.packed and len(biases) != len(params):
+            raise ValueError(
+                f"bias has {len(biases)} entries, expected {len(params)} (one per expert weight)"
+            )
+    return spec, params + biases, len(biases)

@@ -1,0 +1,323 @@
+"""Benchmark the CUTLASS grouped GEMMs of groupgrad.kernels on one GPU (H100/H200).
+
+For each config (E, K, N, T) and each split distribution (uniform, skewed) it
+times, on the same random inputs in the same run:
+
+* fprop ``y_e = x_e @ w_e.T`` and dgrad ``dx_e = dy_e @ w_e``: ours, ``torch._grouped_mm``,
+  a per-expert cuBLAS loop, and one dense cuBLAS matmul of the same FLOPs;
+* wgrad ``dw_e = dy_e.T @ x_e`` into bf16: ours, ``torch._grouped_mm``, the loop, dense;
+* wgrad accumulated into an fp32 ``main_grad``: ours (epilogue D = C + AB in fp32),
+  ``torch._grouped_mm`` (bf16) followed by ``main_grad.add_``, a per-expert fp32-output
+  cuBLAS loop, and the floor max(FLOPs at the dense rate, fp32 read+write at the copy rate).
+
+Ceilings (copy bandwidth, dense bf16 rate) are measured first in the same run.
+Writes ``kernels_<gpu>.json`` and ``kernels_<gpu>.png`` into ``--out`` and prints a
+markdown table. ``--tuning`` also builds and times the extra tile configurations
+(kernels/NOTES.md). Usage: ``python benchmarks/bench_kernels.py --out benchmarks/results``.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_report
+import kernels_timing as kt
+
+from groupgrad.kernels import _cutlass
+
+CONFIGS = [
+    (8, 4096, 28672, 16384),
+    (8, 7168, 4096, 32768),
+    (128, 2048, 1536, 32768),
+    (32, 2048, 7168, 65536),
+]
+N_SETS = 2  # input sets rotated between calls
+
+
+@dataclasses.dataclass
+class Case:
+    E: int
+    K: int
+    N: int
+    T: int
+    split_kind: str
+    splits: list[int]
+    x: list[torch.Tensor]  # (T, K) bf16, one per set
+    dy: list[torch.Tensor]  # (T, N)
+    w: list[torch.Tensor]  # (E, N, K)
+    splits_dev: torch.Tensor  # int64
+    offs: torch.Tensor  # int32 cumulative, for torch._grouped_mm
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.T * self.N * self.K
+
+    @property
+    def label(self) -> str:
+        return f"E={self.E} K={self.K} N={self.N} T={self.T} {self.split_kind}"
+
+    def bounds(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for s in self.splits:
+            out.append((start, start + s))
+            start += s
+        return out
+
+
+def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Case:
+    splits = kt.uniform_splits(T, E) if split_kind == "uniform" else kt.skewed_splits(T, E, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    splits_dev = torch.tensor(splits, device="cuda", dtype=torch.int64)
+    return Case(
+        E,
+        K,
+        N,
+        T,
+        split_kind,
+        splits,
+        [randn(T, K) for _ in range(N_SETS)],
+        [randn(T, N) for _ in range(N_SETS)],
+        [randn(E, N, K) * 0.05 for _ in range(N_SETS)],
+        splits_dev,
+        torch.cumsum(splits_dev, 0).to(torch.int32),
+    )
+
+
+def _candidates(op: str, dout: str, tuning: bool) -> list[_cutlass.Plan]:
+    """Every compiled variant for this op and dtype, in both raster orders (tuning sweep)."""
+    if not tuning:
+        return []
+    names = _cutlass.compiled_variants()
+    plans = []
+    for v in _cutlass.VARIANTS + _cutlass.TUNING_VARIANTS:
+        if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
+            plans += [_cutlass.Plan(v.name, False), _cutlass.Plan(v.name, True)]
+    return plans
+
+
+def _sweep(
+    run: Callable[[int, _cutlass.Plan], None], plans: list[_cutlass.Plan], reps: int
+) -> dict[str, float]:
+    out = {}
+    for plan in plans:
+        tag = f"{plan.variant}{'/rasterN' if plan.raster_along_n else ''}"
+        out[tag] = kt.median_ms(lambda i, p=plan: run(i, p), N_SETS, reps)
+    return out
+
+
+def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
+    cols_out = case.N if op == "fprop" else case.K
+    a = case.x if op == "fprop" else case.dy
+    w_views = [list(w.unbind(0)) for w in case.w]
+    out = torch.empty(case.T, cols_out, device="cuda", dtype=torch.bfloat16)
+    backend = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
+    plan = _cutlass.plan_for(op, torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
+
+    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
+        backend(a[i], w_views[i], case.splits_dev, out, plan=p)
+
+    def grouped_mm(i: int) -> torch.Tensor:
+        b = case.w[i].transpose(-2, -1) if op == "fprop" else case.w[i]
+        return torch._grouped_mm(a[i], b, offs=case.offs)
+
+    def loop(i: int) -> None:
+        for e, (lo, hi) in enumerate(case.bounds()):
+            w_e = w_views[i][e]
+            torch.mm(a[i][lo:hi], w_e.T if op == "fprop" else w_e, out=out[lo:hi])
+
+    def dense(i: int) -> torch.Tensor:  # one (N, K) weight for all T rows: the same FLOPs
+        w_NK = case.w[i][0]
+        return a[i] @ (w_NK.T if op == "fprop" else w_NK)
+
+    ours(0)
+    err = kt.rel_error(out, grouped_mm(0))
+    times = {
+        "ours": kt.median_ms(ours, N_SETS, reps),
+        "grouped_mm": kt.median_ms(grouped_mm, N_SETS, reps),
+        "loop": kt.median_ms(loop, N_SETS, reps),
+        "dense": kt.median_ms(dense, N_SETS, reps),
+    }
+    return {
+        "op": op,
+        "case": case.label,
+        "flops": case.flops,
+        "variant": plan.variant,
+        "rel_err_vs_grouped_mm": err,
+        "times_ms": times,
+        "sweep_ms": _sweep(ours, _candidates(op, "bf16", tuning), max(5, reps // 3)),
+    }
+
+
+def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
+    out = torch.empty(case.E, case.N, case.K, device="cuda", dtype=torch.bfloat16)
+    out_views = list(out.unbind(0))
+    plan = _cutlass.plan_for(
+        "wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K
+    )
+
+    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
+        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, out_views, False, plan=p)
+
+    def grouped_mm(i: int) -> torch.Tensor:
+        return torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs)
+
+    def loop(i: int) -> None:
+        for e, (lo, hi) in enumerate(case.bounds()):
+            torch.mm(case.dy[i][lo:hi].t(), case.x[i][lo:hi], out=out_views[e])
+
+    def dense(i: int) -> torch.Tensor:  # (N, T) @ (T, K): the same FLOPs
+        return case.dy[i].t() @ case.x[i]
+
+    ours(0)
+    err = kt.rel_error(out, grouped_mm(0))
+    times = {
+        "ours": kt.median_ms(ours, N_SETS, reps),
+        "grouped_mm": kt.median_ms(grouped_mm, N_SETS, reps),
+        "loop": kt.median_ms(loop, N_SETS, reps),
+        "dense": kt.median_ms(dense, N_SETS, reps),
+    }
+    return {
+        "op": "wgrad_bf16",
+        "case": case.label,
+        "flops": case.flops,
+        "variant": plan.variant,
+        "rel_err_vs_grouped_mm": err,
+        "times_ms": times,
+        "sweep_ms": _sweep(ours, _candidates("wgrad", "bf16", tuning), max(5, reps // 3)),
+    }
+
+
+def bench_wgrad_fp32(case: Case, reps: int, tuning: bool, loop_kind: str, ceilings: dict) -> dict:
+    # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
+    main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
+    packed_main_grad = torch.zeros(case.E, case.N, case.K, device="cuda")
+    plan = _cutlass.plan_for(
+        "wgrad", torch.bfloat16, torch.float32, case.T, case.E, case.N, case.K, accumulate=True
+    )
+
+    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
+        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, main_grads, True, plan=p)
+
+    def grouped_mm_add(i: int) -> None:
+        packed_main_grad.add_(torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs))
+
+    def loop(i: int) -> None:
+        for e, (lo, hi) in enumerate(case.bounds()):
+            kt.fp32_accumulate(loop_kind, main_grads[e], case.dy[i][lo:hi].t(), case.x[i][lo:hi])
+
+    # Correctness on set 0: one accumulation onto a random start, against fp32 cuBLAS.
+    start = [torch.randn(case.N, case.K, device="cuda") for _ in range(case.E)]
+    for m, s in zip(main_grads, start, strict=True):
+        m.copy_(s)
+    ours(0)
+    ref = []
+    for e, (lo, hi) in enumerate(case.bounds()):
+        ref.append(start[e] + case.dy[0][lo:hi].float().t() @ case.x[0][lo:hi].float())
+    err = kt.rel_error(main_grads, ref)
+    del start, ref
+    times = {
+        "ours": kt.median_ms(ours, N_SETS, reps),
+        "grouped_mm_add": kt.median_ms(grouped_mm_add, N_SETS, reps),
+        "loop_fp32": kt.median_ms(loop, N_SETS, reps),
+    }
+    bytes_rw = 2 * case.E * case.N * case.K * 4
+    floor_ms = (
+        max(
+            case.flops / (ceilings["dense_bf16_tflops"] * 1e12),
+            bytes_rw / (ceilings["copy_gbs"] * 1e9),
+        )
+        * 1e3
+    )
+    return {
+        "op": "wgrad_fp32_acc",
+        "case": case.label,
+        "flops": case.flops,
+        "variant": plan.variant,
+        "rel_err_vs_fp32": err,
+        "times_ms": times,
+        "floor_ms": floor_ms,
+        "fraction_of_floor": floor_ms / times["ours"],
+        "loop_kind": loop_kind,
+        "sweep_ms": _sweep(ours, _candidates("wgrad", "f32", tuning), max(5, reps // 3)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median)")
+    parser.add_argument("--tuning", action="store_true", help="also sweep every compiled variant")
+    parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
+    parser.add_argument("--ops", type=str, default="fprop,dgrad,wgrad_bf16,wgrad_fp32")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+
+    _, build_s, compiled = _cutlass.build(tuning=args.tuning)
+    print(
+        f"extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})", flush=True
+    )
+    ceilings = {"copy_gbs": kt.copy_bandwidth_gbs(), "dense_bf16_tflops": kt.dense_bf16_tflops()}
+    print(
+        f"ceilings: copy {ceilings['copy_gbs']:.0f} GB/s, dense bf16 "
+        f"{ceilings['dense_bf16_tflops']:.0f} TFLOP/s",
+        flush=True,
+    )
+    loop_kind = kt.fp32_addmm_loop_kind()
+    ops = set(args.ops.split(","))
+    picks = [int(i) for i in args.configs.split(",")] if args.configs else range(len(CONFIGS))
+    rows = []
+    for index in picks:
+        E, K, N, T = CONFIGS[index]
+        for split_kind in ("uniform", "skewed"):
+            case = make_case(E, K, N, T, split_kind, seed=index)
+            if "fprop" in ops:
+                rows.append(bench_fprop_dgrad(case, "fprop", args.reps, args.tuning))
+            if "dgrad" in ops:
+                rows.append(bench_fprop_dgrad(case, "dgrad", args.reps, args.tuning))
+            if "wgrad_bf16" in ops:
+                rows.append(bench_wgrad_bf16(case, args.reps, args.tuning))
+            if "wgrad_fp32" in ops:
+                rows.append(bench_wgrad_fp32(case, args.reps, args.tuning, loop_kind, ceilings))
+            for row in rows[-len(ops) :]:
+                print(kernels_report.one_line(row), flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+    gpu = torch.cuda.get_device_name()
+    result = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "build_seconds": build_s,
+        "compiled_now": compiled,
+        "ceilings": ceilings,
+        "reps": args.reps,
+        "n_sets": N_SETS,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "kernels_" + gpu.lower().replace("nvidia ", "").replace(" ", "_")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    kernels_report.plot(result, args.out / f"{stem}.png")
+    print(kernels_report.markdown_table(result))
+
+
+if __name__ == "__main__":
+    main()

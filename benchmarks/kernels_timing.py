@@ -1,0 +1,104 @@
+"""Timing and ceilings for the grouped-GEMM benchmark (``bench_kernels.py``).
+
+CUDA events around each call, warm-up first, median over many calls, and the
+inputs rotated between calls so that no call finds its operands in L2.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable[[int], object], n_sets: int, reps: int, warmup: int = 3) -> float:
+    """Median time (ms) of ``fn(i)``, ``i`` cycling over ``n_sets`` input sets."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(i % n_sets)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def copy_bandwidth_gbs(gib: float = 4.0, reps: int = 20) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written (GB/s)."""
+    n = int(gib * 2**30) // 4
+    src = [torch.rand(n, device="cuda") for _ in range(2)]
+    dst = torch.empty(n, device="cuda")
+    ms = median_ms(lambda i: dst.copy_(src[i]), 2, reps)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def dense_bf16_tflops(size: int = 8192, reps: int = 20) -> float:
+    """cuBLAS bf16 matrix product rate on random data (TFLOP/s)."""
+    a = [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    b = [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    c = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda i: torch.mm(a[i], b[i], out=c), 2, reps)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def skewed_splits(T: int, E: int, seed: int) -> list[int]:
+    """Log-normal expert loads (sigma 1), some experts near empty; sums to ``T``."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.randn(E, generator=gen))
+    counts = torch.floor(weights / weights.sum() * T).long()
+    counts[torch.argmax(counts)] += T - int(counts.sum())
+    return counts.tolist()
+
+
+def uniform_splits(T: int, E: int) -> list[int]:
+    base, extra = divmod(T, E)
+    return [base + (1 if e < extra else 0) for e in range(E)]
+
+
+def rel_error(
+    ours: torch.Tensor | Sequence[torch.Tensor], ref: torch.Tensor | Sequence[torch.Tensor]
+) -> float:
+    """‖ours − ref‖ / ‖ref‖ in fp64 over all groups; NaN anywhere gives inf."""
+    ours_list = [ours] if isinstance(ours, torch.Tensor) else list(ours)
+    ref_list = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+    num = den = 0.0
+    for o, r in zip(ours_list, ref_list, strict=True):
+        if not torch.isfinite(o).all():
+            return float("inf")
+        num += float((o.double() - r.double()).norm() ** 2)
+        den += float(r.double().norm() ** 2)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def fp32_addmm_loop_kind() -> str:
+    """How this torch writes a bf16 x bf16 product into an fp32 buffer with beta = 1.
+
+    ``addmm_out_dtype``: ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` (one
+    cuBLAS call, torch >= 2.9); else ``mm_out_dtype_add``: ``c.add_(torch.mm(a, b,
+    out_dtype=torch.float32))``; else ``fp32_addmm``: ``c.addmm_(a.float(), b.float())``.
+    """
+    a = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(32, 48, device="cuda", dtype=torch.bfloat16)
+    want = a.float() @ b.float() + 1
+    for kind in ("addmm_out_dtype", "mm_out_dtype_add"):
+        c = torch.ones(64, 48, device="cuda")
+        try:
+            fp32_accumulate(kind, c, a, b)
+        except (TypeError, RuntimeError):
+            continue
+        if torch.allclose(c, want, rtol=1e-4, atol=1e-4):
+            return kind
+    return "fp32_addmm"
+
+
+def fp32_accumulate(kind: str, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if kind == "addmm_out_dtype":
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    elif kind == "mm_out_dtype_add":
+        c.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        c.addmm_(a.float(), b.float())

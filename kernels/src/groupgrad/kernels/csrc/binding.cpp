@@ -1,0 +1,287 @@
+// PyTorch binding of the CUTLASS grouped GEMMs: argument marshalling, device
+// setup launch, workspace from the caching allocator, launch on torch's
+// current stream. Inputs arrive validated by groupgrad.kernels (Python); the
+// TORCH_CHECKs here only guard the invariants the kernels rely on.
+//
+// Legend: T tokens, E groups, K in_features, N out_features.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "grouped_setup.h"
+#include "launch_api.h"
+
+namespace groupgrad {
+
+namespace {
+
+std::map<std::string, KernelVariant>& registry() {
+  static std::map<std::string, KernelVariant> variants;
+  return variants;
+}
+
+const KernelVariant& find_variant(const std::string& name) {
+  auto it = registry().find(name);
+  TORCH_CHECK(it != registry().end(), "groupgrad: kernel variant '", name,
+              "' is not compiled into this build");
+  return it->second;
+}
+
+int multiprocessor_count(int device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+int element_bytes(const at::Tensor& t) { return static_cast<int>(t.element_size()); }
+
+// Device arrays for CUTLASS's arguments, carved from one caching-allocator block
+// that also holds CUTLASS's workspace (first, for the tensor maps' alignment).
+struct ArgumentBuffers {
+  at::Tensor storage;
+  void* workspace = nullptr;
+  int* problem_shapes = nullptr;
+  const void** ptr_A = nullptr;
+  const void** ptr_B = nullptr;
+  void** ptr_D = nullptr;
+  int64_t* ld_A = nullptr;
+  int64_t* ld_B = nullptr;
+  int64_t* ld_D = nullptr;
+};
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+ArgumentBuffers allocate_arguments(int groups, size_t workspace_bytes, const at::Device& device) {
+  const size_t rounded_groups = round_up(static_cast<size_t>(groups), 2);
+  const size_t array_bytes = rounded_groups * sizeof(int64_t);
+  const size_t workspace_region = round_up(workspace_bytes, 128);
+  const size_t shapes_bytes = round_up(rounded_groups * 3 * sizeof(int), 16);
+  const size_t total = workspace_region + 6 * array_bytes + shapes_bytes;
+  ArgumentBuffers b;
+  b.storage = at::empty({static_cast<int64_t>(total)},
+                        at::TensorOptions().dtype(at::kByte).device(device));
+  char* base = static_cast<char*>(b.storage.data_ptr());
+  b.workspace = workspace_bytes > 0 ? base : nullptr;
+  char* cursor = base + workspace_region;
+  auto take = [&](size_t bytes) {
+    char* p = cursor;
+    cursor += bytes;
+    return p;
+  };
+  b.ptr_A = reinterpret_cast<const void**>(take(array_bytes));
+  b.ptr_B = reinterpret_cast<const void**>(take(array_bytes));
+  b.ptr_D = reinterpret_cast<void**>(take(array_bytes));
+  b.ld_A = reinterpret_cast<int64_t*>(take(array_bytes));
+  b.ld_B = reinterpret_cast<int64_t*>(take(array_bytes));
+  b.ld_D = reinterpret_cast<int64_t*>(take(array_bytes));
+  b.problem_shapes = reinterpret_cast<int*>(take(shapes_bytes));
+  return b;
+}
+
+struct Tuning {
+  bool raster_along_n = false;
+  int max_swizzle = 1;
+};
+
+// Runs setup (chunked) and the CUTLASS kernel. `group_tensors` are the
+// weights (fprop, dgrad) or the outputs (wgrad), one (N, K) matrix per group.
+void run_grouped(const KernelVariant& variant, SetupParams setup,
+                 const std::vector<at::Tensor>& group_tensors, const at::Tensor& splits,
+                 const at::Tensor& anchor, const Tuning& tuning, bool accumulate) {
+  TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
+              " has no C operand and cannot accumulate");
+  const int groups = static_cast<int>(group_tensors.size());
+  TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
+                  splits.is_cuda() && splits.is_contiguous(),
+              "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,
+              " elements, got ", splits.sizes(), " ", splits.scalar_type());
+  TORCH_CHECK(splits.device() == anchor.device(), "groupgrad: splits is on ", splits.device(),
+              " but the operands are on ", anchor.device());
+  if (groups == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(anchor.device().index()).stream();
+
+  GemmLaunch launch;
+  launch.groups = groups;
+  launch.device_id = anchor.device().index();
+  launch.sm_count = multiprocessor_count(launch.device_id);
+  launch.raster_along_n = tuning.raster_along_n;
+  launch.max_swizzle = tuning.max_swizzle;
+  launch.stream = stream;
+  launch.accumulate = accumulate;
+  const size_t workspace_bytes = variant.workspace_size(launch);
+
+  ArgumentBuffers buffers = allocate_arguments(groups, workspace_bytes, anchor.device());
+  launch.problem_shapes = buffers.problem_shapes;
+  launch.ptr_A = buffers.ptr_A;
+  launch.ld_A = buffers.ld_A;
+  launch.ptr_B = buffers.ptr_B;
+  launch.ld_B = buffers.ld_B;
+  launch.ptr_D = buffers.ptr_D;
+  launch.ld_D = buffers.ld_D;
+
+  setup.splits = splits.data_ptr<int64_t>();
+  setup.problem_shapes = buffers.problem_shapes;
+  setup.ptr_A = buffers.ptr_A;
+  setup.ld_A = buffers.ld_A;
+  setup.ptr_B = buffers.ptr_B;
+  setup.ld_B = buffers.ld_B;
+  setup.ptr_D = buffers.ptr_D;
+  setup.ld_D = buffers.ld_D;
+  for (int begin = 0; begin < groups; begin += kMaxGroupsPerLaunch) {
+    setup.group_begin = begin;
+    setup.group_count = std::min(kMaxGroupsPerLaunch, groups - begin);
+    for (int i = 0; i < setup.group_count; ++i) {
+      const at::Tensor& t = group_tensors[begin + i];
+      setup.group_ptr[i] = static_cast<const char*>(t.data_ptr());
+      setup.group_ld[i] = t.stride(0);
+    }
+    const cudaError_t err = launch_grouped_setup(setup, stream);
+    TORCH_CHECK(err == cudaSuccess, "groupgrad: grouped setup kernel launch failed: ",
+                cudaGetErrorString(err));
+  }
+
+  if (setup.tokens == 0) {
+    return;  // every group is empty: nothing for the GEMM to do
+  }
+  const char* error = variant.run(launch, buffers.workspace);
+  TORCH_CHECK(error == nullptr, "groupgrad: ", variant.name, ": ", error);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_matrix(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+              ", got ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "groupgrad: ", name,
+              " must be a 2-D row-major matrix, got sizes ", t.sizes(), " strides ", t.strides());
+}
+
+void check_group_list(const std::vector<at::Tensor>& list, const char* name, int64_t rows,
+                      int64_t cols, at::ScalarType dtype, const at::Device& device) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string item = std::string(name) + "[" + std::to_string(i) + "]";
+    check_matrix(list[i], item.c_str(), device);
+    TORCH_CHECK(list[i].size(0) == rows && list[i].size(1) == cols, "groupgrad: ", item,
+                " has shape ", list[i].sizes(), ", expected (", rows, ", ", cols, ")");
+    TORCH_CHECK(list[i].scalar_type() == dtype, "groupgrad: ", item, " has dtype ",
+                list[i].scalar_type(), ", expected ", dtype);
+  }
+}
+
+Tuning make_tuning(bool raster_along_n, int64_t max_swizzle) {
+  TORCH_CHECK(max_swizzle == 1 || max_swizzle == 2 || max_swizzle == 4 || max_swizzle == 8,
+              "groupgrad: max_swizzle must be 1, 2, 4 or 8, got ", max_swizzle);
+  return Tuning{raster_along_n, static_cast<int>(max_swizzle)};
+}
+
+}  // namespace
+
+bool register_variant(const KernelVariant& variant) {
+  registry().emplace(variant.name, variant);
+  return true;
+}
+
+// y_TN[rows of e] = x_TK[rows of e] @ w[e]^T
+void fprop(const at::Tensor& x_TK, const std::vector<at::Tensor>& w, const at::Tensor& splits_E,
+           const at::Tensor& y_TN, const std::string& variant_name, bool raster_along_n,
+           int64_t max_swizzle) {
+  const KernelVariant& variant = find_variant(variant_name);
+  check_matrix(x_TK, "x", x_TK.device());
+  check_matrix(y_TN, "out", x_TK.device());
+  check_group_list(w, "weights", y_TN.size(1), x_TK.size(1), x_TK.scalar_type(), x_TK.device());
+  SetupParams setup;
+  setup.op = GemmOp::kFprop;
+  setup.tokens = x_TK.size(0);
+  setup.out_features = y_TN.size(1);
+  setup.in_features = x_TK.size(1);
+  setup.dense_a = static_cast<const char*>(x_TK.data_ptr());
+  setup.ld_dense_a = x_TK.stride(0);
+  setup.dense_d = static_cast<char*>(y_TN.data_ptr());
+  setup.ld_dense_d = y_TN.stride(0);
+  setup.in_bytes = element_bytes(x_TK);
+  setup.out_bytes = element_bytes(y_TN);
+  run_grouped(variant, setup, w, splits_E, x_TK, make_tuning(raster_along_n, max_swizzle),
+              /*accumulate=*/false);
+}
+
+// dx_TK[rows of e] = dy_TN[rows of e] @ w[e]
+void dgrad(const at::Tensor& dy_TN, const std::vector<at::Tensor>& w, const at::Tensor& splits_E,
+           const at::Tensor& dx_TK, const std::string& variant_name, bool raster_along_n,
+           int64_t max_swizzle) {
+  const KernelVariant& variant = find_variant(variant_name);
+  check_matrix(dy_TN, "dy", dy_TN.device());
+  check_matrix(dx_TK, "out", dy_TN.device());
+  check_group_list(w, "weights", dy_TN.size(1), dx_TK.size(1), dy_TN.scalar_type(),
+                   dy_TN.device());
+  SetupParams setup;
+  setup.op = GemmOp::kDgrad;
+  setup.tokens = dy_TN.size(0);
+  setup.out_features = dy_TN.size(1);
+  setup.in_features = dx_TK.size(1);
+  setup.dense_a = static_cast<const char*>(dy_TN.data_ptr());
+  setup.ld_dense_a = dy_TN.stride(0);
+  setup.dense_d = static_cast<char*>(dx_TK.data_ptr());
+  setup.ld_dense_d = dx_TK.stride(0);
+  setup.in_bytes = element_bytes(dy_TN);
+  setup.out_bytes = element_bytes(dx_TK);
+  run_grouped(variant, setup, w, splits_E, dy_TN, make_tuning(raster_along_n, max_swizzle),
+              /*accumulate=*/false);
+}
+
+// out[e] = dy_TN[rows of e]^T @ x_TK[rows of e]  (accumulate: out[e] += ...)
+void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& splits_E,
+           const std::vector<at::Tensor>& out, bool accumulate, const std::string& variant_name,
+           bool raster_along_n, int64_t max_swizzle) {
+  const KernelVariant& variant = find_variant(variant_name);
+  check_matrix(dy_TN, "dy", dy_TN.device());
+  check_matrix(x_TK, "x", dy_TN.device());
+  TORCH_CHECK(!out.empty(), "groupgrad: wgrad needs at least one output");
+  check_group_list(out, "out", dy_TN.size(1), x_TK.size(1), out[0].scalar_type(),
+                   dy_TN.device());
+  SetupParams setup;
+  setup.op = GemmOp::kWgrad;
+  setup.tokens = dy_TN.size(0);
+  setup.out_features = dy_TN.size(1);
+  setup.in_features = x_TK.size(1);
+  setup.dense_a = static_cast<const char*>(dy_TN.data_ptr());
+  setup.ld_dense_a = dy_TN.stride(0);
+  setup.dense_b = static_cast<const char*>(x_TK.data_ptr());
+  setup.ld_dense_b = x_TK.stride(0);
+  setup.in_bytes = element_bytes(dy_TN);
+  setup.out_bytes = element_bytes(out[0]);
+  setup.zero_empty_outputs = !accumulate;
+  run_grouped(variant, setup, out, splits_E, dy_TN, make_tuning(raster_along_n, max_swizzle),
+              accumulate);
+}
+
+std::vector<std::string> variant_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : registry()) {
+    names.push_back(entry.first);
+  }
+  return names;
+}
+
+}  // namespace groupgrad
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "groupgrad CUTLASS sm_90a grouped GEMMs (internal; use groupgrad.kernels)";
+  m.def("fprop", &groupgrad::fprop, "grouped fprop", py::arg("x"), py::arg("weights"),
+        py::arg("splits"), py::arg("out"), py::arg("variant"), py::arg("raster_along_n"),
+        py::arg("max_swizzle"));
+  m.def("dgrad", &groupgrad::dgrad, "grouped dgrad", py::arg("dy"), py::arg("weights"),
+        py::arg("splits"), py::arg("out"), py::arg("variant"), py::arg("raster_along_n"),
+        py::arg("max_swizzle"));
+  m.def("wgrad", &groupgrad::wgrad, "grouped wgrad", py::arg("dy"), py::arg("x"),
+        py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"), py::arg("raster_along_n"),
+        py::arg("max_swizzle"));
+  m.def("variants", &groupgrad::variant_names, "names of the compiled kernel variants");
+}

@@ -1,0 +1,127 @@
+// Builds CUTLASS's per-group problem shapes, pointers and strides on the
+// device from splits (see grouped_setup.h), and zeroes the wgrad outputs of
+// empty groups when overwriting.
+#include "grouped_setup.h"
+
+namespace groupgrad {
+namespace {
+
+constexpr int kThreads = 128;
+
+// Sum of splits[0:count) over the block; every thread gets the result.
+__device__ int64_t block_prefix(const int64_t* splits, int count) {
+  __shared__ int64_t warp_sums[kThreads / 32];
+  int64_t sum = 0;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    sum += max(splits[i], int64_t{0});
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum += __shfl_down_sync(0xffffffffu, sum, offset);
+  }
+  if (threadIdx.x % 32 == 0) {
+    warp_sums[threadIdx.x / 32] = sum;
+  }
+  __syncthreads();
+  int64_t total = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    total += warp_sums[w];
+  }
+  return total;
+}
+
+// Zeroes a rows x cols row-major matrix with leading dimension ld (bytes are
+// 16-byte aligned: cols * elem_bytes and ld * elem_bytes are multiples of 16).
+__device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t ld_bytes,
+                            int64_t part, int64_t parts) {
+  const int64_t vecs_per_row = row_bytes / 16;
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int64_t r = part; r < rows; r += parts) {
+    int4* row = reinterpret_cast<int4*>(base + r * ld_bytes);
+    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) {
+      row[v] = zero;
+    }
+  }
+}
+
+// grid = (parts, group_count): block (0, g) writes group g's CUTLASS arguments;
+// when zeroing, every block of a group with no tokens zeroes a share of its rows.
+__global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupParams p) {
+  const int local = blockIdx.y;
+  const int g = p.group_begin + local;
+  // Clamp so that malformed device splits (negative, or summing past T) can
+  // never address memory outside the dense operands.
+  const int64_t rows = max(p.splits[g], int64_t{0});
+
+  if (blockIdx.x == 0) {
+    const int64_t start = min(block_prefix(p.splits, g), p.tokens);
+    const int64_t m = min(rows, p.tokens - start);
+    if (threadIdx.x == 0) {
+      int* shape = p.problem_shapes + 3 * g;
+      switch (p.op) {
+        case GemmOp::kFprop:
+          shape[0] = static_cast<int>(m);
+          shape[1] = static_cast<int>(p.out_features);
+          shape[2] = static_cast<int>(p.in_features);
+          p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
+          p.ld_A[g] = p.ld_dense_a;
+          p.ptr_B[g] = p.group_ptr[local];
+          p.ld_B[g] = p.group_ld[local];
+          p.ptr_D[g] = p.dense_d + start * p.ld_dense_d * p.out_bytes;
+          p.ld_D[g] = p.ld_dense_d;
+          break;
+        case GemmOp::kDgrad:
+          shape[0] = static_cast<int>(m);
+          shape[1] = static_cast<int>(p.in_features);
+          shape[2] = static_cast<int>(p.out_features);
+          p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
+          p.ld_A[g] = p.ld_dense_a;
+          p.ptr_B[g] = p.group_ptr[local];
+          p.ld_B[g] = p.group_ld[local];
+          p.ptr_D[g] = p.dense_d + start * p.ld_dense_d * p.out_bytes;
+          p.ld_D[g] = p.ld_dense_d;
+          break;
+        case GemmOp::kWgrad:
+          // A group with no tokens gets an empty M so that the scheduler gives
+          // it no tiles: CUTLASS's mainloop would otherwise store
+          // uninitialised accumulators for K = 0.
+          shape[0] = m > 0 ? static_cast<int>(p.out_features) : 0;
+          shape[1] = static_cast<int>(p.in_features);
+          shape[2] = static_cast<int>(m);
+          p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
+          p.ld_A[g] = p.ld_dense_a;
+          p.ptr_B[g] = p.dense_b + start * p.ld_dense_b * p.in_bytes;
+          p.ld_B[g] = p.ld_dense_b;
+          p.ptr_D[g] = const_cast<char*>(p.group_ptr[local]);
+          p.ld_D[g] = p.group_ld[local];
+          break;
+      }
+    }
+  }
+
+  if (p.zero_empty_outputs && rows == 0) {
+    zero_matrix(const_cast<char*>(p.group_ptr[local]), p.out_features,
+                p.in_features * p.out_bytes, p.group_ld[local] * p.out_bytes, blockIdx.x,
+                gridDim.x);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_grouped_setup(const SetupParams& params, cudaStream_t stream) {
+  if (params.group_count <= 0) {
+    return cudaSuccess;
+  }
+  // Enough blocks per group that zeroing one large empty group spreads over
+  // the GPU, few enough that the early exits of non-empty groups stay cheap.
+  int parts = 1;
+  if (params.zero_empty_outputs) {
+    const int64_t rows = params.out_features;
+    const int64_t budget = 4096 / params.group_count;
+    parts = static_cast<int>(max(int64_t{1}, min(rows, budget)));
+  }
+  dim3 grid(parts, params.group_count);
+  grouped_setup_kernel<<<grid, kThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace groupgrad

@@ -294,6 +294,8 @@ def _check_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 
 def _check_row_major(name: str, t: Tensor) -> None:
     """Unit stride in the last dimension, rows at least a row apart (padding allowed)."""
+    if t.is_contiguous():
+        return
     inner_ok = t.shape[-1] <= 1 or t.stride(-1) == 1
     rows_ok = t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]
     if not (inner_ok and rows_ok):
@@ -313,6 +315,8 @@ def _span(t: Tensor) -> tuple[int, int] | None:
     """Byte range ``[start, end)`` that ``t`` can touch, or ``None`` when empty."""
     if t.numel() == 0:
         return None
+    if t.is_contiguous():
+        return t.data_ptr(), t.data_ptr() + t.nbytes
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
     return start, start + (last + 1) * t.element_size()

@@ -20,9 +20,11 @@ PYTHON_VERSIONS = None  # the interpreter nox runs under
 TORCH_CPU = "torch==2.13.0"
 
 # Installed in dependency order: protocol <- kernels <- modules <- integrations.
-PACKAGES = ["./packages/protocol"]
-TEST_PATHS = ["packages/protocol/tests", "tests"]
-SOURCE_PATHS = ["packages/protocol/src"]
+PACKAGES = ["./packages/protocol", "./kernels", "./packages/modules"]
+TEST_PATHS = ["packages/protocol/tests", "kernels/tests", "packages/modules/tests", "tests"]
+SOURCE_PATHS = ["packages/protocol/src", "kernels/src", "packages/modules/src"]
+# What the GPU sessions need beside the machine's own torch, pytest, pybind11 and ninja.
+GPU_EXTRAS = ["nvidia-cutlass>=4.2"]
 
 
 def _install_project_cpu(session: nox.Session, *extra: str) -> None:
@@ -61,6 +63,7 @@ def _cuda_report(session: nox.Session) -> str | None:
 
 
 def _install_project_gpu(session: nox.Session) -> None:
+    session.install(*GPU_EXTRAS)
     session.install("--no-deps", "--no-build-isolation", *PACKAGES)
 
 
@@ -72,6 +75,28 @@ def tests_gpu(session: nox.Session) -> None:
         session.skip(f"tests-gpu needs a CUDA device: {reason}")
     _install_project_gpu(session)
     session.run("pytest", "-m", "gpu", *TEST_PATHS, *session.posargs)
+
+
+@nox.session(python=PYTHON_VERSIONS, venv_params=["--system-site-packages"])
+def demo(session: nox.Session) -> None:
+    """The main job: train a small MoE layer with groupgrad experts (GPU if present, else CPU)."""
+    if _cuda_report(session) is None:
+        _install_project_gpu(session)
+    else:
+        _install_project_cpu(session)
+    session.run("python", "examples/moe_demo.py", *session.posargs)
+
+
+@nox.session(python=PYTHON_VERSIONS, venv_params=["--system-site-packages"])
+def bench(session: nox.Session) -> None:
+    """GPU benchmarks: JSON and PNG plots under benchmarks/results/; skipped without CUDA."""
+    reason = _cuda_report(session)
+    if reason is not None:
+        session.skip(f"bench needs a CUDA device: {reason}")
+    _install_project_gpu(session)
+    session.run(
+        "python", "benchmarks/bench_kernels.py", "--out", "benchmarks/results", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON_VERSIONS)

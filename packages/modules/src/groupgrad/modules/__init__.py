@@ -4,6 +4,9 @@
 * :class:`GroupedLinear` — ``E`` experts' ``nn.Linear`` as grouped GEMMs, with
   per-expert or packed parameters, ``main_grad`` writing, delayed wgrad and
   ``DistributedWeight`` support.
+* :class:`GroupedMLP` — ``E`` experts' SwiGLU MLPs (fc1 → SwiGLU × router
+  probabilities → fc2) as one fused op with one backward; both layers' weight
+  gradients follow the same contract.
 
 Weight gradients go where :mod:`groupgrad.protocol` says: into ``main_grad``
 through the GEMM's epilogue (accumulate or overwrite), into a distributed
@@ -12,5 +15,6 @@ implementer's buffers, or back to autograd.
 
 from groupgrad.modules._linear import GroupedLinear
 from groupgrad.modules._linear_fn import grouped_linear
+from groupgrad.modules._mlp import GroupedMLP
 
-__all__ = ["GroupedLinear", "grouped_linear"]
+__all__ = ["GroupedLinear", "GroupedMLP", "grouped_linear"]

@@ -1,0 +1,244 @@
+"""SwiGLU × router probabilities: the elementwise step between a grouped MLP's two GEMMs.
+
+Legend: ``T`` tokens, ``F`` ffn_hidden_size; ``h_T2F`` is fc1's output (gate
+``g = h[:, :F]`` then up ``u = h[:, F:]``), ``probs_T`` the router
+probability of each token, ``a_TF`` the activation fed to fc2::
+
+    a = silu(g) * u * probs[:, None]        silu(g) = g * sigmoid(g)
+
+Backward, from ``da_TF``, in one pass that also recomputes ``a`` (so forward
+need not save it — fc2's wgrad reads the recomputed copy)::
+
+    dprobs = sum_f(da * silu(g) * u)
+    dg     = da * probs * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+    du     = da * probs * silu(g)
+
+Everything is computed in fp32 and rounded once into ``h``'s dtype (``a``,
+``dh``) or ``probs``' dtype (``dprobs``). ``a`` is computed by the same
+expression in forward and backward, so the recomputed ``a`` is the one forward
+used (bit for bit on the reference path).
+
+Two implementations with the same signatures: the pure-PyTorch reference
+(``*_ref``, any device) and fused Triton kernels (``_swiglu_triton``, one pass
+each way), which the CUDA kernels of the ``groupgrad::swiglu_probs*`` custom
+ops run. Triton is imported on the first CUDA call, never at package import;
+without it CUDA runs the reference and says so once through ``logging``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "swiglu_probs",
+    "swiglu_probs_backward",
+    "swiglu_probs_backward_ref",
+    "swiglu_probs_ref",
+]
+
+logger = logging.getLogger(__name__)
+
+TRITON_MODULE = "groupgrad.modules._swiglu_triton"
+
+
+# ---------------------------------------------------------------- reference
+
+
+def _gate_and_up(h_T2F: Tensor) -> tuple[Tensor, Tensor]:
+    g_TF, u_TF = h_T2F.float().chunk(2, dim=1)
+    return g_TF, u_TF
+
+
+def swiglu_probs_ref(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
+    """Pure-PyTorch ``silu(h[:, :F]) * h[:, F:] * probs[:, None]``, computed in fp32.
+
+    Args:
+        h_T2F: ``(T, 2F)`` fc1 output (gate columns first), bf16, fp16 or fp32.
+        probs_T: ``(T,)`` per-token scale, any floating dtype, or ``None`` (ones).
+
+    Returns:
+        ``a_TF``: a new ``(T, F)`` tensor in ``h``'s dtype.
+    """
+    g_TF, u_TF = _gate_and_up(h_T2F)
+    a_TF = g_TF * torch.sigmoid(g_TF) * u_TF
+    if probs_T is not None:
+        a_TF = a_TF * probs_T.float()[:, None]
+    return a_TF.to(h_T2F.dtype)
+
+
+def swiglu_probs_backward_ref(
+    da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Pure-PyTorch backward of :func:`swiglu_probs_ref`, which also recomputes ``a``.
+
+    Args:
+        da_TF: ``(T, F)`` gradient of the activation, in ``h``'s dtype.
+        h_T2F: ``(T, 2F)`` fc1 output saved by forward.
+        probs_T: ``(T,)`` the forward's ``probs``, or ``None``.
+
+    Returns:
+        ``(dh_T2F, dprobs_T, a_TF)``: new tensors; ``dh`` and ``a`` in ``h``'s
+        dtype, ``dprobs`` in ``probs``' dtype (``None`` without ``probs``);
+        ``a`` equals :func:`swiglu_probs_ref`'s output bit for bit.
+    """
+    g_TF, u_TF = _gate_and_up(h_T2F)
+    sig_TF = torch.sigmoid(g_TF)
+    silu_TF = g_TF * sig_TF
+    act_TF = silu_TF * u_TF
+    da_TF = da_TF.float()
+    dprobs_T = None
+    if probs_T is not None:
+        p_T1 = probs_T.float()[:, None]
+        dprobs_T = (da_TF * act_TF).sum(dim=1).to(probs_T.dtype)
+        act_TF = act_TF * p_T1
+        da_TF = da_TF * p_T1
+    dg_TF = da_TF * u_TF * sig_TF * (1.0 + g_TF * (1.0 - sig_TF))
+    du_TF = da_TF * silu_TF
+    dh_T2F = torch.cat([dg_TF, du_TF], dim=1).to(h_T2F.dtype)
+    return dh_T2F, dprobs_T, act_TF.to(h_T2F.dtype)
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("groupgrad::swiglu_probs", mutates_args=())
+def swiglu_probs_op(h: Tensor, probs: Tensor | None) -> Tensor:
+    """Default kernel (every device but CUDA): the reference. ``h`` (T, 2F) -> ``a`` (T, F)."""
+    return swiglu_probs_ref(h, probs)
+
+
+@torch.library.custom_op("groupgrad::swiglu_probs_backward", mutates_args=())
+def swiglu_probs_backward_op(
+    da: Tensor, h: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Default kernel: the reference. Returns ``(dh, dprobs, a)``; ``dprobs`` is ``(0,)`` without ``probs``."""
+    dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
+    return dh, _dprobs_or_empty(dprobs, h), a
+
+
+def _dprobs_or_empty(dprobs: Tensor | None, h: Tensor) -> Tensor:
+    return h.new_empty(0, dtype=torch.float32) if dprobs is None else dprobs
+
+
+@swiglu_probs_op.register_fake
+def _swiglu_probs_fake(h: Tensor, probs: Tensor | None) -> Tensor:
+    return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
+@swiglu_probs_backward_op.register_fake
+def _swiglu_probs_backward_fake(
+    da: Tensor, h: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    dprobs = h.new_empty(0, dtype=torch.float32) if probs is None else torch.empty_like(probs)
+    return torch.empty_like(h), dprobs, torch.empty_like(da)
+
+
+@functools.cache
+def load_triton_kernels() -> tuple[ModuleType | None, str | None]:
+    """Import the Triton kernels once: ``(module, None)`` or ``(None, reason)``."""
+    try:
+        return importlib.import_module(TRITON_MODULE), None
+    except ImportError as error:
+        return None, f"triton cannot be imported ({error})"
+
+
+def _triton_or_say_why() -> ModuleType | None:
+    kernels, reason = load_triton_kernels()
+    if kernels is None:
+        _say_once(f"SwiGLU runs on the PyTorch reference on CUDA: {reason}")
+    return kernels
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.warning(message)
+
+
+@swiglu_probs_op.register_kernel("cuda")
+def _swiglu_probs_cuda(h: Tensor, probs: Tensor | None) -> Tensor:
+    kernels = _triton_or_say_why()
+    if kernels is None:
+        return swiglu_probs_ref(h, probs)
+    return kernels.swiglu_probs_triton(h, probs)
+
+
+@swiglu_probs_backward_op.register_kernel("cuda")
+def _swiglu_probs_backward_cuda(
+    da: Tensor, h: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    kernels = _triton_or_say_why()
+    if kernels is None:
+        dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
+    else:
+        dh, dprobs, a = kernels.swiglu_probs_backward_triton(da, h, probs)
+    return dh, _dprobs_or_empty(dprobs, h), a
+
+
+# ---------------------------------------------------------------- public entry points
+
+
+def _check(h_T2F: Tensor, probs_T: Tensor | None) -> None:
+    if h_T2F.dim() != 2 or h_T2F.shape[1] % 2:
+        raise ValueError(
+            f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F): gate and up halves side by side"
+        )
+    if probs_T is not None and tuple(probs_T.shape) != (h_T2F.shape[0],):
+        raise ValueError(
+            f"probs has shape {tuple(probs_T.shape)}, expected (T,) = ({h_T2F.shape[0]},)"
+        )
+
+
+def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
+    """``silu(h[:, :F]) * h[:, F:] * probs[:, None]``: fused Triton on CUDA, the reference elsewhere.
+
+    Not differentiable (the grouped MLP's autograd Function calls it).
+
+    Args:
+        h_T2F: ``(T, 2F)`` fc1 output, gate columns first.
+        probs_T: ``(T,)`` per-token scale, or ``None`` (ones).
+
+    Returns:
+        ``a_TF``: a new contiguous ``(T, F)`` tensor in ``h``'s dtype.
+
+    Raises:
+        ValueError: ``h`` is not ``(T, 2F)`` or ``probs`` is not ``(T,)``.
+    """
+    _check(h_T2F, probs_T)
+    probs = None if probs_T is None else probs_T.contiguous()
+    return swiglu_probs_op(h_T2F.contiguous(), probs)
+
+
+def swiglu_probs_backward(
+    da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Backward of :func:`swiglu_probs` in one pass, recomputing the activation.
+
+    Args:
+        da_TF: ``(T, F)`` gradient of the activation, in ``h``'s dtype.
+        h_T2F: ``(T, 2F)`` fc1 output.
+        probs_T: ``(T,)`` per-token scale, or ``None``.
+
+    Returns:
+        ``(dh_T2F, dprobs_T, a_TF)``: ``dh`` and the recomputed activation
+        ``a`` in ``h``'s dtype, ``dprobs`` in ``probs``' dtype (``None``
+        without ``probs``); all new contiguous tensors.
+
+    Raises:
+        ValueError: ``h`` is not ``(T, 2F)``, ``da`` not ``(T, F)`` or
+            ``probs`` not ``(T,)``.
+    """
+    _check(h_T2F, probs_T)
+    expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
+    if tuple(da_TF.shape) != expected:
+        raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
+    probs = None if probs_T is None else probs_T.contiguous()
+    dh, dprobs, a = swiglu_probs_backward_op(
+        da_TF.contiguous().to(h_T2F.dtype), h_T2F.contiguous(), probs
+    )
+    return dh, None if probs_T is None else dprobs, a

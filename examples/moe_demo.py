@@ -21,12 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from groupgrad.modules import GroupedLinear
-
-try:  # the fused MLP arrives with its own issue; the demo offers it when present
-    from groupgrad.modules import GroupedMLP  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the installed modules version
-    GroupedMLP = None
+from groupgrad.modules import GroupedLinear, GroupedMLP
 
 
 class MoELayer(nn.Module):
@@ -121,9 +116,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--print-every", type=int, default=25)
     args = parser.parse_args()
-    if args.experts == "mlp" and GroupedMLP is None:
-        parser.error("--experts mlp needs groupgrad.modules.GroupedMLP, which this install lacks")
-
     device = torch.device(args.device)
     hidden, ffn, experts, top_k, tokens = 64, 96, 8, 2, 128
     torch.manual_seed(0)

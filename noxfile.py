@@ -1,19 +1,24 @@
 """Development sessions for the groupgrad monorepo (`nox --list` shows the menu).
 
 CPU sessions build their own virtual environments and pin the CPU build of
-PyTorch. GPU sessions (`tests-gpu`) run on a CUDA machine whose Python
-already has a CUDA build of PyTorch: their environment sees the system's
-site-packages and installs the project without dependencies or build
-isolation, so they also work on a machine with no network (set
-``PIP_NO_INDEX=1`` and ``PIP_FIND_LINKS`` to a folder of wheels for anything
-missing there, such as ``nvidia-cutlass``).
+PyTorch. GPU sessions (`tests-gpu`, `bench`, and `demo` where a GPU is
+present) run with the CUDA build of PyTorch of the Python that runs nox: their
+environment sees that Python's packages and installs the project without
+dependencies or build isolation, so they also work on a machine with no
+network (set ``PIP_NO_INDEX=1`` and ``PIP_FIND_LINKS`` to a folder of wheels
+for anything missing there, such as ``nvidia-cutlass``).
 """
 
 from __future__ import annotations
 
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
 import nox
 
-nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 
 PYTHON_VERSIONS = None  # the interpreter nox runs under
@@ -47,50 +52,75 @@ def tests(session: nox.Session) -> None:
     )
 
 
-def _cuda_report(session: nox.Session) -> str | None:
-    """Return a reason to skip GPU work, or None when a CUDA device is usable."""
-    probe = (
-        "import importlib.util, sys\n"
-        "if importlib.util.find_spec('torch') is None:\n"
-        "    print('no PyTorch in the system site-packages'); sys.exit()\n"
-        "import torch\n"
-        "if not torch.cuda.is_available():\n"
-        "    print(f'no CUDA device visible to torch {torch.__version__}'); sys.exit()\n"
-        "print('ok')\n"
+_CUDA_PROBE = """
+import importlib.util, sys
+if importlib.util.find_spec("torch") is None:
+    print("no PyTorch in the Python that runs nox"); sys.exit()
+import torch
+if not torch.cuda.is_available():
+    print(f"no CUDA device visible to torch {torch.__version__}"); sys.exit()
+print("ok")
+"""
+
+
+def _host_cuda_reason() -> str | None:
+    """Why the Python running nox cannot drive a GPU, or None when it can (CUDA torch + device)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, check=False
     )
-    answer = str(session.run("python", "-c", probe, silent=True)).strip().splitlines()[-1]
-    return None if answer == "ok" else answer
+    lines = probe.stdout.strip().splitlines() or [f"the CUDA probe failed: {probe.stderr[-300:]}"]
+    return None if lines[-1] == "ok" else lines[-1]
+
+
+def _see_host_packages(session: nox.Session) -> None:
+    """Let the session's environment import what the Python running nox has (its CUDA torch).
+
+    A ``.pth`` file appends the host's site-packages to the environment's path,
+    after the environment's own packages; this works even when the host Python
+    is itself a virtual environment (where ``--system-site-packages`` would
+    reach only the base interpreter).
+    """
+    host = [
+        path
+        for path in (*site.getsitepackages(), site.getusersitepackages())
+        if os.path.isdir(path)
+    ]
+    purelib = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    )
+    Path(str(purelib).strip(), "_groupgrad_host_site.pth").write_text("\n".join(host) + "\n")
 
 
 def _install_project_gpu(session: nox.Session) -> None:
+    _see_host_packages(session)
     session.install(*GPU_EXTRAS)
     session.install("--no-deps", "--no-build-isolation", *PACKAGES)
 
 
-@nox.session(name="tests-gpu", python=PYTHON_VERSIONS, venv_params=["--system-site-packages"])
+@nox.session(name="tests-gpu", python=PYTHON_VERSIONS)
 def tests_gpu(session: nox.Session) -> None:
     """GPU test suite (CUTLASS kernels, modules on CUDA); skipped without a CUDA device."""
-    reason = _cuda_report(session)
+    reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"tests-gpu needs a CUDA device: {reason}")
     _install_project_gpu(session)
     session.run("pytest", "-m", "gpu", *TEST_PATHS, *session.posargs)
 
 
-@nox.session(python=PYTHON_VERSIONS, venv_params=["--system-site-packages"])
+@nox.session(python=PYTHON_VERSIONS)
 def demo(session: nox.Session) -> None:
     """The main job: train a small MoE layer with groupgrad experts (GPU if present, else CPU)."""
-    if _cuda_report(session) is None:
+    if _host_cuda_reason() is None:
         _install_project_gpu(session)
     else:
         _install_project_cpu(session)
     session.run("python", "examples/moe_demo.py", *session.posargs)
 
 
-@nox.session(python=PYTHON_VERSIONS, venv_params=["--system-site-packages"])
+@nox.session(python=PYTHON_VERSIONS)
 def bench(session: nox.Session) -> None:
     """GPU benchmarks: JSON and PNG plots under benchmarks/results/; skipped without CUDA."""
-    reason = _cuda_report(session)
+    reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"bench needs a CUDA device: {reason}")
     _install_project_gpu(session)

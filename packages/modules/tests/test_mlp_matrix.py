@@ -1,0 +1,249 @@
+"""GroupedMLP over every combination DESIGN.md names, against a per-expert fp64 reference.
+
+{per-expert, single grouped weight} × {plain, distributed (fc1 and fc2 both
+led by fake leaders)} × {no main_grad, accumulate, overwrite} × {delay, no
+delay} × {zero_out_wgrad} × {bias}, each over three micro-batches in a row
+(probs given, then ``None``, then given; zero-token experts at the start, in
+the middle and at the end). ``main_grad`` starts as NaN for overwrite (the
+founding bug: a fused MLP that left ``main_grad`` untouched fails at once) and
+as random values for accumulate. The fake leaders' forward materialization
+scales the weights by 2 and the backward one by 4, so the test sees which
+weights each GEMM used.
+
+Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from groupgrad.modules import GroupedMLP
+from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+
+E, H, FFN = 4, 16, 8
+SPLITS = [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]]
+WITH_PROBS = [True, False, True]
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str  # "per_expert" | "single"
+    kind: str  # "plain" | "distributed"
+    main_grad: str  # "none" | "accumulate" | "overwrite"
+    delay: bool
+    zero_out: bool
+    bias: bool
+
+    @property
+    def id(self) -> str:
+        return "-".join(
+            [
+                self.layout,
+                self.kind,
+                self.main_grad,
+                "delay" if self.delay else "now",
+                "zero_out" if self.zero_out else "keep",
+                "bias" if self.bias else "nobias",
+            ]
+        )
+
+
+CASES = [
+    Case(layout, kind, main_grad, delay, zero_out, bias)
+    for layout, kind, main_grad, delay, zero_out, bias in itertools.product(
+        ["per_expert", "single"],
+        ["plain", "distributed"],
+        ["none", "accumulate", "overwrite"],
+        [False, True],
+        [False, True],
+        [False, True],
+    )
+    if not (zero_out and main_grad == "none")  # zero_out_wgrad concerns the main_grad dummy only
+]
+
+
+def _layer_weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
+    linear = getattr(module, layer)
+    return [getattr(linear, n) for n in linear.weight_names]
+
+
+def _distribute(module: GroupedMLP, layer: str, main_grad: str) -> None:
+    linear = getattr(module, layer)
+    group = make_fake_group(
+        _layer_weights(module, layer),
+        main_grad_dtype=None if main_grad == "none" else torch.float32,
+    )
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight)
+    leader.finalize_returns = "grads" if main_grad == "none" else "dummy"
+    for name, param in zip(linear.weight_names, group, strict=True):
+        setattr(linear, name, param)
+
+
+def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    module = GroupedMLP(
+        E,
+        H,
+        FFN,
+        bias=case.bias,
+        single_grouped_weight=case.layout == "single",
+        accumulate_into_main_grad=case.main_grad != "none",
+        delay_wgrad_compute=case.delay,
+        dtype=torch.float32,
+    )
+    if case.kind == "distributed":
+        _distribute(module, "fc1", case.main_grad)
+        _distribute(module, "fc2", case.main_grad)
+    weights = _layer_weights(module, "fc1") + _layer_weights(module, "fc2")
+    if case.main_grad != "none":
+        gen = torch.Generator().manual_seed(seed + 1)
+        for w in weights:
+            if case.main_grad == "overwrite":
+                w.main_grad = torch.full(w.shape, float("nan"))
+            else:
+                w.main_grad = torch.randn(w.shape, generator=gen)
+            w.overwrite_main_grad = case.main_grad == "overwrite"
+            w.grad_added_to_main_grad = False
+            if case.zero_out:
+                w.zero_out_wgrad = True
+    return module, weights
+
+
+def _experts(module: GroupedMLP, layer: str, kind: str) -> tuple[list[torch.Tensor], list]:
+    """Each expert's fp64 weight and bias (``None`` without bias) of ``layer``."""
+    linear = getattr(module, layer)
+    if linear.single_grouped_weight:
+        ws = list(linear.weight.detach().double().unbind(0))
+        bs = list(linear.bias.detach().double().unbind(0)) if linear.use_bias else [None] * E
+    else:
+        ws = [getattr(linear, f"weight{e}").detach().double() for e in range(E)]
+        bs = [
+            getattr(linear, f"bias{e}").detach().double() if linear.use_bias else None
+            for e in range(E)
+        ]
+    return ws, bs
+
+
+def _reference(
+    module: GroupedMLP,
+    case: Case,
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    dy: torch.Tensor,
+    splits: list[int],
+) -> dict:
+    """fp64 per-expert reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
+    fwd, bwd = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
+    w1s, b1s = _experts(module, "fc1", case.kind)
+    w2s, b2s = _experts(module, "fc2", case.kind)
+    p_all = torch.ones(x.shape[0], dtype=torch.float64) if probs is None else probs.double()
+    out: dict[str, list] = {k: [] for k in ("y", "dx", "dp", "dw1", "dw2", "db1", "db2")}
+    for e, (x_e, dy_e, p_e) in enumerate(
+        zip(x.double().split(splits), dy.double().split(splits), p_all.split(splits), strict=True)
+    ):
+        h = F.linear(x_e, fwd * w1s[e], b1s[e]).requires_grad_()
+        p_e = p_e.clone().requires_grad_()
+        gate, up = h.chunk(2, dim=1)
+        a = F.silu(gate) * up * p_e[:, None]
+        out["y"].append(F.linear(a.detach(), fwd * w2s[e], b2s[e]))
+        da = dy_e @ (bwd * w2s[e])
+        dh, dp = torch.autograd.grad(a, [h, p_e], da)
+        out["dx"].append(dh @ (bwd * w1s[e]))
+        out["dp"].append(dp)
+        out["dw1"].append(dh.T @ x_e)
+        out["dw2"].append(dy_e.T @ a.detach())
+        out["db1"].append(dh.sum(0))
+        out["db2"].append(dy_e.sum(0))
+    result = {k: torch.cat(out[k]) for k in ("y", "dx", "dp")}
+    for k in ("dw1", "dw2", "db1", "db2"):
+        result[k] = [torch.stack(out[k])] if case.layout == "single" else out[k]
+    return result
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_grouped_mlp_matrix(case: Case) -> None:
+    module, weights = _build(case, seed=11)
+    names = [f"fc1.{n}" for n in module.fc1.weight_names]
+    names += [f"fc2.{n}" for n in module.fc2.weight_names]
+    biases = [getattr(module.fc1, n) for n in module.fc1.bias_names]
+    biases += [getattr(module.fc2, n) for n in module.fc2.bias_names]
+    initial = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
+    sum_dw = [torch.zeros(w.shape, dtype=torch.float64) for w in weights]
+    sum_db = [torch.zeros(b.shape, dtype=torch.float64) for b in biases]
+    gen = torch.Generator().manual_seed(123)
+
+    for step, (splits, with_probs) in enumerate(zip(SPLITS, WITH_PROBS, strict=True)):
+        tokens = sum(splits)
+        x = torch.randn(tokens, H, generator=gen).requires_grad_()
+        probs = torch.rand(tokens, generator=gen).requires_grad_() if with_probs else None
+        dy = torch.randn(tokens, H, generator=gen)
+        ref = _reference(module, case, x.detach(), probs, dy, splits)
+
+        y = module(x, splits, probs)
+        _close(y, ref["y"], f"y at step {step}")
+        before = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
+        grads_before = [None if w.grad is None else w.grad.clone() for w in weights]
+        y.backward(dy)
+        _close(x.grad, ref["dx"], f"dx at step {step}")
+        if probs is not None:
+            _close(probs.grad, ref["dp"], f"dprobs at step {step}")
+
+        if case.delay and case.kind == "plain" and case.main_grad != "none":
+            # backward handed out the flag and dummy; main_grad is written at backward_dw()
+            for w, old in zip(weights, before, strict=True):
+                torch.testing.assert_close(w.main_grad, old, equal_nan=True)
+            assert all(w.grad_added_to_main_grad for w in weights)
+        if case.delay and case.main_grad == "none":
+            for w, old in zip(weights, grads_before, strict=True):
+                unchanged = w.grad is None if old is None else torch.equal(w.grad, old)
+                assert unchanged, "a delayed wgrad reached .grad before backward_dw()"
+        module.backward_dw()
+
+        latest = ref["dw1"] + ref["dw2"]
+        for index, dw in enumerate(latest):
+            sum_dw[index] += dw
+        for index, db in enumerate(ref["db1"] + ref["db2"] if case.bias else []):
+            sum_db[index] += db
+
+        for index, w in enumerate(weights):
+            label = f"{names[index]} at step {step}"
+            if case.main_grad == "none":
+                _close(w.grad, sum_dw[index], f".grad of {label}")
+                continue
+            expected = (
+                latest[index]
+                if case.main_grad == "overwrite"
+                else initial[index].double() + sum_dw[index]
+            )
+            _close(w.main_grad, expected, f"main_grad of {label}")
+            assert w.grad_added_to_main_grad is True, label
+            assert w.grad is not None, f"{label}: autograd received no dummy"
+            assert w.grad.shape == w.shape
+            assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
+        for index, b in enumerate(biases):
+            _close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+
+    if case.kind == "distributed":
+        for layer in ("fc1", "fc2"):
+            leader = _layer_weights(module, layer)[0]
+            assert isinstance(leader, FakeDistributedWeight)
+            assert leader.calls["materialize_group_for_forward"] == len(SPLITS), layer
+            assert leader.calls["materialize_group_for_backward"] == len(SPLITS), layer
+            assert leader.calls["finalize_group_grads"] == len(SPLITS), layer
+            if case.main_grad != "none":
+                assert all(g.dtype == torch.float32 for g in leader.finalized[-1]), layer
+    if case.delay:
+        with pytest.raises(
+            RuntimeError, match=r"GroupedMLP\.backward_dw\(\) was called but no backward has queued"
+        ):
+            module.backward_dw()

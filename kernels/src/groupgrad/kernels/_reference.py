@@ -6,7 +6,9 @@ expert's product is computed in fp32 (inputs are upcast, so a bf16/fp16
 product is exact and the sum is accumulated in fp32) and rounded once into
 the output dtype. For wgrad, accumulating adds the fp32 product to ``out``
 in fp32 before that single rounding (``D = C + A·B``, as the CUTLASS epilogue
-does); overwriting never reads ``out``.
+does); overwriting never reads ``out``. An fp32 ``out`` (e.g. a ``main_grad``)
+is written in place by the matrix product itself, with no weight-sized
+scratch.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 
@@ -57,9 +60,15 @@ def wgrad(
                 dw_NK.zero_()
             continue
         rows = slice(start, start + count)
-        product_NK = dy_TN[rows].float().T @ x_TK[rows].float()
-        if accumulate:
-            dw_NK.add_(product_NK)  # fp32 sum, one rounding into dw's dtype
+        dyT_NT, x_TK_e = dy_TN[rows].float().T, x_TK[rows].float()
+        if dw_NK.dtype == torch.float32 and dw_NK.is_contiguous():
+            # fp32 output (e.g. main_grad): the product lands in place, no scratch
+            if accumulate:
+                dw_NK.addmm_(dyT_NT, x_TK_e)
+            else:
+                torch.mm(dyT_NT, x_TK_e, out=dw_NK)
+        elif accumulate:
+            dw_NK.add_(dyT_NT @ x_TK_e)  # fp32 sum, one rounding into dw's dtype
         else:
-            dw_NK.copy_(product_NK)
+            dw_NK.copy_(dyT_NT @ x_TK_e)
         start += count

@@ -13,7 +13,7 @@ need not save it — fc2's wgrad reads the recomputed copy)::
     dg     = da * probs * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
     du     = da * probs * silu(g)
 
-Everything is computed in fp32 and rounded once into ``h``'s dtype (``a``,
+Everything is computed in fp32 (the reference: fp64 for fp64 inputs) and rounded once into ``h``'s dtype (``a``,
 ``dh``) or ``probs``' dtype (``dprobs``). ``a`` is computed by the same
 expression in forward and backward, so the recomputed ``a`` is the one forward
 used (bit for bit on the reference path).
@@ -51,7 +51,9 @@ TRITON_MODULE = "groupgrad.modules._swiglu_triton"
 
 
 def _gate_and_up(h_T2F: Tensor) -> tuple[Tensor, Tensor]:
-    g_TF, u_TF = h_T2F.float().chunk(2, dim=1)
+    """Gate and up halves in the math dtype: fp32 (fp64 for fp64 input, as a test oracle)."""
+    math_dtype = torch.promote_types(h_T2F.dtype, torch.float32)
+    g_TF, u_TF = h_T2F.to(math_dtype).chunk(2, dim=1)
     return g_TF, u_TF
 
 
@@ -68,7 +70,7 @@ def swiglu_probs_ref(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     g_TF, u_TF = _gate_and_up(h_T2F)
     a_TF = g_TF * torch.sigmoid(g_TF) * u_TF
     if probs_T is not None:
-        a_TF = a_TF * probs_T.float()[:, None]
+        a_TF = a_TF * probs_T.to(a_TF.dtype)[:, None]
     return a_TF.to(h_T2F.dtype)
 
 
@@ -91,10 +93,10 @@ def swiglu_probs_backward_ref(
     sig_TF = torch.sigmoid(g_TF)
     silu_TF = g_TF * sig_TF
     act_TF = silu_TF * u_TF
-    da_TF = da_TF.float()
+    da_TF = da_TF.to(g_TF.dtype)
     dprobs_T = None
     if probs_T is not None:
-        p_T1 = probs_T.float()[:, None]
+        p_T1 = probs_T.to(g_TF.dtype)[:, None]
         dprobs_T = (da_TF * act_TF).sum(dim=1).to(probs_T.dtype)
         act_TF = act_TF * p_T1
         da_TF = da_TF * p_T1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -77,7 +78,7 @@ class GroupedLinear(nn.Module):
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_queue = WgradQueue()
 
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         if single_grouped_weight:
             self.weight = nn.Parameter(
                 torch.empty(num_groups, out_features, in_features, **factory)

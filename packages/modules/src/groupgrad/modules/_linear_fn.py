@@ -64,7 +64,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x_TK: Tensor,
         splits: Splits,
@@ -95,7 +95,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y_TN
 
     @staticmethod
-    def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
         x_TK, expert_T = ctx.saved_tensors
         spec: WeightGroupSpec = ctx.spec
         weights: tuple[Tensor, ...] = ctx.weights

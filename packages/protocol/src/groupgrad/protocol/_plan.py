@@ -323,10 +323,11 @@ def accumulate_grads_like_autograd(
         for param, grad in zip(members, grads, strict=True):
             if not param.requires_grad:
                 continue
-            if grad is not None and param.grad is None:
-                param.grad = grad.detach().to(param.dtype).reshape(param.shape)
-            elif grad is not None:
-                param.grad.add_(grad.reshape(param.shape))
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad.detach().to(param.dtype).reshape(param.shape)
+                else:
+                    param.grad.add_(grad.reshape(param.shape))
             run_post_accumulate_grad_hooks(param)
 
 

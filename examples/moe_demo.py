@@ -125,12 +125,12 @@ def main() -> None:
     )
     for w in teacher.expert_weights():
         w.requires_grad_(False)
-        w.mul_(3.0)
     layer = MoELayer(hidden, ffn, experts, top_k, fused=fused, dtype=torch.bfloat16, device=device)
     layer.router.load_state_dict(teacher.router.state_dict())
+    layer.router.requires_grad_(False)  # same routing as the teacher: the experts learn
     weights = layer.expert_weights()
     masters = _attach_main_grads(weights)
-    optimizer = torch.optim.Adam([*masters, *layer.router.parameters()], lr=1e-2)
+    optimizer = torch.optim.Adam(masters, lr=1e-2)
 
     print(
         f"groupgrad MoE demo on {device}: {experts} experts ({args.experts}), top-{top_k}, "
@@ -146,6 +146,8 @@ def main() -> None:
             (loss / 2).backward()
             loss_value += loss.item() / 2
         first_loss = loss_value if first_loss is None else first_loss
+        flagged = sum(bool(w.grad_added_to_main_grad) for w in weights)
+        dummies = sum(w.grad is not None and not w.grad.any() for w in weights)
         for master, w in zip(masters, weights, strict=True):
             master.grad = w.main_grad
         optimizer.step()
@@ -159,12 +161,16 @@ def main() -> None:
         if step % args.print_every == 0 or step == 1:
             print(f"step {step:4d}  loss {loss_value:.5f}  ({time.perf_counter() - start:5.1f} s)")
 
-    print(f"\nloss fell from {first_loss:.5f} to {loss_value:.5f} in {args.steps} steps")
+    change = 100.0 * (loss_value - first_loss) / first_loss
+    print(
+        f"\nloss went from {first_loss:.5f} to {loss_value:.5f} in {args.steps} steps ({change:+.0f}%)"
+    )
     w0 = weights[0]
     print(
-        f"expert weights: {len(weights)} parameters in {w0.dtype}; their gradients went into "
-        f"main_grad ({w0.main_grad.dtype}) through the wgrad GEMM (grad_added_to_main_grad="
-        f"{w0.grad_added_to_main_grad} after the last reset; autograd got zero dummies)"
+        f"where the expert gradients went: {len(weights)} {w0.dtype} weights, each wgrad written "
+        f"by the GEMM straight into its {w0.main_grad.dtype} main_grad (2 micro-batches "
+        f"accumulated per step); in the last step {flagged}/{len(weights)} had "
+        f"grad_added_to_main_grad set and {dummies}/{len(weights)} gave autograd a zero dummy"
     )
     fp32_err, bf16_err = _reduction_error(layer, teacher, hidden, device)
     print(

@@ -124,9 +124,8 @@ def bench(session: nox.Session) -> None:
     if reason is not None:
         session.skip(f"bench needs a CUDA device: {reason}")
     _install_project_gpu(session)
-    session.run(
-        "python", "benchmarks/bench_kernels.py", "--out", "benchmarks/results", *session.posargs
-    )
+    for script in ("benchmarks/bench_kernels.py", "benchmarks/bench_mlp.py"):
+        session.run("python", script, "--out", "benchmarks/results", *session.posargs)
 
 
 @nox.session(python=PYTHON_VERSIONS)

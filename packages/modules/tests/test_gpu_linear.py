@@ -173,6 +173,7 @@ def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None
         for _ in range(3):
             module(static_x, static_splits).backward(static_dy)
     torch.cuda.current_stream().wait_stream(side)
+    static_x.grad = None  # captured backward then allocates dx and replays overwrite it
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

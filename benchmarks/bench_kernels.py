@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -99,25 +100,55 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
 
 
 def _candidates(op: str, dout: str, tuning: bool) -> list[_cutlass.Plan]:
-    """Every compiled variant for this op and dtype, in both raster orders (tuning sweep)."""
+    """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4."""
     if not tuning:
         return []
     names = _cutlass.compiled_variants()
     plans = []
     for v in _cutlass.VARIANTS + _cutlass.TUNING_VARIANTS:
         if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
-            plans += [_cutlass.Plan(v.name, False), _cutlass.Plan(v.name, True)]
+            for raster_n in (False, True):
+                plans += [_cutlass.Plan(v.name, raster_n, swizzle) for swizzle in (1, 4)]
     return plans
 
 
-def _sweep(
-    run: Callable[[int, _cutlass.Plan], None], plans: list[_cutlass.Plan], reps: int
-) -> dict[str, float]:
-    out = {}
-    for plan in plans:
-        tag = f"{plan.variant}{'/rasterN' if plan.raster_along_n else ''}"
-        out[tag] = kt.median_ms(lambda i, p=plan: run(i, p), N_SETS, reps)
-    return out
+def _plan_tag(plan: _cutlass.Plan) -> str:
+    return f"{plan.variant}/{'N' if plan.raster_along_n else 'M'}/s{plan.max_swizzle}"
+
+
+def _run_plan(
+    run: Callable[[int, _cutlass.Plan | None], None], plan: _cutlass.Plan, i: int
+) -> None:
+    run(i, plan)
+
+
+def _measure(
+    headline: Mapping[str, Callable[[int], object]],
+    run: Callable[[int, _cutlass.Plan | None], None],
+    plans: list[_cutlass.Plan],
+    reps: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Interleaved timings of ours and the baselines, then of the sweep's plans."""
+    times = kt.interleaved_ms(headline, N_SETS, rounds=max(1, reps // 3), per_round=3)
+    sweep_fns: dict[str, Callable[[int], object]] = {
+        _plan_tag(p): functools.partial(_run_plan, run, p) for p in plans
+    }
+    sweep = kt.interleaved_ms(sweep_fns, N_SETS, rounds=4, per_round=2) if plans else {}
+    return times, sweep
+
+
+def _row(
+    op: str, case: Case, plan: _cutlass.Plan, times: dict, sweep: dict, **extra: object
+) -> dict:
+    return {
+        "op": op,
+        "case": case.label,
+        "flops": case.flops,
+        "variant": _plan_tag(plan),
+        "times_ms": times,
+        "sweep_ms": sweep,
+        **extra,
+    }
 
 
 def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
@@ -146,21 +177,14 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
 
     ours(0)
     err = kt.rel_error(out, grouped_mm(0))
-    times = {
-        "ours": kt.median_ms(ours, N_SETS, reps),
-        "grouped_mm": kt.median_ms(grouped_mm, N_SETS, reps),
-        "loop": kt.median_ms(loop, N_SETS, reps),
-        "dense": kt.median_ms(dense, N_SETS, reps),
+    headline: dict[str, Callable[[int], object]] = {
+        "ours": ours,
+        "grouped_mm": grouped_mm,
+        "loop": loop,
+        "dense": dense,
     }
-    return {
-        "op": op,
-        "case": case.label,
-        "flops": case.flops,
-        "variant": plan.variant,
-        "rel_err_vs_grouped_mm": err,
-        "times_ms": times,
-        "sweep_ms": _sweep(ours, _candidates(op, "bf16", tuning), max(5, reps // 3)),
-    }
+    times, sweep = _measure(headline, ours, _candidates(op, "bf16", tuning), reps)
+    return _row(op, case, plan, times, sweep, rel_err_vs_grouped_mm=err)
 
 
 def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
@@ -185,24 +209,19 @@ def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
 
     ours(0)
     err = kt.rel_error(out, grouped_mm(0))
-    times = {
-        "ours": kt.median_ms(ours, N_SETS, reps),
-        "grouped_mm": kt.median_ms(grouped_mm, N_SETS, reps),
-        "loop": kt.median_ms(loop, N_SETS, reps),
-        "dense": kt.median_ms(dense, N_SETS, reps),
+    headline: dict[str, Callable[[int], object]] = {
+        "ours": ours,
+        "grouped_mm": grouped_mm,
+        "loop": loop,
+        "dense": dense,
     }
-    return {
-        "op": "wgrad_bf16",
-        "case": case.label,
-        "flops": case.flops,
-        "variant": plan.variant,
-        "rel_err_vs_grouped_mm": err,
-        "times_ms": times,
-        "sweep_ms": _sweep(ours, _candidates("wgrad", "bf16", tuning), max(5, reps // 3)),
-    }
+    times, sweep = _measure(headline, ours, _candidates("wgrad", "bf16", tuning), reps)
+    return _row("wgrad_bf16", case, plan, times, sweep, rel_err_vs_grouped_mm=err)
 
 
-def bench_wgrad_fp32(case: Case, reps: int, tuning: bool, loop_kind: str, ceilings: dict) -> dict:
+def bench_wgrad_fp32(
+    case: Case, reps: int, tuning: bool, loop_kind: str, ceilings: dict[str, float]
+) -> dict:
     # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
     main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
     packed_main_grad = torch.zeros(case.E, case.N, case.K, device="cuda")
@@ -225,36 +244,30 @@ def bench_wgrad_fp32(case: Case, reps: int, tuning: bool, loop_kind: str, ceilin
     for m, s in zip(main_grads, start, strict=True):
         m.copy_(s)
     ours(0)
-    ref = []
-    for e, (lo, hi) in enumerate(case.bounds()):
-        ref.append(start[e] + case.dy[0][lo:hi].float().t() @ case.x[0][lo:hi].float())
+    ref = [
+        start[e] + case.dy[0][lo:hi].float().t() @ case.x[0][lo:hi].float()
+        for e, (lo, hi) in enumerate(case.bounds())
+    ]
     err = kt.rel_error(main_grads, ref)
     del start, ref
-    times = {
-        "ours": kt.median_ms(ours, N_SETS, reps),
-        "grouped_mm_add": kt.median_ms(grouped_mm_add, N_SETS, reps),
-        "loop_fp32": kt.median_ms(loop, N_SETS, reps),
-    }
+    headline = {"ours": ours, "grouped_mm_add": grouped_mm_add, "loop_fp32": loop}
+    times, sweep = _measure(headline, ours, _candidates("wgrad", "f32", tuning), reps)
     bytes_rw = 2 * case.E * case.N * case.K * 4
-    floor_ms = (
-        max(
-            case.flops / (ceilings["dense_bf16_tflops"] * 1e12),
-            bytes_rw / (ceilings["copy_gbs"] * 1e9),
-        )
-        * 1e3
+    floor_ms = 1e3 * max(
+        case.flops / (ceilings["dense_bf16_tflops"] * 1e12),
+        bytes_rw / (ceilings["copy_gbs"] * 1e9),
     )
-    return {
-        "op": "wgrad_fp32_acc",
-        "case": case.label,
-        "flops": case.flops,
-        "variant": plan.variant,
-        "rel_err_vs_fp32": err,
-        "times_ms": times,
-        "floor_ms": floor_ms,
-        "fraction_of_floor": floor_ms / times["ours"],
-        "loop_kind": loop_kind,
-        "sweep_ms": _sweep(ours, _candidates("wgrad", "f32", tuning), max(5, reps // 3)),
-    }
+    return _row(
+        "wgrad_fp32_acc",
+        case,
+        plan,
+        times,
+        sweep,
+        rel_err_vs_fp32=err,
+        floor_ms=floor_ms,
+        fraction_of_floor=floor_ms / times["ours"],
+        loop_kind=loop_kind,
+    )
 
 
 def main() -> None:
@@ -268,10 +281,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
 
-    _, build_s, compiled = _cutlass.build(tuning=args.tuning)
+    _, build_s, compiled = _cutlass.build()
     print(
         f"extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})", flush=True
     )
+    if args.tuning:
+        try:
+            _cutlass.build(variant_set="tuning")
+        except Exception as error:  # the sweep is optional; report and go on without it
+            print(f"tuning variants unavailable: {error}", flush=True)
+            args.tuning = False
     ceilings = {"copy_gbs": kt.copy_bandwidth_gbs(), "dense_bf16_tflops": kt.dense_bf16_tflops()}
     print(
         f"ceilings: copy {ceilings['copy_gbs']:.0f} GB/s, dense bf16 "

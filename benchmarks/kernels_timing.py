@@ -7,7 +7,7 @@ inputs rotated between calls so that no call finds its operands in L2.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +25,42 @@ def median_ms(fn: Callable[[int], object], n_sets: int, reps: int, warmup: int =
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def interleaved_ms(
+    fns: Mapping[str, Callable[[int], object]],
+    n_sets: int,
+    rounds: int,
+    per_round: int,
+    warmup: int = 2,
+) -> dict[str, float]:
+    """Median time (ms) of each function, measured in interleaved rounds.
+
+    Every round times each function ``per_round`` times (individual event pairs),
+    starting at a different function each round, so that slow drifts of the GPU
+    (clocks under sustained power draw, temperature) spread over all functions
+    instead of favouring whichever runs first.
+    """
+    names = list(fns)
+    for name in names:
+        for i in range(warmup):
+            fns[name](i % n_sets)
+    torch.cuda.synchronize()
+    samples: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {n: [] for n in names}
+    call = 0
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            for _ in range(per_round):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name](call % n_sets)
+                end.record()
+                samples[name].append((start, end))
+                call += 1
+        torch.cuda.synchronize()
+    return {n: statistics.median(s.elapsed_time(e) for s, e in samples[n]) for n in names}
 
 
 def copy_bandwidth_gbs(gib: float = 4.0, reps: int = 20) -> float:

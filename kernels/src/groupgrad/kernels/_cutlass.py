@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "TUNING_VARIANTS",
     "VARIANTS",
+    "VARIANT_SETS",
     "Plan",
     "Variant",
     "build",
@@ -109,8 +110,9 @@ def _cpp_bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-_COOP = ("coop", (128, 256, 64), (2, 1))
-_PONG = ("pong", (128, 128, 64), (2, 1))
+# The two tile configurations of the default build (kernels/NOTES.md, "Variants tried").
+_COOP = ("coop", (128, 256, 64), (1, 1))  # many small groups
+_PONG = ("pong", (128, 128, 64), (1, 2))  # large groups
 _IO_DTYPES = {
     "fprop": (("bf16", "bf16"), ("f16", "f16")),
     "dgrad": (("bf16", "bf16"), ("f16", "f16")),
@@ -125,14 +127,15 @@ VARIANTS: tuple[Variant, ...] = tuple(
     for sched, tile, cluster in (_COOP, _PONG)
 )
 
-#: Extra bf16 configurations compiled only on request (``build(tuning=True)``) for the
+#: Extra bf16 configurations compiled only on request (``build(variant_set="tuning")``) for the
 #: benchmark's tuning sweep; kernels/NOTES.md records what they measured.
 TUNING_VARIANTS: tuple[Variant, ...] = tuple(
     Variant(op, "bf16", dout, sched, tile, cluster)
     for op, dout in (("fprop", "bf16"), ("dgrad", "bf16"), ("wgrad", "bf16"), ("wgrad", "f32"))
     for sched, tile, cluster in (
-        ("coop", (256, 128, 64), (2, 1)),
-        ("pong", (64, 256, 64), (1, 2)),
+        ("coop", (128, 256, 64), (2, 1)),  # torch._grouped_mm's large-problem configuration
+        ("pong", (128, 128, 64), (2, 1)),
+        ("coop", (128, 256, 64), (1, 2)),
     )
 )
 
@@ -252,57 +255,66 @@ def _load_or_build(spec: _BuildSpec, verbose: bool) -> tuple[ModuleType, bool]:
     return module, True
 
 
+#: Variant sets, each compiled into its own extension module: "default" is what every
+#: GPU call needs; "tuning" holds the benchmark's extra configurations.
+VARIANT_SETS: dict[str, tuple[Variant, ...]] = {"default": VARIANTS, "tuning": TUNING_VARIANTS}
+_TUNING_NAMES = frozenset(v.name for v in TUNING_VARIANTS)
+
 _lock = threading.Lock()
-_module: ModuleType | None = None
-_module_variants: frozenset[str] = frozenset()
+_modules: dict[str, ModuleType] = {}  # variant set -> loaded extension
 
 
 def build(
     cache_dir: str | os.PathLike[str] | None = None,
     *,
-    tuning: bool = False,
+    variant_set: str = "default",
     verbose: bool = False,
 ) -> tuple[ModuleType, float, bool]:
-    """Compiles (or loads from the cache) the CUTLASS extension and makes it the active one.
+    """Compiles (or loads from the cache) one variant set's extension and activates it.
 
     Args:
-        cache_dir: root of the build cache; ``None`` uses :func:`default_cache_dir`.
-        tuning: also compile :data:`TUNING_VARIANTS` (for the benchmark's sweep).
+        cache_dir: root of the build cache; ``None`` uses :func:`default_cache_dir`
+            (an explicit argument always wins over the environment variable).
+        variant_set: ``"default"`` (:data:`VARIANTS`, what the API uses) or
+            ``"tuning"`` (:data:`TUNING_VARIANTS`, for the benchmark's sweep).
         verbose: show the compiler commands.
 
     Returns:
         ``(module, seconds, compiled)``: the loaded module, wall time of this call, and
         whether it compiled anything (``False`` when the cache already held the build).
     """
-    global _module, _module_variants
-    variants = VARIANTS + (TUNING_VARIANTS if tuning else ())
-    spec = _build_spec(cache_dir, variants)
+    if variant_set not in VARIANT_SETS:
+        raise ValueError(f"variant_set is {variant_set!r}, expected one of {sorted(VARIANT_SETS)}")
+    spec = _build_spec(cache_dir, VARIANT_SETS[variant_set])
     start = time.perf_counter()
     with _lock:
         module, compiled = _load_or_build(spec, verbose)
-        _module = module
-        _module_variants = frozenset(module.variants())
+        _modules[variant_set] = module
     return module, time.perf_counter() - start, compiled
 
 
 def build_directory(
-    cache_dir: str | os.PathLike[str] | None = None, *, tuning: bool = False
+    cache_dir: str | os.PathLike[str] | None = None, *, variant_set: str = "default"
 ) -> Path:
     """Where :func:`build` with these arguments keeps its build."""
-    return _build_spec(cache_dir, VARIANTS + (TUNING_VARIANTS if tuning else ())).directory
+    return _build_spec(cache_dir, VARIANT_SETS[variant_set]).directory
 
 
-def _extension() -> ModuleType:
-    if _module is None:
+def _extension(variant: str) -> ModuleType:
+    """The loaded extension holding ``variant`` (the default set builds on first use)."""
+    variant_set = "tuning" if variant in _TUNING_NAMES else "default"
+    if variant_set not in _modules:
+        if variant_set != "default":
+            raise RuntimeError(f"{variant} is a tuning variant: build(variant_set='tuning') first")
         build()
-    assert _module is not None
-    return _module
+    return _modules[variant_set]
 
 
 def compiled_variants() -> frozenset[str]:
-    """Names of the variants in the active build (builds on first use)."""
-    _extension()
-    return _module_variants
+    """Names of the variants in the loaded extensions (builds the default set on first use)."""
+    if "default" not in _modules:
+        build()
+    return frozenset(name for m in _modules.values() for name in m.variants())
 
 
 # --------------------------------------------------------------------------- support
@@ -313,7 +325,7 @@ _toolchain_reason_cache: list[str | None] = []
 
 def _toolchain_reason() -> str | None:
     """Why the extension cannot be built here, if it is not loaded yet (cheap, cached)."""
-    if _module is not None:
+    if _modules:
         return None
     if not _toolchain_reason_cache:
         reason = None
@@ -405,6 +417,10 @@ def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> st
 # --------------------------------------------------------------------------- planning
 
 
+#: Tokens per group (T / E) from which :func:`plan_for` takes the ping-pong tile.
+LARGE_GROUP_ROWS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Which compiled variant runs a call, and the persistent scheduler's raster order."""
@@ -430,16 +446,12 @@ def plan_for(
     ``(T/E) x K x N``, wgrad ``N x K x (T/E)`` (ragged dimension on average).
     """
     din, dout = _DTYPE_TAGS[dtype_in], _DTYPE_TAGS[dtype_out]
+    # Tokens per group: the ragged M of fprop/dgrad, the ragged K of wgrad. Large
+    # groups: ping-pong 128x128 (one warp group's epilogue overlaps the other's
+    # mainloop) with a 1x2 cluster, so no M tile is padded to a cluster pair.
+    # Many small groups: cooperative 128x256 without a cluster.
     rows = T / max(E, 1)
-    if op == "wgrad":
-        # Ragged K. Short groups make the fp32 read-modify-write epilogue dominate;
-        # ping-pong overlaps one warp group's epilogue with the other's mainloop.
-        config = _PONG if (dout == "f32" and accumulate and rows <= 1024) else _COOP
-    else:
-        # Ragged M: with few tokens per group the last, partial M tile of each group
-        # wastes less with ping-pong's 128x128 tile than with 128x256.
-        config = _PONG if rows <= 256 else _COOP
-    sched, tile, cluster = config
+    sched, tile, cluster = _PONG if rows >= LARGE_GROUP_ROWS else _COOP
     return Plan(Variant(op, din, dout, sched, tile, cluster).name)
 
 
@@ -459,7 +471,7 @@ def fprop(
         plan = plan_for(
             "fprop", x_TK.dtype, out.dtype, x_TK.size(0), len(w), out.size(1), x_TK.size(1)
         )
-    _extension().fprop(
+    _extension(plan.variant).fprop(
         x_TK, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
     )
 
@@ -477,7 +489,7 @@ def dgrad(
         plan = plan_for(
             "dgrad", dy_TN.dtype, out.dtype, dy_TN.size(0), len(w), dy_TN.size(1), out.size(1)
         )
-    _extension().dgrad(
+    _extension(plan.variant).dgrad(
         dy_TN, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
     )
 
@@ -509,7 +521,7 @@ def wgrad(
             x_TK.size(1),
             accumulate,
         )
-    _extension().wgrad(
+    _extension(plan.variant).wgrad(
         dy_TN,
         x_TK,
         splits_E,

@@ -25,15 +25,21 @@ def main(argv: list[str] | None = None) -> int:
         help=f"build cache root (default: ${_cutlass.CACHE_ENV}, else ~/.cache/groupgrad/kernels)",
     )
     parser.add_argument(
-        "--tuning", action="store_true", help="also build the benchmark's tuning variants"
+        "--set",
+        dest="variant_set",
+        choices=sorted(_cutlass.VARIANT_SETS),
+        default="default",
+        help="which variant set to build (tuning: the benchmark's extra configurations)",
     )
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    module, _, compiled = _cutlass.build(args.cache_dir, tuning=args.tuning, verbose=args.verbose)
+    module, _, compiled = _cutlass.build(
+        args.cache_dir, variant_set=args.variant_set, verbose=args.verbose
+    )
     seconds = time.perf_counter() - start
     count = len(module.variants())
-    where = _cutlass.build_directory(args.cache_dir, tuning=args.tuning)
+    where = _cutlass.build_directory(args.cache_dir, variant_set=args.variant_set)
     verb = "compiled" if compiled else "found cached"
     jobs = os.environ.get("MAX_JOBS", "ninja's default")
     print(

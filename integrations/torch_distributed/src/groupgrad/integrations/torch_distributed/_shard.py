@@ -1,0 +1,186 @@
+"""Shard a module's grouped expert weights over a process group, and gather them back.
+
+Legend: ``W`` ranks, ``E`` experts, ``N`` out_features, ``K`` in_features,
+``n = N / W``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from groupgrad.integrations.torch_distributed._shard_group import ExpertShardGroup, GradReduction
+from groupgrad.integrations.torch_distributed._weight import ShardedExpertWeight
+from groupgrad.modules import GroupedLinear
+from groupgrad.protocol import is_distributed_weight
+
+__all__ = ["gather_full_weights", "shard_expert_weights"]
+
+_GRAD_REDUCTIONS = ("sum", "mean")
+_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_layers(module: nn.Module) -> list[tuple[str, GroupedLinear]]:
+    """Every ``GroupedLinear`` in ``module`` (itself included), with its qualified name."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module is a {type(module).__name__}, expected a torch.nn.Module")
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, GroupedLinear)]
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -> None:
+    for name, weight in zip(names, weights, strict=True):
+        if is_distributed_weight(weight):
+            raise ValueError(
+                f"{name!r} is already a DistributedWeight ({type(weight).__name__}); expected a "
+                "plain parameter (shard each module once)"
+            )
+        if getattr(weight, "__fsdp_param__", False):
+            raise ValueError(
+                f"{name!r} is a Megatron-FSDP parameter (__fsdp_param__); a parameter can have "
+                "only one owner of its gradient reduction"
+            )
+    rows = weights[0].shape[-2]
+    if rows % world_size:
+        raise ValueError(
+            f"{names[0]!r} has {rows} rows (out_features), not divisible by the process group's "
+            f"world size {world_size}; each rank keeps out_features / world_size rows of every "
+            "expert"
+        )
+
+
+def _shard_of(weight: Tensor, rank: int, world_size: int) -> Tensor:
+    """This rank's rows ``rank*n … (rank+1)*n - 1`` of ``weight`` (along dim -2), a fresh copy."""
+    rows = weight.shape[-2] // world_size
+    return weight.detach().narrow(-2, rank * rows, rows).clone(memory_format=torch.contiguous_format)
+
+
+def _plain_follower(shard: Tensor, requires_grad: bool, main_grad_dtype: torch.dtype) -> Tensor:
+    follower = nn.Parameter(shard, requires_grad=requires_grad)
+    follower.main_grad = torch.zeros(  # type: ignore[attr-defined]
+        shard.shape, dtype=main_grad_dtype, device=shard.device
+    )
+    follower.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    return follower
+
+
+def shard_expert_weights(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    grad_reduction: GradReduction = "mean",
+    main_grad_dtype: torch.dtype = torch.float32,
+    leader_only: bool = False,
+) -> list[ExpertShardGroup]:
+    """Replace every ``GroupedLinear``'s expert weights in ``module`` by row shards, in place.
+
+    For each :class:`~groupgrad.modules.GroupedLinear` in ``module`` (itself,
+    or e.g. a ``GroupedMLP``'s ``fc1`` and ``fc2``), each weight parameter —
+    ``weight0 … weight{E-1}`` ``(N, K)`` or the packed ``weight`` ``(E, N, K)``
+    — is replaced by this rank's rows (``(n, K)`` / ``(E, n, K)``, same
+    dtype, device and ``requires_grad``) with a zeroed ``main_grad`` shard of
+    ``main_grad_dtype`` and ``grad_added_to_main_grad = False``. The leader
+    (``weight0`` / ``weight``) is a :class:`ShardedExpertWeight`: each forward
+    and each backward all-gathers the layer's whole group once, and its
+    backward reduce-scatters the group's wgrads (in ``main_grad_dtype``) into
+    the ``main_grad`` shards. Biases are not sharded: they stay replicated
+    plain parameters whose ``.grad`` the caller reduces.
+
+    Collective: every rank of ``process_group`` must call it on the same
+    module structure. Every rank must hold the same full weights (e.g. built
+    from the same seed); each keeps its own rows.
+
+    Args:
+        module: A ``GroupedLinear``, or any module containing them.
+        process_group: The ranks to shard over (``None``: the default group).
+            Its backend must support all-gather and reduce-scatter of single
+            tensors on the weights' device (gloo on CPU, NCCL on CUDA), and
+            ``ReduceOp.AVG`` for ``grad_reduction="mean"``.
+        grad_reduction: ``"mean"`` (default, ``ReduceOp.AVG``): ``main_grad``
+            receives the ranks' average gradient, like data-parallel training
+            of a mean loss; ``"sum"`` (``ReduceOp.SUM``): their sum.
+        main_grad_dtype: dtype of ``main_grad``, of the wgrad buffers and of
+            the reduce-scatter (fp32 by default, whatever the weights' dtype).
+        leader_only: Only the leader is a ``ShardedExpertWeight``; the other
+            experts' shards are plain ``nn.Parameter`` objects (with the same
+            ``main_grad`` attributes), which the leader gathers and reduces.
+
+    Returns:
+        One :class:`ExpertShardGroup` per sharded layer, in ``module.named_modules()`` order.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: ``grad_reduction`` or ``main_grad_dtype`` is not supported;
+            ``module`` contains no ``GroupedLinear``; a weight is already a
+            ``DistributedWeight`` or a Megatron-FSDP parameter; a layer's
+            out_features is not divisible by the world size.
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+    if grad_reduction not in _GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction is {grad_reduction!r}, expected 'sum' or 'mean'")
+    if main_grad_dtype not in _MAIN_GRAD_DTYPES:
+        raise ValueError(
+            f"main_grad_dtype is {main_grad_dtype}, expected one of "
+            + ", ".join(str(d) for d in _MAIN_GRAD_DTYPES)
+        )
+    layers = _grouped_layers(module)
+    if not layers:
+        raise ValueError(
+            f"module ({type(module).__name__}) contains no GroupedLinear; nothing to shard"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group "
+            "before shard_expert_weights"
+        )
+    world_size = dist.get_world_size(process_group)
+    groups = []
+    for prefix, layer in layers:
+        names = [_qualified(prefix, name) for name in layer.weight_names]
+        weights = [getattr(layer, name) for name in layer.weight_names]
+        _check_shardable(names, weights, world_size)
+        group = ExpertShardGroup(weights[0].shape, process_group, grad_reduction, names)
+        for index, (name, weight) in enumerate(zip(layer.weight_names, weights, strict=True)):
+            shard = _shard_of(weight, group.rank, world_size)
+            member: Tensor
+            if index == 0 or not leader_only:
+                member = ShardedExpertWeight(shard, group, main_grad_dtype, weight.requires_grad)
+            else:
+                member = _plain_follower(shard, weight.requires_grad, main_grad_dtype)
+            group.members.append(member)
+            setattr(layer, name, member)
+        groups.append(group)
+    return groups
+
+
+def gather_full_weights(module: nn.Module) -> dict[str, Tensor]:
+    """All-gather the full expert weights of every sharded ``GroupedLinear`` in ``module``.
+
+    For checkpoints and tests. Collective: every rank of each layer's process
+    group must call it (one all-gather per layer, in ``named_modules()`` order).
+
+    Args:
+        module: A module :func:`shard_expert_weights` has sharded.
+
+    Returns:
+        Qualified parameter name (``"weight0"``, ``"fc1.weight"``, ...) to its
+        full weight, ``(N, K)`` or ``(E, N, K)`` in the weights' dtype, on
+        their device; fresh memory (views of one buffer per layer), detached.
+        Layers that were not sharded are left out.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    full: dict[str, Tensor] = {}
+    for prefix, layer in _grouped_layers(module):
+        leader = getattr(layer, layer.weight_names[0])
+        if not isinstance(leader, ShardedExpertWeight):
+            continue
+        gathered = leader.shard_group.gather()
+        for name, weight in zip(layer.weight_names, gathered, strict=True):
+            full[_qualified(prefix, name)] = weight
+    return full

@@ -94,19 +94,20 @@ def plot(result: dict, path: Path) -> None:
         width = 0.8 / len(baselines)
         for j, (key, label, target) in enumerate(baselines):
             xs = [i + j * width for i in range(len(rows))]
-            bars = ax.bar(xs, [speedups(r)[key] for r in rows], width, label=label)
+            values = [speedups(r)[key] for r in rows]
+            bars = ax.bar(xs, values, width, label=label)
+            for x, v in zip(xs, values, strict=True):
+                ax.text(x, v * 1.03, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
             if target is not None:
+                color = bars.patches[0].get_facecolor()
                 ax.hlines(
-                    target,
-                    xs[0] - width / 2,
-                    xs[-1] + width / 2,
-                    colors=bars.patches[0].get_facecolor(),
-                    linestyles="dashed",
+                    target, xs[0] - width / 2, xs[-1] + width / 2, colors=color, linestyles="dashed"
                 )
         ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
         ax.set_xticklabels([r["case"].replace(" T=", "\nT=") for r in rows], fontsize=7)
-        ax.set_ylabel("speed-up")
+        ax.set_yscale("log", base=2)
+        ax.set_ylabel("speed-up (log scale)")
         ax.set_title(f"{op}: baseline time / ours (dashed: target)", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(

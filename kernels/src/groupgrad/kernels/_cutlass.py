@@ -450,8 +450,11 @@ def plan_for(
     # groups: ping-pong 128x128 (one warp group's epilogue overlaps the other's
     # mainloop) with a 1x2 cluster, so no M tile is padded to a cluster pair.
     # Many small groups: cooperative 128x256 without a cluster.
+    # Exception, measured: dgrad with a reduction (N) much longer than its output
+    # rows (K) runs better cooperative (E=8, K=4096, N=28672, skewed splits).
     rows = T / max(E, 1)
-    sched, tile, cluster = _PONG if rows >= LARGE_GROUP_ROWS else _COOP
+    large = rows >= LARGE_GROUP_ROWS and not (op == "dgrad" and N >= 4 * K)
+    sched, tile, cluster = _PONG if large else _COOP
     return Plan(Variant(op, din, dout, sched, tile, cluster).name)
 
 

@@ -15,11 +15,12 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from groupgrad.kernels import _cutlass
+from groupgrad.kernels import _cutlass, build
 
 pytestmark = [
     pytest.mark.gpu,
@@ -394,10 +395,12 @@ def test_unsupported_reason_on_cpu_does_not_initialise_cuda() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
 
 
-def test_cache_dir_argument_beats_environment(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(_cutlass.CACHE_ENV, str(tmp_path / "from_env"))
-    explicit = _cutlass._build_spec(tmp_path / "explicit", _cutlass.VARIANTS)
-    default = _cutlass._build_spec(None, _cutlass.VARIANTS)
+def test_cache_dir_argument_beats_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "from_env"))
+    explicit = build.build_spec(tmp_path / "explicit", build.VARIANTS)
+    default = build.build_spec(None, build.VARIANTS)
     assert explicit.directory.parent == tmp_path / "explicit"
     assert default.directory.parent == tmp_path / "from_env"
     assert explicit.name == default.name  # same sources and flags: same build

@@ -42,6 +42,8 @@ def tests(session: nox.Session) -> None:
     """CPU test suite of every package plus tests/ (what CI runs)."""
     _install_project_cpu(session, "pytest>=8", "pytest-timeout")
     session.run(
+        "python",
+        "-m",
         "pytest",
         "-m",
         "not gpu",
@@ -104,7 +106,7 @@ def tests_gpu(session: nox.Session) -> None:
     if reason is not None:
         session.skip(f"tests-gpu needs a CUDA device: {reason}")
     _install_project_gpu(session)
-    session.run("pytest", "-m", "gpu", *TEST_PATHS, *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "gpu", *TEST_PATHS, *session.posargs)
 
 
 @nox.session(python=PYTHON_VERSIONS)
@@ -119,13 +121,18 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON_VERSIONS)
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks: JSON and PNG plots under benchmarks/results/; skipped without CUDA."""
+    """GPU benchmarks (kernels, mlp): JSON and PNG under benchmarks/results/; skipped without CUDA."""
     reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"bench needs a CUDA device: {reason}")
     _install_project_gpu(session)
-    for script in ("benchmarks/bench_kernels.py", "benchmarks/bench_mlp.py"):
-        session.run("python", script, "--out", "benchmarks/results", *session.posargs)
+    # `nox -s bench -- kernels --reps 30` runs one benchmark with its own options.
+    scripts = {"kernels": "benchmarks/bench_kernels.py", "mlp": "benchmarks/bench_mlp.py"}
+    chosen, options = list(scripts), list(session.posargs)
+    if options and options[0] in scripts:
+        chosen, options = [options[0]], options[1:]
+    for name in chosen:
+        session.run("python", scripts[name], "--out", "benchmarks/results", *options)
 
 
 @nox.session(python=PYTHON_VERSIONS)

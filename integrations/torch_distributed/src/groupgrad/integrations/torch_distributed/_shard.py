@@ -56,7 +56,9 @@ def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -
 def _shard_of(weight: Tensor, rank: int, world_size: int) -> Tensor:
     """This rank's rows ``rank*n … (rank+1)*n - 1`` of ``weight`` (along dim -2), a fresh copy."""
     rows = weight.shape[-2] // world_size
-    return weight.detach().narrow(-2, rank * rows, rows).clone(memory_format=torch.contiguous_format)
+    return (
+        weight.detach().narrow(-2, rank * rows, rows).clone(memory_format=torch.contiguous_format)
+    )
 
 
 def _plain_follower(shard: Tensor, requires_grad: bool, main_grad_dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,227 @@
+"""One rank of a sharded-training run; the parent test compares what it saves to a reference.
+
+Run as a script by ``test_sharded_training.py`` (one process per rank)::
+
+    python sharded_worker.py --rank R --world-size W --init-file F --scenarios S.json \
+        --out DIR [--backend gloo|nccl] [--device cpu|cuda]
+
+For each scenario in ``S.json`` it builds the module from the scenario's seed
+(the same full weights on every rank), shards it, trains ``steps`` optimizer
+steps of ``micro_batches`` micro-batches each on data of its own (seeded by
+rank, step and micro-batch), and saves to ``DIR/<name>.rank<R>.pt``: the
+initial full weights, every micro-batch's inputs, outputs, input gradients,
+``main_grad`` shards, flags and the collectives it ran (name, dtype, numel,
+op), and the gathered full weights after every step. Any failure exits
+non-zero with a traceback, which fails the parent test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from groupgrad.integrations.torch_distributed import (
+    ShardedExpertWeight,
+    gather_full_weights,
+    shard_expert_weights,
+)
+from groupgrad.modules import GroupedLinear, GroupedMLP
+from groupgrad.protocol import DistributedWeight
+
+COLLECTIVES = {
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def record_collectives(log: list[dict[str, Any]]) -> None:
+    """Wrap torch.distributed's single-tensor collectives to log what each call saw."""
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
+            log.append(
+                {
+                    "kind": COLLECTIVES[name],
+                    "input_dtype": str(input.dtype),
+                    "output_dtype": str(output.dtype),
+                    "input_numel": input.numel(),
+                    "op": str(kwargs.get("op", args[0] if args else None)),
+                }
+            )
+            return original(output, input, *args, **kwargs)
+
+        return recorded
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None:
+            setattr(dist, name, wrap(name, original))
+
+
+def build_module(cfg: dict[str, Any], device: torch.device) -> nn.Module:
+    dtype = getattr(torch, cfg["dtype"])
+    torch.manual_seed(cfg["seed"])  # the same full weights on every rank
+    common = {
+        "dtype": dtype,
+        "device": device,
+        "single_grouped_weight": cfg["packed"],
+        "accumulate_into_main_grad": True,  # a distributed group takes its own route anyway
+        "delay_wgrad_compute": cfg["delay"],
+        "bias": False,
+    }
+    if cfg["module"] == "linear":
+        return GroupedLinear(cfg["experts"], cfg["in_features"], cfg["out_features"], **common)
+    return GroupedMLP(cfg["experts"], cfg["hidden"], cfg["ffn_hidden"], **common)
+
+
+def make_splits(gen: torch.Generator, tokens: int, experts: int, force_empty: bool) -> list[int]:
+    cuts = torch.randint(0, tokens + 1, (experts - 1,), generator=gen).sort().values.tolist()
+    splits = [b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)]
+    if force_empty:  # expert 1 gets no token: its wgrad on this rank must be exactly zero
+        splits[0] += splits[1]
+        splits[1] = 0
+    return splits
+
+
+def cpu(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.detach().cpu().clone()
+
+
+def run_scenario(
+    cfg: dict[str, Any], rank: int, world: int, device: torch.device, log: list[dict[str, Any]]
+) -> dict:
+    dtype = getattr(torch, cfg["dtype"])
+    module = build_module(cfg, device)
+    init = {name: cpu(p) for name, p in module.named_parameters()}
+    groups = shard_expert_weights(
+        module, grad_reduction=cfg["reduction"], leader_only=cfg["leader_only"]
+    )
+    params = dict(module.named_parameters())
+    overwrite = cfg["mode"] == "overwrite"
+    for param in params.values():
+        param.overwrite_main_grad = overwrite  # type: ignore[attr-defined]
+    is_mlp = cfg["module"] == "mlp"
+    width_in = cfg["hidden"] if is_mlp else cfg["in_features"]
+    width_out = cfg["hidden"] if is_mlp else cfg["out_features"]
+
+    micro_results, after_step = [], []
+    for step in range(cfg["steps"]):
+        for micro in range(cfg["micro_batches"]):
+            gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank * 100 + step * 10 + micro)
+            splits = make_splits(gen, cfg["tokens"], cfg["experts"], rank == 1 and micro == 0)
+            x = torch.randn(cfg["tokens"], width_in, generator=gen).to(device, dtype)
+            dy = torch.randn(cfg["tokens"], width_out, generator=gen).to(device, dtype)
+            probs = torch.rand(cfg["tokens"], generator=gen).to(device) if is_mlp else None
+            x.requires_grad_(True)
+            if probs is not None:
+                probs.requires_grad_(True)
+            for param in params.values():
+                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+                if overwrite:  # overwriting must never read the old contents
+                    param.main_grad.fill_(math.nan)  # type: ignore[attr-defined]
+            first_call = len(log)
+
+            y = module(x, splits, probs) if is_mlp else module(x, splits)
+            y.backward(dy)
+            if cfg["delay"]:
+                module.backward_dw()  # type: ignore[operator]
+
+            micro_results.append(
+                {
+                    "step": step,
+                    "micro": micro,
+                    "splits": splits,
+                    "x": cpu(x),
+                    "dy": cpu(dy),
+                    "probs": cpu(probs),
+                    "y": cpu(y),
+                    "dx": cpu(x.grad),
+                    "dprobs": None if probs is None else cpu(probs.grad),
+                    "main_grads": {n: cpu(p.main_grad) for n, p in params.items()},  # type: ignore[attr-defined]
+                    "flags": {n: p.grad_added_to_main_grad for n, p in params.items()},  # type: ignore[attr-defined]
+                    "grads": {n: cpu(p.grad) for n, p in params.items()},
+                    "collectives": log[first_call:],
+                }
+            )
+        with torch.no_grad():  # plain SGD on the shards, from main_grad
+            for param in params.values():
+                param.add_(param.main_grad.to(param.dtype), alpha=-cfg["lr"])  # type: ignore[attr-defined]
+                param.main_grad.zero_()  # type: ignore[attr-defined]
+        after_step.append({n: cpu(w) for n, w in gather_full_weights(module).items()})
+    return {
+        "config": cfg,
+        "rank": rank,
+        "world_size": world,
+        "init": init,
+        "micro": micro_results,
+        "after_step": after_step,
+        "types": {n: type(p).__name__ for n, p in params.items()},
+        "leaders_are_protocol": [isinstance(g.members[0], DistributedWeight) for g in groups],
+        "shard_shapes": {n: tuple(p.shape) for n, p in params.items()},
+    }
+
+
+def run_error_checks(world: int, device: torch.device) -> dict:
+    """Errors that need a real multi-rank group; ``pytest.raises`` failures exit non-zero."""
+    bad_rows = GroupedLinear(2, 4, world + 1, bias=False, device=device)
+    with pytest.raises(ValueError, match=rf"'weight0' has {world + 1} rows .* world size {world}"):
+        shard_expert_weights(bad_rows)
+    layer = GroupedLinear(2, 4, 2 * world, bias=False, device=device)
+    shard_expert_weights(layer)
+    with pytest.raises(ValueError, match=r"'weight0' is already a DistributedWeight"):
+        shard_expert_weights(layer)
+    leader = layer.weight0
+    assert isinstance(leader, ShardedExpertWeight)
+    leader.main_grad = None
+    y = layer(torch.randn(3, 4, device=device), [1, 2])
+    with pytest.raises(RuntimeError, match=r"'weight0' has no main_grad tensor"):
+        y.sum().backward()
+    return {"errors_checked": 3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-file", type=Path, required=True)
+    parser.add_argument("--scenarios", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(args.rank)
+        device = torch.device("cuda", args.rank)
+    dist.init_process_group(
+        args.backend,
+        init_method=f"file://{args.init_file}",
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+    log: list[dict[str, Any]] = []
+    record_collectives(log)
+    try:
+        for cfg in json.loads(args.scenarios.read_text()):
+            if cfg["name"] == "errors":
+                result = run_error_checks(args.world_size, device)
+            else:
+                result = run_scenario(cfg, args.rank, args.world_size, device, log)
+            torch.save(result, args.out / f"{cfg['name']}.rank{args.rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

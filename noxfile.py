@@ -95,7 +95,7 @@ def _see_host_packages(session: nox.Session) -> None:
 
 def _install_project_gpu(session: nox.Session) -> None:
     _see_host_packages(session)
-    session.install(*GPU_EXTRAS)
+    session.install("--no-deps", *GPU_EXTRAS)  # only its C++ headers are used
     session.install("--no-deps", "--no-build-isolation", *PACKAGES)
 
 

@@ -176,9 +176,11 @@ def build_reference(ranks: list[dict[str, Any]]) -> Reference:
         for rank, micro in enumerate(micros):
             ref.micro[rank].append(micro)
         scale = 1.0 / world if cfg["reduction"] == "mean" else 1.0
-        reduced = {n: scale * sum(m.wgrads[n] for m in micros) for n in weights}
-        as_bf16 = {
-            n: (scale * sum(m.wgrads[n].bfloat16().double() for m in micros)).bfloat16().double()
+        reduced = {n: scale * torch.stack([m.wgrads[n] for m in micros]).sum(0) for n in weights}
+        as_bf16 = {  # each rank's gradient rounded to bf16, and the reduction's result too
+            n: (scale * torch.stack([m.wgrads[n].bfloat16().double() for m in micros]).sum(0))
+            .bfloat16()
+            .double()
             for n in weights
         }
         overwrite = cfg["mode"] == "overwrite"

@@ -44,6 +44,17 @@ def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -
                 f"{name!r} is a Megatron-FSDP parameter (__fsdp_param__); a parameter can have "
                 "only one owner of its gradient reduction"
             )
+    for name, weight in zip(names[1:], weights[1:], strict=True):
+        if (weight.shape, weight.dtype, weight.device) != (
+            weights[0].shape,
+            weights[0].dtype,
+            weights[0].device,
+        ):
+            raise ValueError(
+                f"{name!r} is {tuple(weight.shape)} {weight.dtype} on {weight.device}, expected "
+                f"{tuple(weights[0].shape)} {weights[0].dtype} on {weights[0].device} like "
+                f"{names[0]!r} (one group, one layout)"
+            )
     rows = weights[0].shape[-2]
     if rows % world_size:
         raise ValueError(
@@ -92,9 +103,10 @@ def shard_expert_weights(
     the ``main_grad`` shards. Biases are not sharded: they stay replicated
     plain parameters whose ``.grad`` the caller reduces.
 
-    Collective: every rank of ``process_group`` must call it on the same
-    module structure. Every rank must hold the same full weights (e.g. built
-    from the same seed); each keeps its own rows.
+    Every rank of ``process_group`` must call it on the same module
+    structure, holding the same full weights (e.g. built from the same seed);
+    each keeps its own rows (no communication happens here). Move the module
+    to its device and dtype first: ``main_grad`` shards are allocated now.
 
     Args:
         module: A ``GroupedLinear``, or any module containing them.
@@ -119,7 +131,9 @@ def shard_expert_weights(
         ValueError: ``grad_reduction`` or ``main_grad_dtype`` is not supported;
             ``module`` contains no ``GroupedLinear``; a weight is already a
             ``DistributedWeight`` or a Megatron-FSDP parameter; a layer's
-            out_features is not divisible by the world size.
+            weights differ in shape, dtype or device; a layer's out_features
+            is not divisible by the world size; this process is not in
+            ``process_group``.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if grad_reduction not in _GRAD_REDUCTIONS:
@@ -140,6 +154,11 @@ def shard_expert_weights(
             "before shard_expert_weights"
         )
     world_size = dist.get_world_size(process_group)
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of process_group; "
+            "call shard_expert_weights on the group's ranks only"
+        )
     groups = []
     for prefix, layer in layers:
         names = [_qualified(prefix, name) for name in layer.weight_names]

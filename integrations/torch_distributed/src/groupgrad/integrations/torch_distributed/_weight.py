@@ -58,6 +58,13 @@ class ShardedExpertWeight(nn.Parameter):
         )
         self.grad_added_to_main_grad = False
 
+    def __deepcopy__(self, memo: dict[int, object]) -> ShardedExpertWeight:
+        raise RuntimeError(
+            "a ShardedExpertWeight cannot be deep-copied: its shard_group ties it to the other "
+            "shards and to a process group; deep-copy the module before shard_expert_weights, or "
+            "copy gather_full_weights(module)"
+        )
+
     def materialize_group_for_forward(self) -> list[Tensor]:
         """All-gather the whole group's full weights (one collective) for the forward GEMM.
 

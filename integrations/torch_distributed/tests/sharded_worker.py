@@ -111,6 +111,7 @@ def run_scenario(
     overwrite = cfg["mode"] == "overwrite"
     for param in params.values():
         param.overwrite_main_grad = overwrite  # type: ignore[attr-defined]
+        param.zero_out_wgrad = cfg["zero_out"]  # type: ignore[attr-defined]
     is_mlp = cfg["module"] == "mlp"
     width_in = cfg["hidden"] if is_mlp else cfg["in_features"]
     width_out = cfg["hidden"] if is_mlp else cfg["out_features"]
@@ -154,6 +155,11 @@ def run_scenario(
                     "collectives": log[first_call:],
                 }
             )
+            if cfg["zero_out"]:  # a framework adds into the dummy; the next one must be zero again
+                for param in params.values():
+                    assert param.grad is not None
+                    param.grad.add_(7.0)
+                    param.grad = None
         with torch.no_grad():  # plain SGD on the shards, from main_grad
             for param in params.values():
                 param.add_(param.main_grad.to(param.dtype), alpha=-cfg["lr"])  # type: ignore[attr-defined]

@@ -7,7 +7,8 @@ parent recomputes everything in one process with plain fp64 autograd on the
 full weights and compares: outputs and input gradients; every ``main_grad``
 shard after every micro-batch (accumulate: running sum or mean over ranks and
 micro-batches; overwrite: that micro-batch alone, over a NaN-poisoned
-``main_grad``); the flag and the zero dummies autograd got; the gathered
+``main_grad``); the flag and the zero dummies autograd got (re-zeroed under
+``zero_out_wgrad`` after the "framework" added into one); the gathered
 full weights after each step; and the collectives each micro-batch ran (one
 all-gather per materialization, one fp32 reduce-scatter per layer).
 
@@ -53,6 +54,7 @@ DEFAULTS = {
     "mode": "accumulate",
     "delay": False,
     "leader_only": False,
+    "zero_out": False,
     "steps": 2,
     "micro_batches": 2,
     "lr": 0.5,
@@ -79,6 +81,7 @@ def _two_rank_scenarios() -> list[dict[str, Any]]:
                 name = f"{module}-{layout}-{variant}"
                 found.append(scenario(name, shape, len(found) + 1, packed=packed, **options))
     found.append(scenario("linear-per_expert-leader_only", LINEAR, 41, leader_only=True))
+    found.append(scenario("linear-per_expert-zero_out", LINEAR, 43, zero_out=True))
     found.append(scenario("mlp-per_expert-leader_only", MLP, 42, leader_only=True, reduction="sum"))
     for packed in (False, True):
         name = f"linear-{'packed' if packed else 'per_expert'}-bf16"
@@ -119,13 +122,21 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run]:
+    """Launch each world size once, at the first test that needs it; a failed launch fails all."""
     launched: dict[int, Run] = {}
+    failed: dict[int, str] = {}
     scenarios = {2: [*TWO_RANKS, ERRORS], 4: FOUR_RANKS}
 
     def get(world_size: int) -> Run:
+        if world_size in failed:
+            pytest.fail(f"the {world_size}-rank launch failed earlier:\n{failed[world_size]}")
         if world_size not in launched:
             workdir = tmp_path_factory.mktemp(f"ranks{world_size}")
-            launched[world_size] = Run(ref.launch(workdir, world_size, scenarios[world_size]))
+            try:
+                launched[world_size] = Run(ref.launch(workdir, world_size, scenarios[world_size]))
+            except AssertionError as error:
+                failed[world_size] = str(error)
+                raise
         return launched[world_size]
 
     return get

@@ -100,8 +100,8 @@ def test_grouped_linear_on_cuda(single, kind, main_grad, delay, device_splits) -
         _assert_bf16_close(x.grad, dx_ref, "dx")
         for e in range(E):
             total[e] += dw_ref[e]
-        latest = torch.stack(dw_ref) if single else dw_ref
-        summed = torch.stack(total) if single else total
+        latest = [torch.stack(dw_ref)] if single else dw_ref  # one entry per parameter
+        summed = [torch.stack(total)] if single else total
         for index, p in enumerate(params):
             if main_grad == "none":
                 _assert_bf16_close(p.grad, summed[index], f".grad {index}")
@@ -192,3 +192,27 @@ def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None
         _assert_bf16_close(static_x.grad, dx_ref, f"dx for splits {splits}")
         for e, p in enumerate(params):
             _assert_bf16_close(p.main_grad, dw_ref[e], f"main_grad {e} for splits {splits}")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_compile_on_cuda_matches_eager(bias: bool) -> None:
+    torch.manual_seed(2)
+    module = GroupedLinear(E, K, N, bias=bias, dtype=torch.bfloat16, device="cuda")
+    splits = SPLITS[0]
+    x = torch.randn(sum(splits), K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), N, device="cuda", dtype=torch.bfloat16)
+
+    def step(inp: torch.Tensor) -> torch.Tensor:
+        return (module(inp, splits).float() * dy.float()).sum()
+
+    torch._dynamo.reset()
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    loss.backward()
+    got = [loss.detach(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
+    x.grad = None
+    module.zero_grad()
+    loss = step(x)
+    loss.backward()
+    want = [loss.detach(), x.grad, *(p.grad for p in module.parameters())]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

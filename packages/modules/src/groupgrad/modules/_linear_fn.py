@@ -37,9 +37,14 @@ __all__ = ["GroupedLinearFunction", "add_bias", "bias_grad", "grouped_linear"]
 Splits = Sequence[int] | Tensor
 
 
-def add_bias(y_TN: Tensor, b_EN: Tensor, expert_T: Tensor) -> None:
-    """Add each row's expert bias to ``y_TN`` in place."""
-    y_TN.add_(b_EN.index_select(0, expert_T).to(y_TN.dtype))
+def add_bias(y_TN: Tensor, b_EN: Tensor, expert_T: Tensor) -> Tensor:
+    """Return ``y_TN`` plus each row's expert bias.
+
+    Out of place on purpose: an in-place add on a custom op's output inside
+    an autograd Function's forward lost every gradient under
+    ``torch.compile`` on CUDA (torch 2.11, aot_eager).
+    """
+    return y_TN + b_EN.index_select(0, expert_T).to(y_TN.dtype)
 
 
 def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
@@ -81,7 +86,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         expert_T = None
         if biases:
             expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
-            add_bias(y_TN, _stack_bias(biases, spec.packed), expert_T)
+            y_TN = add_bias(y_TN, _stack_bias(biases, spec.packed), expert_T)
         ctx.wgrad_shape = tuple(materialized[0].shape)
         ctx.num_groups = num_groups
         del materialized  # never saved: backward materializes again

@@ -133,7 +133,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         del fc1_weights  # never saved: backward materializes again
         expert_T = expert_index(splits, num_groups, T, x_TH.device) if layout.num_biases else None
         if expert_T is not None:
-            add_bias(h_T2F, _bias_EN(b1, layout.fc1.packed), expert_T)
+            h_T2F = add_bias(h_T2F, _bias_EN(b1, layout.fc1.packed), expert_T)
 
         a_TF = swiglu_probs(h_T2F, probs_T)
 
@@ -142,7 +142,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         ctx.fc2_shape = tuple(fc2_weights[0].shape)
         del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
         if expert_T is not None:
-            add_bias(y_TH, _bias_EN(b2, layout.fc2.packed), expert_T)
+            y_TH = add_bias(y_TH, _bias_EN(b2, layout.fc2.packed), expert_T)
 
         ctx.save_for_backward(x_TH, h_T2F, probs_T)
         ctx.splits = splits

@@ -25,9 +25,25 @@ PYTHON_VERSIONS = None  # the interpreter nox runs under
 TORCH_CPU = "torch==2.13.0"
 
 # Installed in dependency order: protocol <- kernels <- modules <- integrations.
-PACKAGES = ["./packages/protocol", "./kernels", "./packages/modules"]
-TEST_PATHS = ["packages/protocol/tests", "kernels/tests", "packages/modules/tests", "tests"]
-SOURCE_PATHS = ["packages/protocol/src", "kernels/src", "packages/modules/src"]
+PACKAGES = [
+    "./packages/protocol",
+    "./kernels",
+    "./packages/modules",
+    "./integrations/torch_distributed",
+]
+TEST_PATHS = [
+    "packages/protocol/tests",
+    "kernels/tests",
+    "packages/modules/tests",
+    "integrations/torch_distributed/tests",
+    "tests",
+]
+SOURCE_PATHS = [
+    "packages/protocol/src",
+    "kernels/src",
+    "packages/modules/src",
+    "integrations/torch_distributed/src",
+]
 # What the GPU sessions need beside the machine's own torch, pytest, pybind11 and ninja.
 GPU_EXTRAS = ["nvidia-cutlass>=4.2"]
 

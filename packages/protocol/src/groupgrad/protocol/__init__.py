@@ -13,9 +13,24 @@ Two parts:
   :func:`accumulate_grads_like_autograd` for a deferred wgrad GEMM). The
   framework attributes (``main_grad``, ``__fsdp_param__``/``get_main_grad()``,
   ``overwrite_main_grad``, ``grad_added_to_main_grad``, ``zero_out_wgrad``)
-  are read in this package and nowhere else.
+  are read in this package and nowhere else; implementers of
+  ``DistributedWeight`` read them through :func:`fetch_main_grad`,
+  :func:`main_grad_or_none`, :func:`overwrites_main_grad`,
+  :func:`takes_grad_added_flag`, :func:`mark_grad_added`, :func:`dummy_wgrad`,
+  :func:`rezeroes_dummy`
+  and :func:`is_fsdp_param`.
 """
 
+from groupgrad.protocol._attrs import (
+    dummy_wgrad,
+    fetch_main_grad,
+    is_fsdp_param,
+    main_grad_or_none,
+    mark_grad_added,
+    overwrites_main_grad,
+    rezeroes_dummy,
+    takes_grad_added_flag,
+)
 from groupgrad.protocol._buffers import weight_grad_buffers
 from groupgrad.protocol._distributed import (
     DistributedWeight,
@@ -43,12 +58,20 @@ __all__ = [
     "WgradRoute",
     "accumulate_grads_like_autograd",
     "defer_weight_grads",
+    "dummy_wgrad",
+    "fetch_main_grad",
     "finalize_weight_grads",
     "is_distributed_weight",
+    "is_fsdp_param",
+    "main_grad_or_none",
+    "mark_grad_added",
     "materialize_weight_for_backward",
     "materialize_weight_for_forward",
+    "overwrites_main_grad",
     "plan_weight_grads",
+    "rezeroes_dummy",
     "run_post_accumulate_grad_hooks",
+    "takes_grad_added_flag",
     "weight_grad_buffers",
     "weight_grad_dtype",
     "wgrad_route",

@@ -27,6 +27,7 @@ __all__ = [
     "main_grad_or_none",
     "mark_grad_added",
     "overwrites_main_grad",
+    "rezeroes_dummy",
     "takes_grad_added_flag",
 ]
 
@@ -97,6 +98,15 @@ def mark_grad_added(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True  # type: ignore[attr-defined]
 
 
+def rezeroes_dummy(param: torch.Tensor) -> bool:
+    """Return whether ``param``'s dummy gradient must be zeroed before each hand-out.
+
+    True where the parameter has a truthy ``zero_out_wgrad`` (the framework
+    will add the dummy somewhere).
+    """
+    return bool(getattr(param, "zero_out_wgrad", False))
+
+
 def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
     """Return the zero gradient autograd receives for a parameter whose wgrad went to main_grad.
 
@@ -111,6 +121,6 @@ def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
     if cached is None:
         cached = torch.zeros(key[0], dtype=param.dtype, device=param.device)
         _dummy_cache[key] = cached
-    elif getattr(param, "zero_out_wgrad", False):
+    elif rezeroes_dummy(param):
         cached.zero_()
     return cached.detach()

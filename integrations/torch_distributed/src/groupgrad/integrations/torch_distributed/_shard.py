@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from groupgrad.integrations.torch_distributed._shard_group import ExpertShardGroup, GradReduction
 from groupgrad.integrations.torch_distributed._weight import ShardedExpertWeight
 from groupgrad.modules import GroupedLinear
-from groupgrad.protocol import is_distributed_weight
+from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
 __all__ = ["gather_full_weights", "shard_expert_weights"]
 
@@ -39,7 +39,7 @@ def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -
                 f"{name!r} is already a DistributedWeight ({type(weight).__name__}); expected a "
                 "plain parameter (shard each module once)"
             )
-        if getattr(weight, "__fsdp_param__", False):
+        if is_fsdp_param(weight):
             raise ValueError(
                 f"{name!r} is a Megatron-FSDP parameter (__fsdp_param__); a parameter can have "
                 "only one owner of its gradient reduction"

@@ -28,6 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from groupgrad.protocol import (
+    main_grad_or_none,
+    mark_grad_added,
+    overwrites_main_grad,
+    rezeroes_dummy,
+)
+
 __all__ = ["ExpertShardGroup", "GradReduction"]
 
 GradReduction = Literal["sum", "mean"]
@@ -76,9 +83,9 @@ class ExpertShardGroup:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self._dummies: list[Tensor] | None = None
         self.grad_reduction: GradReduction = grad_reduction
         self.names = tuple(names)
-        self._dummies: list[Tensor] | None = None
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -165,18 +172,18 @@ class ExpertShardGroup:
             for member, main_grad, shard_grad in zip(
                 self.members, main_grads, shard_grads, strict=True
             ):
-                if getattr(member, "overwrite_main_grad", False):
+                if overwrites_main_grad(member):
                     main_grad.copy_(shard_grad)
                 else:
                     main_grad.add_(shard_grad)
-                member.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+                mark_grad_added(member)
 
     def _main_grad(self, index: int) -> Tensor:
-        main_grad = getattr(self.members[index], "main_grad", None)
-        if not isinstance(main_grad, Tensor):
+        main_grad = main_grad_or_none(self.members[index])
+        if main_grad is None:
             raise RuntimeError(
-                f"sharded weight {self.names[index]!r} has no main_grad tensor (found "
-                f"{type(main_grad).__name__}); its reduced gradient has nowhere to go"
+                f"sharded weight {self.names[index]!r} has no main_grad tensor; its reduced "
+                "gradient has nowhere to go"
             )
         if tuple(main_grad.shape) != self.shard_shape:
             raise RuntimeError(
@@ -188,9 +195,10 @@ class ExpertShardGroup:
     def autograd_dummies(self) -> list[Tensor]:
         """Zero gradients shaped like each member's shard, for autograd to accumulate.
 
-        ``.detach()`` aliases of buffers allocated zeroed once per group; a
-        buffer is zeroed again before this hand-out where the member's
-        ``zero_out_wgrad`` is truthy (the framework adds the dummy somewhere).
+        ``.detach()`` aliases of buffers allocated zeroed once per group, one
+        per member (so a framework that adds into one member's ``.grad`` does
+        not touch another's); a buffer is zeroed again before this hand-out
+        where the member's ``zero_out_wgrad`` is truthy.
         """
         if self._dummies is None:
             leader = self.members[0]
@@ -199,6 +207,6 @@ class ExpertShardGroup:
             )
             self._dummies = list(zeros.unbind(0))
         for member, dummy in zip(self.members, self._dummies, strict=True):
-            if getattr(member, "zero_out_wgrad", False):
+            if rezeroes_dummy(member):
                 dummy.zero_()
         return [dummy.detach() for dummy in self._dummies]

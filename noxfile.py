@@ -12,6 +12,7 @@ for anything missing there, such as ``nvidia-cutlass``).
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -164,6 +165,8 @@ def lint(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Sphinx API docs (autodoc + napoleon, -W) into docs/_build/html; no GPU needed."""
     _install_project_cpu(session, "sphinx>=7.3", "furo", "numpy")
+    for stale in ("docs/_build", "docs/api/generated"):  # autosummary stubs are regenerated
+        shutil.rmtree(stale, ignore_errors=True)
     session.run(
         "sphinx-build",
         "-W",

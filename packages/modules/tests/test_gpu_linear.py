@@ -39,7 +39,7 @@ def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) 
 
 
 @pytest.mark.parametrize(
-    ("single", "kind", "main_grad", "delay", "device_splits"),
+    ("single", "kind", "main_grad", "delay", "device_splits", "zero_out", "bias"),
     list(
         itertools.product(
             [False, True],
@@ -47,16 +47,20 @@ def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) 
             ["none", "accumulate", "overwrite"],
             [False, True],
             [False, True],
+            [False, True],
+            [False, True],
         )
     ),
 )
-def test_grouped_linear_on_cuda(single, kind, main_grad, delay, device_splits) -> None:
+def test_grouped_linear_on_cuda(
+    single, kind, main_grad, delay, device_splits, zero_out, bias
+) -> None:
     torch.manual_seed(0)
     module = GroupedLinear(
         E,
         K,
         N,
-        bias=False,
+        bias=bias,
         dtype=torch.bfloat16,
         device="cuda",
         single_grouped_weight=single,
@@ -82,16 +86,26 @@ def test_grouped_linear_on_cuda(single, kind, main_grad, delay, device_splits) -
             )
             p.overwrite_main_grad = main_grad == "overwrite"
             p.grad_added_to_main_grad = False
+            p.zero_out_wgrad = zero_out
     initial = [p.main_grad.clone() for p in params] if main_grad == "accumulate" else None
     fwd, bwd = (2.0, 4.0) if kind == "distributed" else (1.0, 1.0)
     expert_weights = list(params[0].unbind(0)) if single else params
     total = [torch.zeros(N, K, dtype=torch.float64, device="cuda") for _ in range(E)]
+    biases = [getattr(module, n) for n in module.bias_names]
+    bias_E = list(biases[0].unbind(0)) if single and bias else biases if bias else [None] * E
+    total_db = torch.zeros(E, N, dtype=torch.float64, device="cuda")
 
     for splits in SPLITS:
         x = torch.randn(sum(splits), K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(sum(splits), N, device="cuda", dtype=torch.bfloat16)
         arg = torch.tensor(splits, device="cuda") if device_splits else splits
         y_ref, dx_ref, dw_ref = _reference(x.detach(), dy, expert_weights, splits, fwd, bwd)
+        if bias:
+            rows = torch.repeat_interleave(
+                torch.arange(E, device="cuda"), torch.tensor(splits, device="cuda")
+            )
+            y_ref = y_ref + torch.stack([b.detach().double() for b in bias_E])[rows]
+            total_db.index_add_(0, rows, dy.double())
         y = module(x, arg)
         y.backward(dy)
         module.backward_dw()
@@ -114,6 +128,11 @@ def test_grouped_linear_on_cuda(single, kind, main_grad, delay, device_splits) -
                 assert p.grad_added_to_main_grad is True
                 assert p.grad is not None
                 assert not p.grad.any()
+        if bias:
+            db = [biases[0].grad] if single else [b.grad for b in biases]
+            want = [total_db] if single else list(total_db.unbind(0))
+            for index, (got, expected) in enumerate(zip(db, want, strict=True)):
+                _assert_bf16_close(got, expected, f"bias grad {index}")
     if kind == "distributed":
         leader = params[0]
         assert isinstance(leader, FakeDistributedWeight)

@@ -111,10 +111,10 @@ def _reduction_error(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--experts", choices=["linear", "mlp"], default="linear")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--print-every", type=int, default=25)
+    parser.add_argument("--print-every", type=int, default=50)
     args = parser.parse_args()
     device = torch.device(args.device)
     hidden, ffn, experts, top_k, tokens = 64, 96, 8, 2, 128

@@ -303,3 +303,33 @@ def test_deferred_distributed_route_hands_autograd_nothing_at_backward() -> None
     leader = group[0]
     assert isinstance(leader, FakeDistributedWeight)
     assert leader.calls["finalize_group_grads"] == 0
+
+
+def test_attribute_readers_for_implementers() -> None:
+    from groupgrad.protocol import (
+        fetch_main_grad,
+        is_fsdp_param,
+        main_grad_or_none,
+        mark_grad_added,
+        overwrites_main_grad,
+        rezeroes_dummy,
+        takes_grad_added_flag,
+    )
+
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    assert main_grad_or_none(param) is None
+    assert not overwrites_main_grad(param)
+    assert not rezeroes_dummy(param)
+    assert not takes_grad_added_flag(param)
+    assert not is_fsdp_param(param)
+    param.main_grad = torch.ones(2, 3)
+    param.overwrite_main_grad = 1
+    param.zero_out_wgrad = True
+    param.grad_added_to_main_grad = False
+    assert main_grad_or_none(param) is param.main_grad
+    assert fetch_main_grad(param, "w") is param.main_grad
+    assert overwrites_main_grad(param)
+    assert rezeroes_dummy(param)
+    assert takes_grad_added_flag(param)
+    mark_grad_added(param)
+    assert param.grad_added_to_main_grad is True

@@ -1,0 +1,184 @@
+"""Checks run by :func:`shard_model` before Megatron-FSDP touches the module.
+
+Every check raises at the API boundary with a message that names the argument
+or parameter, its value and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from groupgrad.modules import GroupedLinear, GroupedMLP
+from groupgrad.protocol import is_distributed_weight
+
+__all__ = [
+    "check_expert_mesh",
+    "check_fsdp_units",
+    "check_grad_precision",
+    "check_no_distributed_weights",
+    "check_wgrad_into_main_grad",
+    "expert_parameter_names",
+]
+
+GROUPGRAD_MODULES = (GroupedLinear, GroupedMLP)
+
+
+def check_no_distributed_weights(module: nn.Module) -> None:
+    """Reject a module that holds a ``DistributedWeight``.
+
+    Megatron-FSDP gathers and reduces every parameter itself; a parameter that
+    also carries the ``DistributedWeight`` protocol would have two gradient
+    owners (and be gathered and reduced twice).
+
+    Raises:
+        ValueError: Some parameter is a ``DistributedWeight``.
+    """
+    for name, param in module.named_parameters():
+        if is_distributed_weight(param):
+            raise ValueError(
+                f"parameter {name!r} is a DistributedWeight ({type(param).__name__}); "
+                "Megatron-FSDP shards, gathers and reduces every parameter itself, so a "
+                "parameter must not also be a DistributedWeight (it would have two gradient "
+                "owners); shard the module with Megatron-FSDP or with the DistributedWeight "
+                "implementer, not both"
+            )
+
+
+def check_wgrad_into_main_grad(module: nn.Module) -> None:
+    """Require ``accumulate_into_main_grad=True`` on every groupgrad layer in ``module``.
+
+    Without it the wgrad goes to autograd in the parameter's dtype (a fresh
+    weight-sized allocation every backward, bf16 for a bf16 model) and
+    Megatron-FSDP copies it into its bucket afterwards.
+
+    Raises:
+        ValueError: A ``GroupedLinear`` or ``GroupedMLP`` has
+            ``accumulate_into_main_grad=False``.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, GROUPGRAD_MODULES) and not sub.accumulate_into_main_grad:
+            label = name or "<root>"
+            raise ValueError(
+                f"{type(sub).__name__} {label!r} has accumulate_into_main_grad=False, expected "
+                "True under Megatron-FSDP (the wgrad GEMM then writes straight into the fp32 "
+                "bucket handed out by get_main_grad()); build it with "
+                "accumulate_into_main_grad=True"
+            )
+
+
+def check_grad_precision(policy: Any) -> None:
+    """Require fp32 main gradients and fp32 gradient communication.
+
+    Args:
+        policy: A ``megatron_fsdp.MixedPrecisionPolicy``.
+
+    Raises:
+        TypeError: ``policy`` is not a ``MixedPrecisionPolicy``.
+        ValueError: ``main_grads_dtype`` is not ``torch.float32``, or
+            ``grad_comm_dtype`` is neither ``None`` (follows
+            ``main_grads_dtype``) nor ``torch.float32``.
+    """
+    from megatron_fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mixed_precision_policy is a {type(policy).__name__}, expected a "
+            "megatron_fsdp.MixedPrecisionPolicy"
+        )
+    if policy.main_grads_dtype != torch.float32:
+        raise ValueError(
+            f"mixed_precision_policy.main_grads_dtype is {policy.main_grads_dtype}, expected "
+            "torch.float32 (groupgrad writes wgrads into fp32 main_grad buffers)"
+        )
+    if policy.grad_comm_dtype not in (None, torch.float32):
+        raise ValueError(
+            f"mixed_precision_policy.grad_comm_dtype is {policy.grad_comm_dtype}, expected "
+            "torch.float32 or None (the gradient reduce-scatter runs in fp32)"
+        )
+
+
+def expert_parameter_names(module: nn.Module) -> list[str]:
+    """Return the names of the parameters Megatron-FSDP treats as expert parameters.
+
+    Megatron-FSDP 0.6 decides by name: a parameter whose qualified name
+    contains ``".experts."`` is an expert parameter, sharded and reduced over
+    the expert data-parallel group of ``expt_device_mesh`` (not the dense
+    data-parallel group).
+    """
+    return [name for name, _ in module.named_parameters() if ".experts." in name]
+
+
+def check_expert_mesh(module: nn.Module, expt_device_mesh: Any, dp_shard_dim: str) -> None:
+    """Require an expert mesh with a ``dp_shard_dim`` dimension when there are expert parameters.
+
+    Args:
+        module: The module about to be sharded.
+        expt_device_mesh: The ``DeviceMesh`` for expert parameters, or ``None``.
+        dp_shard_dim: The name of the sharding dimension, in both meshes.
+
+    Raises:
+        ValueError: A parameter name contains ``".experts."`` but
+            ``expt_device_mesh`` is ``None`` or has no ``dp_shard_dim``
+            dimension.
+    """
+    names = expert_parameter_names(module)
+    if not names:
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    if expt_device_mesh is None:
+        raise ValueError(
+            f"expt_device_mesh is None, but {len(names)} parameter(s) are expert parameters "
+            f"for Megatron-FSDP (their names contain '.experts.': {shown}); it shards and "
+            "reduces those over the expert data-parallel group, so pass expt_device_mesh with "
+            f"a {dp_shard_dim!r} dimension; without expert parallelism, name the submodule "
+            "something other than 'experts' and the experts are sharded like dense weights"
+        )
+    dim_names = tuple(expt_device_mesh.mesh_dim_names or ())
+    if dp_shard_dim not in dim_names:
+        raise ValueError(
+            f"expt_device_mesh has dimensions {dim_names}, expected one named "
+            f"dp_shard_dim={dp_shard_dim!r} (the expert data-parallel sharding dimension)"
+        )
+
+
+def _names_class(entry: type[nn.Module] | str, cls: type[nn.Module]) -> bool:
+    if isinstance(entry, str):
+        return entry == cls.__name__ or entry.endswith(f".{cls.__name__}")
+    return isinstance(entry, type) and issubclass(cls, entry)
+
+
+def check_fsdp_units(
+    module: nn.Module,
+    fsdp_unit_modules: Sequence[type[nn.Module] | str] | None,
+    zero_dp_strategy: str | int,
+) -> None:
+    """Require ``GroupedMLP`` to be an FSDP unit whenever ``GroupedLinear`` is one (ZeRO-3).
+
+    ``GroupedMLP`` runs ``fc1`` and ``fc2`` in one fused op without calling
+    their ``forward``, so Megatron-FSDP's per-unit gather hooks on a
+    ``GroupedLinear`` unit inside it would never fire and the weights would
+    stay sharded.
+
+    Raises:
+        ValueError: Under ``"optim_grads_params"`` (``3``), ``fsdp_unit_modules``
+            names ``GroupedLinear`` but not ``GroupedMLP`` while ``module``
+            holds a ``GroupedMLP``.
+    """
+    if fsdp_unit_modules is None or zero_dp_strategy not in ("optim_grads_params", 3):
+        return
+    if not any(_names_class(entry, GroupedLinear) for entry in fsdp_unit_modules):
+        return
+    if any(_names_class(entry, GroupedMLP) for entry in fsdp_unit_modules):
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, GroupedMLP):
+            raise ValueError(
+                f"fsdp_unit_modules names GroupedLinear but not GroupedMLP, and GroupedMLP "
+                f"{name or '<root>'!r} runs its fc1 and fc2 in one fused op without calling "
+                "their forward, so Megatron-FSDP would never gather them; expected "
+                "GroupedMLP in fsdp_unit_modules too"
+            )

@@ -1,0 +1,83 @@
+"""Test-only shim that lets the real ``megatron_fsdp`` 0.6 package run on CPU with gloo.
+
+Installed by the worker processes of the CPU tests only (never by library code,
+never when CUDA is available). What it patches, and why:
+
+* ``torch.cuda.Stream``, ``torch.cuda.Event``, ``torch.cuda.stream``,
+  ``torch.cuda.current_stream``: Megatron-FSDP creates side streams for its
+  all-gather / reduce-scatter pipelines and runs collectives under
+  ``torch.cuda.stream(...)``. On CPU everything runs in program order, so a
+  stream that does nothing (and a context that does nothing) is exact.
+* ``torch.cuda.current_device`` (returns 0), ``torch.cuda.synchronize``,
+  ``torch.cuda.empty_cache`` (no-ops): called unconditionally while building
+  buffers and when finishing gradient synchronisation.
+* ``torch.Tensor.cuda`` (returns the tensor itself): the uneven-DTensor
+  boundary check (``megatron_fsdp.uneven_dtensor.validate_uneven_dtensor``)
+  moves a small int tensor to CUDA before a gloo all-reduce.
+
+Not a CUDA call, but gloo-specific: gloo has no ``PREMUL_SUM`` reduce op, which
+Megatron-FSDP uses to fuse the ``1/world`` gradient scaling into the
+reduce-scatter. :func:`use_unfused_grad_scaling` sets Megatron-FSDP's own
+``ddp_config.gradient_reduce_div_fusion = False`` so it scales first and
+reduces with ``SUM`` (same result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install() -> None:
+    """Patch the CUDA calls listed in the module docstring; refuses when CUDA is available."""
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_shim is for CPU-only test processes; CUDA is available here")
+    torch.cuda.Stream = _Stream  # type: ignore[misc,assignment]
+    torch.cuda.Event = _Event  # type: ignore[misc,assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
+def use_unfused_grad_scaling(model: Any) -> None:
+    """Make a ``MegatronFSDP`` model reduce with ``SUM`` after scaling (gloo has no PREMUL_SUM)."""
+    model.ddp_config.gradient_reduce_div_fusion = False

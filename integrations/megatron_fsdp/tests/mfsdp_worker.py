@@ -1,0 +1,251 @@
+"""One rank of a Megatron-FSDP training run; the parent test compares what it saves to a reference.
+
+Run as a script by ``test_training.py`` (one process per rank)::
+
+    python mfsdp_worker.py --rank R --world-size W --init-file F --scenarios S.json \
+        --out DIR [--backend gloo|nccl] [--device cpu|cuda]
+
+For each scenario it builds :class:`Net` from the scenario's seed (the same
+full weights on every rank), shards it with ``shard_model`` (or, for the
+``"unfixed"`` scenarios, Megatron-FSDP's bare ``fully_shard_model``), trains
+``steps`` SGD steps of ``micro_batches`` micro-batches on data of its own
+(seeded by scenario, rank, step and micro-batch), and saves to
+``DIR/<name>.rank<R>.pt``: the initial weights, the data, the full weights
+after every step, every ``get_main_grad()`` call (parameter, dtype, and the
+``overwrite_main_grad`` flag it saw) and the dtype of every gradient
+collective. Any failure exits non-zero with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+class Net(nn.Module):
+    """``GroupedMLP(tanh(GroupedLinear(x)))``: per-expert weights with bias, then a fused MLP."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from groupgrad.modules import GroupedLinear, GroupedMLP
+
+        super().__init__()
+        e, h, f = cfg["experts"], cfg["hidden"], cfg["ffn_hidden"]
+        dtype = getattr(torch, cfg.get("dtype", "float32"))
+        self.proj = GroupedLinear(e, h, h, bias=True, dtype=dtype, accumulate_into_main_grad=True)
+        self.mlp = GroupedMLP(
+            e,
+            h,
+            f,
+            single_grouped_weight=cfg["packed"],
+            dtype=dtype,
+            accumulate_into_main_grad=True,
+        )
+
+    def forward(self, x: Tensor, splits: list[int], probs: Tensor) -> Tensor:
+        return self.mlp(torch.tanh(self.proj(x, splits)), splits, probs)
+
+
+def make_data(cfg: dict[str, Any], rank: int, step: int, micro: int) -> dict[str, Any]:
+    """This rank's micro-batch: ``x`` (T, H), ``splits`` (E,), ``probs`` (T,), ``dy`` (T, H)."""
+    gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank * 100 + step * 10 + micro)
+    t, e, h = cfg["tokens"], cfg["experts"], cfg["hidden"]
+    cuts = sorted(torch.randint(0, t + 1, (e - 1,), generator=gen).tolist())
+    splits = [b - a for a, b in zip([0, *cuts], [*cuts, t], strict=True)]
+    return {
+        "x": torch.randn(t, h, generator=gen),
+        "splits": splits,
+        "probs": torch.rand(t, generator=gen),
+        "dy": torch.randn(t, h, generator=gen),
+    }
+
+
+def record_grad_collectives(log: list[dict[str, Any]]) -> Callable[[], None]:
+    """Log the dtype of every reduce-scatter / all-reduce; return a function that undoes it."""
+    originals = {n: getattr(dist, n) for n in ("reduce_scatter_tensor", "all_reduce")}
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            key, position = ("input", 1) if name == "reduce_scatter_tensor" else ("tensor", 0)
+            tensor = kwargs[key] if key in kwargs else args[position]
+            log.append({"kind": name, "dtype": str(tensor.dtype), "numel": tensor.numel()})
+            return original(*args, **kwargs)
+
+        return recorded
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+    return undo
+
+
+def count_get_main_grad(model: Any, names: list[str], log: list[dict[str, Any]]) -> None:
+    """Wrap each named raw parameter's ``get_main_grad`` to log every call."""
+    for name in names:
+        param = model.raw_param[name]
+        getter = param.get_main_grad
+
+        def logged(param: Any = param, name: str = name, getter: Any = getter) -> Tensor:
+            buffer = getter()
+            log.append(
+                {
+                    "param": name,
+                    "dtype": str(buffer.dtype),
+                    "overwrite": bool(getattr(param, "overwrite_main_grad", False)),
+                }
+            )
+            return buffer
+
+        param.get_main_grad = logged
+
+
+def full_weights(model: Any) -> dict[str, Tensor]:
+    """Every parameter's full value, assembled from each rank's chunk of the distributed parameter.
+
+    Megatron-FSDP's parameters are unevenly sharded DTensors (a rank may hold an
+    empty chunk, which gloo's all-gather refuses), so each rank's chunk and its
+    offsets travel through ``all_gather_object`` instead.
+    """
+    from megatron_fsdp.uneven_dtensor import update_uneven_dtensor_chunk_metadata
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.module.named_parameters():
+        if not isinstance(param, DTensor):
+            out[name] = param.detach().to("cpu", torch.float64).clone()
+            continue
+        local = param._local_tensor
+        if not hasattr(local, "__create_chunk_list__"):
+            update_uneven_dtensor_chunk_metadata(param)
+        (chunk,) = local.__create_chunk_list__()
+        mine = (tuple(chunk.offsets), local.detach().to("cpu", torch.float64).clone())
+        chunks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(chunks, mine)
+        full = torch.full(tuple(param.shape), float("nan"), dtype=torch.float64)
+        for offsets, piece in chunks:
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape, strict=True))
+            full[index] = piece
+        out[name] = full
+    return out
+
+
+def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: Path) -> None:
+    """Train one scenario and save this rank's results."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from groupgrad.integrations.megatron_fsdp import fp32_grad_policy, shard_model, shard_optimizer
+    from groupgrad.modules import GroupedLinear, GroupedMLP
+
+    torch.manual_seed(cfg["seed"])
+    net = Net(cfg)
+    init = {n: p.detach().to(torch.float64).clone() for n, p in net.named_parameters()}
+    weight_names = [n for n in init if ".weight" in n]
+    mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("fsdp", "tp"))
+    common = {
+        "device_mesh": mesh,
+        "dp_shard_dim": "fsdp",
+        "tp_dim": "tp",
+        "zero_dp_strategy": cfg["strategy"],
+        "fsdp_unit_modules": [GroupedLinear, GroupedMLP],
+        "device": torch.device(device),
+    }
+    # Unsharded gradient buffers ("optim", "no_shard") are reduced in place, so
+    # Megatron-FSDP wants them reduced once per step: no auto-sync, and every
+    # micro-batch but the last under no_sync().
+    unsharded = cfg["strategy"] in ("optim", "no_shard")
+    if unsharded:
+        common["sync_model_each_microbatch"] = False
+    if cfg["fixed"]:
+        model = shard_model(net, **common)
+    else:
+        model = megatron_fsdp.fully_shard_model(
+            net, mixed_precision_policy=fp32_grad_policy(), **common
+        )
+    if device == "cpu":
+        cpu_shim.use_unfused_grad_scaling(model)
+    optimizer = shard_optimizer(torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
+    calls: list[dict[str, Any]] = []
+    count_get_main_grad(model, weight_names, calls)
+    collectives: list[dict[str, Any]] = []
+    undo = record_grad_collectives(collectives)
+    data, weights, calls_per_micro = [], [], []
+    try:
+        for step in range(cfg["steps"]):
+            for micro in range(cfg["micro_batches"]):
+                batch = make_data(cfg, rank, step, micro)
+                data.append(batch)
+                before = len(calls)
+                last = micro == cfg["micro_batches"] - 1
+                dtype = getattr(torch, cfg.get("dtype", "float32"))
+                x, probs, dy = (batch[k].to(device, dtype) for k in ("x", "probs", "dy"))
+                with contextlib.nullcontext() if last else model.no_sync():
+                    y = model(x, batch["splits"], probs)
+                    (y * dy).sum().backward()
+                calls_per_micro.append(calls[before:])
+            optimizer.step()
+            optimizer.zero_grad()
+            weights.append(full_weights(model))
+    finally:
+        undo()
+    torch.save(
+        {
+            "config": cfg,
+            "init": init,
+            "weight_names": weight_names,
+            "data": data,
+            "weights": weights,
+            "calls": calls_per_micro,
+            "collectives": collectives,
+        },
+        out / f"{cfg['name']}.rank{rank}.pt",
+    )
+
+
+def main() -> None:
+    """Parse arguments, join the process group, run every scenario."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-file", type=Path, required=True)
+    parser.add_argument("--scenarios", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        cpu_shim.install()
+    else:
+        torch.cuda.set_device(args.rank)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group(
+        args.backend,
+        init_method=f"file://{args.init_file}",
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+    try:
+        for cfg in json.loads(args.scenarios.read_text()):
+            run_scenario(cfg, args.rank, args.world_size, args.device, args.out)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cpu_shim  # noqa: E402
+
+if __name__ == "__main__":
+    main()

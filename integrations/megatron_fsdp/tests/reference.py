@@ -1,0 +1,195 @@
+"""Launcher for the worker ranks and the single-process fp64 reference they are compared with.
+
+The reference recomputes, in one process and in float64 with plain autograd
+on the full weights, what Megatron-FSDP training should produce: per step,
+the gradient summed over micro-batches and averaged over ranks (Megatron-FSDP
+scales by ``1/world`` before the reduction), then an SGD update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+WORKER = Path(__file__).with_name("mfsdp_worker.py")
+
+
+def launch(
+    workdir: Path,
+    world_size: int,
+    scenarios: list[dict[str, Any]],
+    *,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> dict[str, list[dict[str, Any]]]:
+    """Run ``world_size`` worker processes over ``scenarios``; return each scenario's rank results.
+
+    Raises:
+        AssertionError: A rank exited non-zero or ran past ``timeout_s`` (the
+            others are then killed); the message carries every rank's log tail.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "scenarios.json"
+    config.write_text(json.dumps(scenarios))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
+    procs, logs = [], []
+    for rank in range(world_size):
+        log_path = workdir / f"rank{rank}.log"
+        logs.append(log_path)
+        with log_path.open("w") as log:
+            command = [sys.executable, str(WORKER), "--rank", str(rank)]
+            command += ["--world-size", str(world_size), "--init-file", str(workdir / "store")]
+            command += ["--scenarios", str(config), "--out", str(workdir)]
+            command += ["--backend", backend, "--device", device]
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def tails() -> str:
+        return "\n".join(f"--- rank {r} ---\n{p.read_text()[-4000:]}" for r, p in enumerate(logs))
+
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            reason = f"exit codes {failed}" if failed else f"timeout after {timeout_s} s"
+            raise AssertionError(f"worker ranks failed ({reason}):\n{tails()}")
+        time.sleep(0.05)
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, f"worker exit codes {codes}:\n{tails()}"
+
+    results = {}
+    for cfg in scenarios:
+        files = [workdir / f"{cfg['name']}.rank{r}.pt" for r in range(world_size)]
+        missing = [str(f) for f in files if not f.exists()]
+        assert not missing, f"scenario {cfg['name']!r} left no result in {missing}:\n{tails()}"
+        results[cfg["name"]] = [torch.load(f, weights_only=False) for f in files]
+    return results
+
+
+def _expert(weights: dict[str, Tensor], prefix: str, e: int, packed: bool) -> Tensor:
+    return weights[f"{prefix}.weight"][e] if packed else weights[f"{prefix}.weight{e}"]
+
+
+def forward(
+    cfg: dict[str, Any], w: dict[str, Tensor], x: Tensor, splits: list[int], probs: Tensor
+) -> Tensor:
+    """The worker's ``Net`` in plain PyTorch: ``GroupedMLP(tanh(GroupedLinear(x)))`` per expert."""
+    f = cfg["ffn_hidden"]
+    outs = []
+    for e, (x_e, p_e) in enumerate(zip(x.split(splits), probs.split(splits), strict=True)):
+        h = torch.tanh(x_e @ w[f"proj.weight{e}"].T + w[f"proj.bias{e}"])
+        h1 = h @ _expert(w, "mlp.fc1", e, cfg["packed"]).T
+        act = torch.nn.functional.silu(h1[:, :f]) * h1[:, f:] * p_e[:, None]
+        outs.append(act @ _expert(w, "mlp.fc2", e, cfg["packed"]).T)
+    return torch.cat(outs)
+
+
+def expected_weights(
+    ranks: list[dict[str, Any]],
+    *,
+    last_micro_only: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> list[dict[str, Tensor]]:
+    """Full fp64 weights after each SGD step, from the inputs every rank recorded.
+
+    Args:
+        ranks: One worker result per rank.
+        last_micro_only: Model the Megatron-FSDP pitfall: the groupgrad
+            weights keep only each step's last micro-batch gradient (earlier
+            ones overwritten); other parameters keep the sum.
+        compute_dtype: The dtype forward and backward run in (``bfloat16``
+            gives PyTorch's own bf16 computation, the yardstick of the bf16
+            rule); gradients are summed and weights updated in float64.
+    """
+    cfg = ranks[0]["config"]
+    world, micro = len(ranks), cfg["micro_batches"]
+    weights = {n: t.clone() for n, t in ranks[0]["init"].items()}
+    groupgrad = set(ranks[0]["weight_names"])
+    after = []
+    for step in range(cfg["steps"]):
+        grads = {n: torch.zeros_like(t) for n, t in weights.items()}
+        for result in ranks:
+            for m in range(micro):
+                batch = result["data"][step * micro + m]
+                leaves = {
+                    n: t.to(compute_dtype, copy=True).requires_grad_() for n, t in weights.items()
+                }
+                dtype = getattr(torch, cfg.get("dtype", "float32"))
+                x, probs, dy = (batch[k].to(dtype).to(compute_dtype) for k in ("x", "probs", "dy"))
+                (forward(cfg, leaves, x, batch["splits"], probs) * dy).sum().backward()
+                for n, leaf in leaves.items():
+                    assert leaf.grad is not None
+                    if last_micro_only and n in groupgrad and m < micro - 1:
+                        continue
+                    grads[n] += leaf.grad.double()
+        weights = {n: t - cfg["lr"] * grads[n] / world for n, t in weights.items()}
+        after.append(weights)
+    return after
+
+
+def check_weights(
+    ranks: list[dict[str, Any]], expected: list[dict[str, torch.Tensor]], *, tol: float = 1e-5
+) -> None:
+    """Every rank's full weights after every step equal ``expected`` within ``tol`` (rtol and atol)."""
+    name = ranks[0]["config"]["name"]
+    for rank, result in enumerate(ranks):
+        assert len(result["weights"]) == len(expected), f"{name} rank {rank}: step count"
+        for step, (got, want) in enumerate(zip(result["weights"], expected, strict=True)):
+            assert got.keys() == want.keys(), f"{name}: parameter names differ"
+            for param, tensor in got.items():
+                where = f"{name} rank {rank} step {step} {param}"
+                assert not tensor.isnan().any(), f"{where} has NaN (a chunk was never gathered)"
+                torch.testing.assert_close(
+                    tensor, want[param], rtol=tol, atol=tol / 10, msg=lambda m, w=where: f"{w}: {m}"
+                )
+
+
+def check_main_grad_calls(ranks: list[dict[str, Any]], overwrite: bool) -> None:
+    """One fp32 ``get_main_grad()`` per groupgrad weight per backward, with the expected flag."""
+    name = ranks[0]["config"]["name"]
+    for rank, result in enumerate(ranks):
+        for micro, calls in enumerate(result["calls"]):
+            where = f"{name} rank {rank} micro-batch {micro}"
+            called = sorted(call["param"] for call in calls)
+            assert called == sorted(result["weight_names"]), (
+                f"{where}: get_main_grad() calls {called}, expected one per groupgrad weight"
+            )
+            for call in calls:
+                assert call["dtype"] == "torch.float32", f"{where} {call['param']}: {call}"
+                assert call["overwrite"] is overwrite, (
+                    f"{where} {call['param']}: overwrite_main_grad={call['overwrite']}, "
+                    f"expected {overwrite}"
+                )
+
+
+def check_weights_bf16(ranks: list[dict[str, Any]]) -> None:
+    """bf16 rule: each weight errs at most twice PyTorch's own bf16 computation, plus 1e-4."""
+    exact = expected_weights(ranks)
+    torch_bf16 = expected_weights(ranks, compute_dtype=torch.bfloat16)
+    name = ranks[0]["config"]["name"]
+    for rank, result in enumerate(ranks):
+        for step, got in enumerate(result["weights"]):
+            for param, tensor in got.items():
+                where = f"{name} rank {rank} step {step} {param}"
+                assert not tensor.isnan().any(), f"{where} has NaN"
+                ours = (tensor - exact[step][param]).abs().max().item()
+                theirs = (torch_bf16[step][param] - exact[step][param]).abs().max().item()
+                assert ours <= 2 * theirs + 1e-4, (
+                    f"{where}: error {ours:.3g}, PyTorch's bf16 error {theirs:.3g}"
+                )

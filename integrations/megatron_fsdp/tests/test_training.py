@@ -1,0 +1,141 @@
+"""groupgrad layers trained under the real Megatron-FSDP by gloo processes, against an fp64 reference.
+
+Each scenario: every rank builds the same ``GroupedMLP(tanh(GroupedLinear(x)))``
+model (``accumulate_into_main_grad=True``), shards it with ``shard_model`` /
+``shard_optimizer`` and trains 2 SGD steps of 2 micro-batches on data of its
+own. The parent checks: the full weights after every step equal a
+single-process fp64 reference (so the fp32 wgrads reached Megatron-FSDP's
+buffers exactly once per micro-batch, and earlier micro-batches survived);
+``get_main_grad()`` ran exactly once per groupgrad weight per backward and
+handed out fp32 buffers (a second call would mean ``grad_added_to_main_grad``
+was not seen and Megatron-FSDP re-fetched and overwrote the bucket); the
+``overwrite_main_grad`` flag the wgrad GEMM saw; every gradient collective ran
+in fp32. One scenario uses Megatron-FSDP's bare ``fully_shard_model`` under
+ZeRO-1 and shows the pitfall ``shard_model`` fixes: earlier micro-batches are
+lost.
+
+One 2-rank launch runs every scenario, plus a 1-rank launch (a data-parallel
+group of size 1 leaves every gradient buffer unsharded, even under ZeRO-3).
+The ranks run with a test-only CUDA shim (``cpu_shim.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _load_helper(name: str) -> Any:
+    """Import a sibling helper by path (pytest's importlib mode puts no test dir on sys.path)."""
+    module_name = f"_groupgrad_megatron_fsdp_tests_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(
+        module_name, Path(__file__).with_name(f"{name}.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_helper("reference")
+
+SHAPE = {"experts": 3, "hidden": 8, "ffn_hidden": 6, "tokens": 12}
+DEFAULTS = {"packed": False, "fixed": True, "steps": 2, "micro_batches": 2, "lr": 0.5}
+
+
+def scenario(name: str, strategy: str, seed: int, **options: Any) -> dict[str, Any]:
+    return {"name": name, **DEFAULTS, **SHAPE, "strategy": strategy, "seed": seed, **options}
+
+
+TWO_RANKS = [
+    scenario("zero3-per_expert", "optim_grads_params", 1),
+    scenario("zero3-packed", "optim_grads_params", 2, packed=True),
+    scenario("zero2-per_expert", "optim_grads", 3),
+    scenario("zero1-per_expert", "optim", 4),
+    scenario("zero1-packed", "optim", 5, packed=True),
+    scenario("no_shard-per_expert", "no_shard", 6),
+    scenario("zero3-bf16", "optim_grads_params", 9, dtype="bfloat16"),
+]
+ONE_RANK = [scenario("zero3-group_of_one", "optim_grads_params", 7)]
+UNFIXED = scenario("zero1-unfixed", "optim", 8, fixed=False)
+CASES = [(2, s["name"]) for s in TWO_RANKS] + [(1, s["name"]) for s in ONE_RANK]
+# Which overwrite_main_grad the wgrad GEMM must see: True where the gradient
+# buffer is sharded (a fresh bucket per backward), False where it persists.
+SHARDED = {"zero3-per_expert", "zero3-packed", "zero2-per_expert", "zero3-bf16"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[str, Any]]:
+    """Launch each world size once, at the first test that needs it; a failed launch fails all."""
+    launched: dict[int, dict[str, Any]] = {}
+    failed: dict[int, str] = {}
+    scenarios = {2: [*TWO_RANKS, UNFIXED], 1: ONE_RANK}
+
+    def get(world_size: int) -> dict[str, Any]:
+        if world_size in failed:
+            pytest.fail(f"the {world_size}-rank launch failed earlier:\n{failed[world_size]}")
+        if world_size not in launched:
+            workdir = tmp_path_factory.mktemp(f"ranks{world_size}")
+            try:
+                launched[world_size] = ref.launch(workdir, world_size, scenarios[world_size])
+            except AssertionError as error:
+                failed[world_size] = str(error)
+                raise
+        return launched[world_size]
+
+    return get
+
+
+def _ids(case: tuple[int, str]) -> str:
+    return f"{case[0]}ranks-{case[1]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_weights_match_fp64_reference(runs: Callable[[int], dict[str, Any]], case: tuple) -> None:
+    world, name = case
+    ranks = runs(world)[name]
+    if ranks[0]["config"].get("dtype") == "bfloat16":
+        ref.check_weights_bf16(ranks)
+        return
+    ref.check_weights(ranks, ref.expected_weights(ranks))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_wgrads_go_through_get_main_grad_once_in_fp32(
+    runs: Callable[[int], dict[str, Any]], case: tuple
+) -> None:
+    world, name = case
+    ranks = runs(world)[name]
+    sharded = name in SHARDED and world > 1
+    ref.check_main_grad_calls(ranks, overwrite=sharded)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gradient_collectives_are_fp32(runs: Callable[[int], dict[str, Any]], case: tuple) -> None:
+    world, name = case
+    for rank, result in enumerate(runs(world)[name]):
+        collectives = result["collectives"]
+        if world > 1:
+            assert collectives, f"{name} rank {rank}: no gradient collective ran"
+        for entry in collectives:
+            assert entry["dtype"] == "torch.float32", f"{name} rank {rank}: {entry}"
+
+
+def test_bare_fully_shard_model_drops_micro_batches_under_zero1(
+    runs: Callable[[int], dict[str, Any]],
+) -> None:
+    """Without shard_model's fix, ZeRO-1 overwrites the persistent buffer every micro-batch."""
+    ranks = runs(2)[UNFIXED["name"]]
+    ref.check_main_grad_calls(ranks, overwrite=True)
+    ref.check_weights(ranks, ref.expected_weights(ranks, last_micro_only=True))
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        ref.check_weights(ranks, ref.expected_weights(ranks))

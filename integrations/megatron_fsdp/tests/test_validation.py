@@ -1,0 +1,186 @@
+"""Single-process checks of shard_model / shard_optimizer's validation and the overwrite fix.
+
+Every rejection happens before Megatron-FSDP is called, so no process group
+is needed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from megatron_fsdp import MixedPrecisionPolicy
+from torch import nn
+
+from groupgrad.integrations.megatron_fsdp import fp32_grad_policy, shard_model, shard_optimizer
+from groupgrad.integrations.megatron_fsdp._overwrite import (
+    groupgrad_weight_names,
+    keep_unsharded_grads_accumulating,
+)
+from groupgrad.modules import GroupedLinear, GroupedMLP
+from groupgrad.protocol.testing import FakeDistributedWeight
+
+
+class Block(nn.Module):
+    def __init__(self, *, linear_into_main_grad: bool = True, mlp_into_main_grad: bool = True):
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+        self.proj = GroupedLinear(2, 4, 4, accumulate_into_main_grad=linear_into_main_grad)
+        self.mlp = GroupedMLP(2, 4, 3, accumulate_into_main_grad=mlp_into_main_grad)
+
+
+class ExpertHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Module()
+        self.layer.experts = GroupedMLP(2, 4, 3, accumulate_into_main_grad=True)
+
+
+def test_default_policy_is_fp32_grads_and_fp32_communication() -> None:
+    policy = fp32_grad_policy()
+    assert policy.main_grads_dtype == torch.float32
+    assert policy.grad_comm_dtype == torch.float32
+    assert policy.main_params_dtype == torch.float32
+
+
+def test_rejects_a_parameter_that_is_also_a_distributed_weight() -> None:
+    block = Block()
+    block.proj.weight1 = FakeDistributedWeight(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"parameter 'proj\.weight1' is a DistributedWeight"):
+        shard_model(block)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"linear_into_main_grad": False}, r"GroupedLinear 'proj' has accumulate_into_main_grad"),
+        ({"mlp_into_main_grad": False}, r"GroupedMLP 'mlp' has accumulate_into_main_grad=False"),
+    ],
+)
+def test_requires_wgrad_into_main_grad(options: dict[str, bool], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        shard_model(Block(**options))
+
+
+def test_rejects_a_root_layer_without_wgrad_into_main_grad() -> None:
+    with pytest.raises(ValueError, match=r"GroupedLinear '<root>'.*expected True"):
+        shard_model(GroupedLinear(2, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16),
+            r"main_grads_dtype is torch\.bfloat16, expected torch\.float32",
+        ),
+        (MixedPrecisionPolicy(), r"main_grads_dtype is None, expected torch\.float32"),
+        (
+            MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16),
+            r"grad_comm_dtype is torch\.bfloat16, expected torch\.float32 or None",
+        ),
+    ],
+)
+def test_requires_fp32_gradients_and_reduction(policy: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        shard_model(Block(), mixed_precision_policy=policy)
+
+
+def test_rejects_a_policy_of_another_type() -> None:
+    with pytest.raises(TypeError, match=r"mixed_precision_policy is a dict, expected"):
+        shard_model(Block(), mixed_precision_policy={"main_grads_dtype": torch.float32})
+
+
+def test_rejects_a_non_module() -> None:
+    with pytest.raises(TypeError, match=r"module is a Tensor, expected a torch\.nn\.Module"):
+        shard_model(torch.zeros(2))  # type: ignore[arg-type]
+
+
+def test_expert_parameters_need_an_expert_mesh() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"expt_device_mesh is None, but 4 parameter\(s\) are expert.*"
+        r"'layer\.experts\.fc1\.weight0'",
+    ):
+        shard_model(ExpertHolder())
+
+
+def test_expert_mesh_needs_the_sharding_dimension() -> None:
+    mesh = SimpleNamespace(mesh_dim_names=("ep", "tp"))
+    with pytest.raises(
+        ValueError, match=r"dimensions \('ep', 'tp'\), expected one named dp_shard_dim='fsdp'"
+    ):
+        shard_model(ExpertHolder(), expt_device_mesh=mesh)
+
+
+@pytest.mark.parametrize("units", [[GroupedLinear], ["groupgrad.modules.GroupedLinear"]])
+def test_zero3_units_must_include_grouped_mlp(units: list[Any]) -> None:
+    with pytest.raises(ValueError, match=r"names GroupedLinear but not GroupedMLP.*'mlp'"):
+        shard_model(Block(), fsdp_unit_modules=units)
+
+
+def test_shard_optimizer_rejects_plain_parameters() -> None:
+    optimizer = torch.optim.SGD(Block().parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 4\)\) is not a "
+        "Megatron-FSDP parameter",
+    ):
+        shard_optimizer(optimizer)
+
+
+def test_shard_optimizer_rejects_parameters_of_two_models() -> None:
+    first, second = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    first._megatron_fsdp_model = object()  # type: ignore[attr-defined]
+    second._megatron_fsdp_model = object()  # type: ignore[attr-defined]
+    optimizer = torch.optim.SGD([first, second], lr=0.1)
+    with pytest.raises(ValueError, match=r"\[0\]\['params'\]\[1\] belongs to another"):
+        shard_optimizer(optimizer)
+
+
+def test_groupgrad_weight_names_cover_linear_and_mlp_weights() -> None:
+    assert groupgrad_weight_names(Block()) == [
+        "proj.weight0",
+        "proj.weight1",
+        "mlp.fc1.weight0",
+        "mlp.fc1.weight1",
+        "mlp.fc2.weight0",
+        "mlp.fc2.weight1",
+    ]
+
+
+class FakeMegatronFSDP:
+    """The few members of MegatronFSDP the overwrite fix reads, with one sharded buffer."""
+
+    def __init__(self, params: dict[str, nn.Parameter], sharded: set[str]) -> None:
+        self.raw_param = params
+        groups, index = [], {}
+        for i, (name, param) in enumerate(params.items()):
+            gbuf = SimpleNamespace(is_data_distributed=name in sharded)
+            groups.append(SimpleNamespace(hfsdp_helper_gbuf=None, main_grad_buffer=gbuf))
+            index[param] = i
+        self.param_and_grad_buffer = SimpleNamespace(
+            parameter_groups=groups, param_to_param_group=index
+        )
+        self.gathers = 0
+
+    def all_gather_and_wait_parameters_ready(self, params: Any, **kwargs: Any) -> None:
+        self.gathers += 1
+        for param in params:
+            param.overwrite_main_grad = True
+
+
+def test_overwrite_fix_keeps_only_unsharded_groupgrad_weights_accumulating() -> None:
+    params = {n: nn.Parameter(torch.zeros(2)) for n in ("a", "b", "other")}
+    model = FakeMegatronFSDP(params, sharded={"b"})
+    fixed = keep_unsharded_grads_accumulating(model, ["a", "b"])
+    assert fixed == [params["a"]]
+    assert keep_unsharded_grads_accumulating(model, ["a", "b"]) == fixed  # idempotent
+    for _ in range(2):
+        model.all_gather_and_wait_parameters_ready(params=list(params.values()), bwd=True)
+        assert params["a"].overwrite_main_grad is False  # type: ignore[attr-defined]
+        assert params["b"].overwrite_main_grad is True  # type: ignore[attr-defined]
+        assert params["other"].overwrite_main_grad is True  # type: ignore[attr-defined]
+    assert model.gathers == 2

@@ -64,6 +64,21 @@ def test_requires_wgrad_into_main_grad(options: dict[str, bool], named: str) -> 
         shard_model(Block(**options))
 
 
+@pytest.mark.parametrize(
+    "layer",
+    [
+        GroupedLinear(2, 4, 4, accumulate_into_main_grad=True, delay_wgrad_compute=True),
+        GroupedMLP(2, 4, 3, accumulate_into_main_grad=True, delay_wgrad_compute=True),
+    ],
+    ids=["linear", "mlp"],
+)
+def test_rejects_delayed_wgrad(layer: nn.Module) -> None:
+    block = Block()
+    block.extra = layer
+    with pytest.raises(ValueError, match=r"'extra' has delay_wgrad_compute=True, expected False"):
+        shard_model(block)
+
+
 def test_rejects_a_root_layer_without_wgrad_into_main_grad() -> None:
     with pytest.raises(ValueError, match=r"GroupedLinear '<root>'.*expected True"):
         shard_model(GroupedLinear(2, 4, 4))

@@ -17,6 +17,7 @@ from groupgrad.integrations.megatron_fsdp._validate import (
     check_expert_mesh,
     check_fsdp_units,
     check_grad_precision,
+    check_no_delayed_wgrad,
     check_no_distributed_weights,
     check_wgrad_into_main_grad,
 )
@@ -87,7 +88,9 @@ def shard_model(
     Args:
         module: The model. Every ``GroupedLinear``/``GroupedMLP`` in it must
             have ``accumulate_into_main_grad=True`` (it is not switched on
-            silently). Moved to ``device`` when given.
+            silently) and ``delay_wgrad_compute=False`` (Megatron-FSDP
+            reduces at backward, before ``backward_dw()``). Moved to
+            ``device`` when given.
         device_mesh: Megatron-FSDP's ``DeviceMesh`` with ``dp_shard_dim`` and
             ``tp_dim`` dimensions; ``None`` lets Megatron-FSDP build a CUDA
             mesh over all ranks.
@@ -116,7 +119,8 @@ def shard_model(
 
     Raises:
         ValueError: A parameter is a ``DistributedWeight``; a groupgrad layer
-            has ``accumulate_into_main_grad=False``; the policy's gradient
+            has ``accumulate_into_main_grad=False`` or
+            ``delay_wgrad_compute=True``; the policy's gradient
             dtypes are not fp32; expert parameters without a suitable
             ``expt_device_mesh``; ``GroupedLinear`` listed as an FSDP unit
             without ``GroupedMLP`` (ZeRO-3).
@@ -129,6 +133,7 @@ def shard_model(
         raise TypeError(f"module is a {type(module).__name__}, expected a torch.nn.Module")
     check_no_distributed_weights(module)
     check_wgrad_into_main_grad(module)
+    check_no_delayed_wgrad(module)
     policy = fp32_grad_policy() if mixed_precision_policy is None else mixed_precision_policy
     check_grad_precision(policy)
     check_expert_mesh(module, expt_device_mesh, dp_shard_dim)

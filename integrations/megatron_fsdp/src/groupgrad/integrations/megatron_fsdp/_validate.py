@@ -19,6 +19,7 @@ __all__ = [
     "check_expert_mesh",
     "check_fsdp_units",
     "check_grad_precision",
+    "check_no_delayed_wgrad",
     "check_no_distributed_weights",
     "check_wgrad_into_main_grad",
     "expert_parameter_names",
@@ -67,6 +68,27 @@ def check_wgrad_into_main_grad(module: nn.Module) -> None:
                 "True under Megatron-FSDP (the wgrad GEMM then writes straight into the fp32 "
                 "bucket handed out by get_main_grad()); build it with "
                 "accumulate_into_main_grad=True"
+            )
+
+
+def check_no_delayed_wgrad(module: nn.Module) -> None:
+    """Reject ``delay_wgrad_compute=True`` on groupgrad layers (not supported under Megatron-FSDP).
+
+    Megatron-FSDP reduces a parameter's gradient bucket from its
+    post-accumulate-grad hook, which fires at backward, before
+    ``backward_dw()`` would write the wgrad: the reduce-scatter would send an
+    unwritten (uninitialised) bucket.
+
+    Raises:
+        ValueError: A ``GroupedLinear`` or ``GroupedMLP`` has
+            ``delay_wgrad_compute=True``.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, GROUPGRAD_MODULES) and sub.delay_wgrad_compute:
+            raise ValueError(
+                f"{type(sub).__name__} {name or '<root>'!r} has delay_wgrad_compute=True, "
+                "expected False under Megatron-FSDP: it reduces the gradient bucket at backward, "
+                "before backward_dw() would write the weight gradient"
             )
 
 

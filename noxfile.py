@@ -31,12 +31,14 @@ PACKAGES = [
     "./kernels",
     "./packages/modules",
     "./integrations/torch_distributed",
+    "./integrations/megatron_fsdp",
 ]
 TEST_PATHS = [
     "packages/protocol/tests",
     "kernels/tests",
     "packages/modules/tests",
     "integrations/torch_distributed/tests",
+    "integrations/megatron_fsdp/tests",
     "tests",
 ]
 SOURCE_PATHS = [
@@ -44,9 +46,10 @@ SOURCE_PATHS = [
     "kernels/src",
     "packages/modules/src",
     "integrations/torch_distributed/src",
+    "integrations/megatron_fsdp/src",
 ]
-# What the GPU sessions need beside the machine's own torch, pytest, pybind11 and ninja.
-GPU_EXTRAS = ["nvidia-cutlass>=4.2"]
+# What the GPU sessions need beside the machine's own torch, pytest, pybind11, ninja and einops.
+GPU_EXTRAS = ["nvidia-cutlass>=4.2", "megatron-fsdp>=0.6.1,<0.7"]
 
 
 def _install_project_cpu(session: nox.Session, *extra: str) -> None:
@@ -112,7 +115,9 @@ def _see_host_packages(session: nox.Session) -> None:
 
 def _install_project_gpu(session: nox.Session) -> None:
     _see_host_packages(session)
-    session.install("--no-deps", *GPU_EXTRAS)  # only its C++ headers are used
+    # --no-deps: their needs are the machine's (torch, einops) or unused (nvidia-cutlass only
+    # lends its C++ headers; its Python tooling and cuda-python are not needed)
+    session.install("--no-deps", *GPU_EXTRAS)
     session.install("--no-deps", "--no-build-isolation", *PACKAGES)
 
 

@@ -43,15 +43,15 @@ class FakeCutlass(types.ModuleType):
 
     def fprop(self, x, w, splits, out):
         self.calls.append(("fprop", x, w, splits, out))
-        grouped_fprop_ref(x, w, splits.tolist(), out=out)
+        grouped_fprop_ref(x, per_expert(w), splits.tolist(), out=out)
 
     def dgrad(self, dy, w, splits, out):
         self.calls.append(("dgrad", dy, w, splits, out))
-        grouped_dgrad_ref(dy, w, splits.tolist(), out=out)
+        grouped_dgrad_ref(dy, per_expert(w), splits.tolist(), out=out)
 
     def wgrad(self, dy, x, splits, out, accumulate):
         self.calls.append(("wgrad", dy, x, splits, out, accumulate))
-        grouped_wgrad_ref(dy, x, splits.tolist(), out=out, accumulate=accumulate)
+        grouped_wgrad_ref(dy, x, splits.tolist(), out=per_expert(out), accumulate=accumulate)
 
 
 @pytest.fixture
@@ -86,16 +86,17 @@ def misaligned(t: Tensor) -> Tensor:
 
 
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
-def test_fprop_hands_cutlass_per_expert_views_and_int64_splits(fake, splits_dtype):
+def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_dtype):
     x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
     splits = torch.tensor(SPLITS, dtype=splits_dtype)
     _dispatch.fprop_on_device(x, [w_ENK], splits, y)
-    [(op, a, w_list, got_splits, out)] = fake.calls
+    [(op, a, w_group, got_splits, out)] = fake.calls
     assert op == "fprop"
     assert a is x
     assert out is y
-    assert isinstance(w_list, list)
-    assert [w.data_ptr() for w in w_list] == [w.data_ptr() for w in w_ENK.unbind(0)]
+    assert isinstance(w_group, list)
+    assert len(w_group) == 1  # packed: no per-expert views made on the host
+    assert w_group[0] is w_ENK
     assert got_splits.dtype == torch.int64
     assert got_splits.tolist() == SPLITS
     assert fake.asked[0][0] == "fprop"
@@ -124,16 +125,15 @@ def test_wgrad_hands_cutlass_a_list_of_outputs(fake, accumulate, out_form):
     out = [main_ENK] if out_form == "packed" else [t.clone() for t in main_ENK.unbind(0)]
     expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=accumulate)
     _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, accumulate)
-    [(op, a, b, _, dw_list, got_accumulate)] = fake.calls
+    [(op, a, b, _, dw_group, got_accumulate)] = fake.calls
     assert (op, got_accumulate) == ("wgrad", accumulate)
     assert a is dy
     assert b is x
-    assert isinstance(dw_list, list)
-    assert len(dw_list) == E
-    if out_form == "list":
-        assert all(g is o for g, o in zip(dw_list, out, strict=True))
-    assert torch.equal(torch.stack(dw_list), expected)
-    assert fake.asked == [("wgrad", dy, x, dw_list)]
+    assert isinstance(dw_group, list)
+    assert len(dw_group) == len(out)  # the op form as given: packed stays packed
+    assert all(g is o for g, o in zip(dw_group, out, strict=True))
+    assert torch.equal(torch.stack(per_expert(dw_group)), expected)
+    assert fake.asked == [("wgrad", dy, x, dw_group)]
 
 
 # --- the reference runs instead ----------------------------------------------------
@@ -183,7 +183,7 @@ def fprop_case(change: str) -> tuple[Tensor, list[Tensor], Tensor]:
     if change == "x-misaligned":
         return misaligned(x), [w_ENK], y
     if change == "weights-misaligned":
-        return x, [w_ENK[0], misaligned(w_ENK[1]), w_ENK[2], w_ENK[3]], y
+        return x, [misaligned(w_ENK)], y
     if change == "out-padded":
         return x, [w_ENK], nans(T, N + 8)[:, :N]
     raise AssertionError(change)
@@ -194,7 +194,7 @@ LAYOUT_REASONS = {
     "K=20": "K = 20 is not a multiple of 8",
     "N=12": "N = 12 is not a multiple of 8",
     "x-misaligned": "x is not 16-byte aligned",
-    "weights-misaligned": "weights[1] is not 16-byte aligned",
+    "weights-misaligned": "weights is not 16-byte aligned",
     "out-padded": "out is not contiguous",
 }
 
@@ -212,20 +212,58 @@ def test_layout_cutlass_cannot_take_falls_back_without_asking_it(fake, caplog, c
     assert torch.equal(y, grouped_fprop_ref(x, per_expert(weights), SPLITS))
 
 
-def test_wgrad_layout_checks_every_output(fake):
+def test_layout_leaves_listed_members_to_the_backend(fake):
     dy, x = rand(T, N), rand(T, K, seed=1)
     out = [nans(N, K, dtype=torch.float32) for _ in range(E)]
     assert _dispatch.layout_reason("wgrad", dy, x, out) is None
-    assert _dispatch.layout_reason("wgrad", dy, x, [*out[:3], misaligned(out[3])]) == (
-        "out[3] is not 16-byte aligned"
-    )
+    assert _dispatch.layout_reason("wgrad", dy, x, [*out[:3], misaligned(out[3])]) is None
     narrow = [nans(N, 20, dtype=torch.float32) for _ in range(E)]
     assert _dispatch.layout_reason("wgrad", dy, rand(T, 20), narrow) == (
         "K = 20 is not a multiple of 8"
     )
-    out[2] = nans(N, K + 8, dtype=torch.float32)[:, :K]
-    assert _dispatch.layout_reason("wgrad", dy, x, out) == "out[2] is not contiguous"
     assert _dispatch.layout_reason("dgrad", dy, [rand(E, N, K)], nans(T, K)) is None
+
+
+def test_layout_checks_a_packed_group_as_one_tensor(fake):
+    dy, x = rand(T, N), rand(T, K, seed=1)
+    packed = nans(E, N, K, dtype=torch.float32)
+    assert _dispatch.layout_reason("wgrad", dy, x, [packed]) is None
+    padded = nans(E, N, K + 8, dtype=torch.float32)[:, :, :K]
+    assert _dispatch.layout_reason("wgrad", dy, x, [padded]) == "out is not contiguous"
+    assert _dispatch.layout_reason("fprop", x, [misaligned(rand(E, N, K))], nans(T, N)) == (
+        "weights is not 16-byte aligned"
+    )
+
+
+def test_backend_checks_every_listed_member_once():
+    """``_cutlass._group_reason`` (CPU tensors; it never touches CUDA) on listed and packed groups."""
+    from groupgrad.kernels import _cutlass
+
+    cpu = torch.device("cpu")
+    out = [nans(N, K, dtype=torch.float32) for _ in range(E)]
+    assert _cutlass._group_reason("out", out, "K", cpu) is None
+    padded = [nans(N, K + 8, dtype=torch.float32)[:, :K] for _ in range(E)]
+    assert _cutlass._group_reason("out", [*out[:2], *padded[2:]], "K", cpu) is None
+    assert _cutlass._group_reason("out", [*out[:3], misaligned(out[3])], "K", cpu) == (
+        "out[3] base pointer not 16-byte aligned"
+    )
+    odd_rows = [nans(N, K + 1, dtype=torch.bfloat16)[:, :K] for _ in range(E)]
+    assert _cutlass._group_reason("out", odd_rows, "K", cpu) == (
+        "out[0] row stride 25 is not a multiple of 16 bytes"
+    )
+    assert _cutlass._group_reason("out", [*out[:1], nans(N + 8, K), *out[2:]], "K", cpu) == (
+        f"out[1] has shape ({N + 8}, {K}), out[0] ({N}, {K})"
+    )
+    assert _cutlass._group_reason("out", [*out[:2], nans(1, N, K)[0].t()], "K", cpu) == (
+        f"out[2] is not row-major (strides (1, {K}))"
+    )
+    assert _cutlass._group_reason("weights", [rand(E, N, 20)], "K", cpu) == (
+        "K=20 is not a multiple of 8"
+    )
+    assert _cutlass._group_reason("weights", [misaligned(rand(E, N, K))], "K", cpu) == (
+        "weights base pointer not 16-byte aligned"
+    )
+    assert _cutlass._group_reason("weights", [rand(E, N, K)], "K", cpu) is None
 
 
 def test_no_tokens_runs_nothing(fake):

@@ -67,16 +67,24 @@ def _group_list(
     dtype: torch.dtype,
     layout: str,
     fill: Callable[[int], torch.Tensor],
-) -> list[torch.Tensor]:
-    """E (rows, cols) matrices: views of one packed tensor, or separate (row-padded) tensors."""
-    if layout == "packed":
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """E (rows, cols) matrices as ``(group argument, per-expert matrices)``.
+
+    ``packed``: one (E, rows, cols) tensor handed over whole (the device addresses
+    its matrices by stride); ``views``: the E views of one such tensor, listed;
+    ``separate``: separate allocations, each with a padded row stride (ld = cols + 8).
+    """
+    if layout in ("packed", "views"):
         packed = torch.empty(E, rows, cols, dtype=dtype, device="cuda")
         mats = list(packed.unbind(0))
-    else:  # separate allocations, each with a padded row stride (ld = cols + 8)
+    else:
         mats = [torch.empty(rows, cols + 8, dtype=dtype, device="cuda")[:, :cols] for _ in range(E)]
     for i, m in enumerate(mats):
         m.copy_(fill(i))
-    return mats
+    return ([packed] if layout == "packed" else mats), mats
+
+
+LAYOUTS = ["packed", "views", "separate"]
 
 
 def _bounds(splits: list[int]) -> list[tuple[int, int]]:
@@ -113,7 +121,7 @@ def _plan(variant: _cutlass.Variant | None) -> _cutlass.Plan | None:
 # ---------------------------------------------------------------- fprop / dgrad
 
 
-@pytest.mark.parametrize("layout", ["packed", "separate"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
 @pytest.mark.parametrize(
     "variant", [*_variants("fprop"), None], ids=lambda v: v.name if v else "auto"
@@ -125,15 +133,17 @@ def test_fprop(variant: _cutlass.Variant | None, pattern: str, layout: str) -> N
     splits = _splits(pattern, E, gen)
     T = sum(splits)
     x = _randn(T, K, dtype=dtype, gen=gen)
-    w = _group_list(E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype))
+    group, w = _group_list(
+        E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype)
+    )
     out = torch.full((T, N), float("nan"), dtype=dtype, device="cuda")
-    _cutlass.fprop(x, w, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
+    _cutlass.fprop(x, group, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
     for e, (lo, hi) in enumerate(_bounds(splits)):
         ref = x[lo:hi].double() @ w[e].double().T
         _check(out[lo:hi], ref, x[lo:hi] @ w[e].T, f"fprop expert {e}")
 
 
-@pytest.mark.parametrize("layout", ["packed", "separate"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
 @pytest.mark.parametrize(
     "variant", [*_variants("dgrad"), None], ids=lambda v: v.name if v else "auto"
@@ -145,9 +155,11 @@ def test_dgrad(variant: _cutlass.Variant | None, pattern: str, layout: str) -> N
     splits = _splits(pattern, E, gen)
     T = sum(splits)
     dy = _randn(T, N, dtype=dtype, gen=gen)
-    w = _group_list(E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype))
+    group, w = _group_list(
+        E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype)
+    )
     out = torch.full((T, K), float("nan"), dtype=dtype, device="cuda")
-    _cutlass.dgrad(dy, w, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
+    _cutlass.dgrad(dy, group, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
     for e, (lo, hi) in enumerate(_bounds(splits)):
         ref = dy[lo:hi].double() @ w[e].double()
         _check(out[lo:hi], ref, dy[lo:hi] @ w[e], f"dgrad expert {e}")
@@ -170,7 +182,7 @@ def _wgrad_torch_own(
     return dy_e.T @ x_e if c is None else torch.addmm(c, dy_e.T, x_e)
 
 
-@pytest.mark.parametrize("layout", ["packed", "separate"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
 @pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
 @pytest.mark.parametrize(
@@ -189,10 +201,12 @@ def test_wgrad(
     x = _randn(T, K, dtype=din, gen=gen)
     if accumulate:
         start = [torch.randn(N, K, generator=gen).to(dout) for _ in range(E)]
-        out = _group_list(E, N, K, dout, layout, lambda i: start[i])
+        group, out = _group_list(E, N, K, dout, layout, lambda i: start[i])
     else:
-        out = _group_list(E, N, K, dout, layout, lambda i: torch.full((N, K), float("nan")))
-    _cutlass.wgrad(dy, x, torch.tensor(splits, device="cuda"), out, accumulate, plan=_plan(variant))
+        group, out = _group_list(E, N, K, dout, layout, lambda i: torch.full((N, K), float("nan")))
+    _cutlass.wgrad(
+        dy, x, torch.tensor(splits, device="cuda"), group, accumulate, plan=_plan(variant)
+    )
     for e, (lo, hi) in enumerate(_bounds(splits)):
         c = start[e].cuda() if accumulate else None
         if hi == lo:  # no tokens: untouched when accumulating, exact zeros when overwriting
@@ -265,15 +279,17 @@ def _capture(call: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+@pytest.mark.parametrize("form", ["packed", "list"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_graph_replay_with_new_splits_fprop_dgrad(op: str) -> None:
+def test_graph_replay_with_new_splits_fprop_dgrad(op: str, form: str) -> None:
     """Captured once; replayed after the device splits change (same T)."""
     _E, K, N, T, x, dy, w = _graph_case(op, _gen("graph", op))
+    group = [torch.stack(w)] if form == "packed" else w
     splits_dev = torch.tensor([100, 200, 0, 250, 50], device="cuda")
     a = x if op == "fprop" else dy
     out = torch.empty(T, N if op == "fprop" else K, dtype=torch.bfloat16, device="cuda")
     backend = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
-    graph = _capture(lambda: backend(a, w, splits_dev, out))
+    graph = _capture(lambda: backend(a, group, splits_dev, out))
     for new in NEW_SPLITS:
         splits_dev.copy_(torch.tensor(new))
         out.fill_(float("nan"))
@@ -284,14 +300,20 @@ def test_graph_replay_with_new_splits_fprop_dgrad(op: str) -> None:
             _check(out[lo:hi], a[lo:hi].double() @ w_e.double(), a[lo:hi] @ w_e, f"{op} {new} {e}")
 
 
+@pytest.mark.parametrize("form", ["packed", "list"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
-def test_graph_replay_with_new_splits_wgrad(accumulate: bool) -> None:
+def test_graph_replay_with_new_splits_wgrad(accumulate: bool, form: str) -> None:
     """Captured once; replayed with new splits, including experts that become empty."""
-    gen = _gen("graph", "wgrad", accumulate)
+    gen = _gen("graph", "wgrad", accumulate, form)
     E, K, N, _T, x, dy, _ = _graph_case("wgrad", gen)
     splits_dev = torch.tensor([100, 200, 0, 250, 50], device="cuda")
-    out = [torch.zeros(N, K, device="cuda") for _ in range(E)]
-    graph = _capture(lambda: _cutlass.wgrad(dy, x, splits_dev, out, accumulate))
+    if form == "packed":
+        packed = torch.zeros(E, N, K, device="cuda")
+        group, out = [packed], list(packed.unbind(0))
+    else:
+        out = [torch.zeros(N, K, device="cuda") for _ in range(E)]
+        group = out
+    graph = _capture(lambda: _cutlass.wgrad(dy, x, splits_dev, group, accumulate))
     for new in NEW_SPLITS:
         splits_dev.copy_(torch.tensor(new))
         start = [torch.randn(N, K, generator=gen).cuda() for _ in range(E)]

@@ -47,6 +47,12 @@ def full(*shape: int, dtype: torch.dtype = BF16) -> Tensor:
     return torch.full(shape, SENTINEL, dtype=dtype)
 
 
+def packed_out_holding_x(args: dict) -> None:
+    """A bf16 ``(E, N, K)`` out whose memory also holds ``x``."""
+    out = full(E, N, K)
+    args.update(out=out, x=out.view(-1)[: T * K].view(T, K))
+
+
 def column_major(t: Tensor) -> Tensor:
     return t.mT.contiguous().mT
 
@@ -230,6 +236,11 @@ CASES = [
          ValueError, r"out\[\d\] overlaps out\[\d\] in memory"),
     Case("out-expanded", "wgrad", lambda a: a.update(out=full(1, N, K, dtype=FP32).expand(E, N, K)),
          ValueError, r"out\[\d\] overlaps out\[\d\] in memory"),
+    Case("out-packed-interleaved", "wgrad",
+         lambda a: a.update(out=full(N, E, K, dtype=FP32).permute(1, 0, 2)), ValueError,
+         r"out\[1\] overlaps out\[0\] in memory"),
+    Case("out-packed-overlaps-x", "wgrad", packed_out_holding_x, ValueError,
+         r"out overlaps x in memory"),
     Case("out-overlaps-x", "wgrad",
          lambda a: a.update(out=[a["x"].view(-1)[: N * K].view(N, K),
                                  *[full(N, K) for _ in range(E - 1)]]),

@@ -5,8 +5,10 @@ inputs, ask :func:`unsupported_reason`, and call :func:`fprop`, :func:`dgrad` or
 :func:`wgrad` here. Nothing in this module compiles or initialises CUDA at import.
 
 Legend: ``T`` tokens, ``E`` groups (experts), ``K`` in_features, ``N`` out_features.
-``x_TK`` input, ``w`` list of ``E`` ``(N, K)`` weights, ``dy_TN`` output gradient,
-``splits_E`` int64 token counts on the GPU.
+``x_TK`` input, ``dy_TN`` output gradient, ``splits_E`` int64 token counts on the
+GPU. A group of ``E`` ``(N, K)`` matrices (the weights ``w``, or the wgrad outputs)
+is packed — ``[w_ENK]``, one tensor whose ``E`` matrices the device addresses by
+stride, so the host does no per-expert work — or listed, ``E`` separate matrices.
 
 Which kernels exist and how they are compiled and cached: ``groupgrad.kernels.build``.
 This module loads them (building the default set on first use), says whether a
@@ -133,24 +135,14 @@ def _toolchain_reason() -> str | None:
 
 
 Operand = torch.Tensor | Sequence[torch.Tensor]
+Group = Sequence[torch.Tensor]
 
 
-def _operands(
-    op: str, a: torch.Tensor, b: Operand, out: Operand
-) -> list[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, name of its column dimension) for every 2-D operand of a call."""
-    if op == "wgrad":
-        x_TK, dw_list = cast(torch.Tensor, b), cast(Sequence[torch.Tensor], out)
-        return [("dy", a, "N"), ("x", x_TK, "K")] + [
-            (f"out[{i}]", t, "K") for i, t in enumerate(dw_list)
-        ]
-    out_T, w_list = cast(torch.Tensor, out), cast(Sequence[torch.Tensor], b)
-    dense = (
-        [("x", a, "K"), ("out", out_T, "N")]
-        if op == "fprop"
-        else [("dy", a, "N"), ("out", out_T, "K")]
-    )
-    return dense + [(f"weights[{i}]", t, "K") for i, t in enumerate(w_list)]
+def group_size(group: Group) -> int:
+    """``E``, the number of matrices in a group given packed ``[w_ENK]`` or listed."""
+    if len(group) == 1 and group[0].dim() == 3:
+        return group[0].size(0)
+    return len(group)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -159,13 +151,60 @@ def _dtype_name(dtype: torch.dtype) -> str:
     )
 
 
+def _matrix_reason(name: str, t: torch.Tensor, dim: str, device: torch.device) -> str | None:
+    """Why CUTLASS cannot take the row-major operand ``t`` (2-D, or 3-D packed), if it cannot."""
+    if t.device != device:
+        return f"{name} is on {t.device}, the inputs on {device}"
+    if t.size(-1) % 8 != 0:
+        return f"{dim}={t.size(-1)} is not a multiple of 8"
+    if t.stride(-1) != 1:
+        return f"{name} is not row-major (strides {tuple(t.stride())})"
+    size = t.element_size()
+    for d in range(t.dim() - 1):
+        if (t.stride(d) * size) % 16 != 0 and t.size(d) > 1:
+            what = "row stride" if d == t.dim() - 2 else f"stride of dimension {d}"
+            return f"{name} {what} {t.stride(d)} is not a multiple of 16 bytes"
+    if t.data_ptr() % 16 != 0:
+        return f"{name} base pointer not 16-byte aligned"
+    if max(t.shape) >= 2**31:
+        return f"{name} has a dimension of 2**31 or more"
+    return None
+
+
+def _group_reason(name: str, group: Group, dim: str, device: torch.device) -> str | None:
+    """:func:`_matrix_reason` for every matrix of a group, packed or listed.
+
+    A packed group is one tensor to check. A listed group is checked member by
+    member in one lean pass against the first member (same shape and strides,
+    same device, aligned pointer); names are formatted only for a failure.
+    """
+    first = group[0]
+    reason = _matrix_reason(name if first.dim() == 3 else f"{name}[0]", first, dim, device)
+    if reason is not None or (len(group) == 1 and first.dim() == 3):
+        return reason
+    if first.dim() != 2:
+        return f"{name}[0] is {first.dim()}-D, expected a 2-D matrix"
+    shape, strides = first.shape, first.stride()
+    for i, t in enumerate(group):
+        if t.stride() != strides or t.shape != shape or t.data_ptr() % 16 or t.device != device:
+            if t.dim() != 2:
+                return f"{name}[{i}] is {t.dim()}-D, expected a 2-D matrix"
+            reason = _matrix_reason(f"{name}[{i}]", t, dim, device)
+            if reason is None and t.shape != shape:
+                reason = f"{name}[{i}] has shape {tuple(t.shape)}, {name}[0] {tuple(shape)}"
+            if reason is not None:
+                return reason
+    return None
+
+
 def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> str | None:
     """Why CUTLASS cannot run this call, or ``None`` when it can.
 
-    ``op`` is ``"fprop"`` (``a`` = x ``(T, K)``, ``b`` = E weights ``(N, K)``, ``out``
-    ``(T, N)``), ``"dgrad"`` (``a`` = dy ``(T, N)``, ``b`` = weights, ``out`` ``(T, K)``)
-    or ``"wgrad"`` (``a`` = dy, ``b`` = x, ``out`` = E tensors ``(N, K)``). Never
-    compiles, and never initialises CUDA for CPU tensors.
+    ``op`` is ``"fprop"`` (``a`` = x ``(T, K)``, ``b`` = the weights, ``out``
+    ``(T, N)``), ``"dgrad"`` (``a`` = dy ``(T, N)``, ``b`` = the weights, ``out``
+    ``(T, K)``) or ``"wgrad"`` (``a`` = dy, ``b`` = x, ``out`` = the outputs). A
+    group of ``(N, K)`` matrices is packed (``[w_ENK]``) or listed (``E`` matrices).
+    Never compiles, and never initialises CUDA for CPU tensors.
     """
     if op not in _OPS:
         return f"unknown op {op!r}"
@@ -173,15 +212,23 @@ def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> st
         return f"tensors are on {a.device.type}, not cuda"
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"{_dtype_name(a.dtype)} inputs (the CUTLASS kernels take bf16 or fp16)"
-    named = _operands(op, a, b, out)
-    for name, t, _ in named:
+    if op == "wgrad":
+        x_TK, group, group_name = cast(torch.Tensor, b), cast(Group, out), "out"
+        dense = [("dy", a, "N"), ("x", x_TK, "K")]
+    else:
+        out_T, group, group_name = cast(torch.Tensor, out), cast(Group, b), "weights"
+        dense = [("x", a, "K"), ("out", out_T, "N")]
+        if op == "dgrad":
+            dense = [("dy", a, "N"), ("out", out_T, "K")]
+    if not group:
+        return f"{group_name} holds no matrices"
+    for name, t, _ in dense:
         if t.device != a.device:
             return f"{name} is on {t.device}, the inputs on {a.device}"
     major, minor = torch.cuda.get_device_capability(a.device)
     if (major, minor) != (9, 0):
         return f"not sm_90 (device {a.device} is sm_{major}{minor})"
-    out_index = 2 if op == "wgrad" else 1  # the first output among the named operands
-    out_dtype = named[out_index][1].dtype if len(named) > out_index else a.dtype
+    out_dtype = group[0].dtype if op == "wgrad" else dense[1][1].dtype
     if op == "wgrad":
         if out_dtype not in (a.dtype, torch.float32):
             return (
@@ -190,19 +237,15 @@ def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> st
             )
     elif out_dtype != a.dtype:
         return f"{op} output dtype {_dtype_name(out_dtype)} differs from the inputs' {_dtype_name(a.dtype)}"
-    for name, t, dim in named:
+    for name, t, dim in dense:
         if t.dim() != 2:
             return f"{name} is {t.dim()}-D, expected a 2-D matrix"
-        if t.size(1) % 8 != 0:
-            return f"{dim}={t.size(1)} is not a multiple of 8"
-        if t.stride(1) != 1:
-            return f"{name} is not row-major (strides {tuple(t.stride())})"
-        if (t.stride(0) * t.element_size()) % 16 != 0 and t.size(0) > 1:
-            return f"{name} row stride {t.stride(0)} is not a multiple of 16 bytes"
-        if t.data_ptr() % 16 != 0:
-            return f"{name} base pointer not 16-byte aligned"
-        if max(t.shape) >= 2**31:
-            return f"{name} has a dimension of 2**31 or more"
+        reason = _matrix_reason(name, t, dim, a.device)
+        if reason is not None:
+            return reason
+    reason = _group_reason(group_name, group, "K", a.device)
+    if reason is not None:
+        return reason
     return _toolchain_reason()
 
 
@@ -255,7 +298,7 @@ def plan_for(
 
 def fprop(
     x_TK: torch.Tensor,
-    w: list[torch.Tensor],
+    w: Group,
     splits_E: torch.Tensor,
     out: torch.Tensor,
     *,
@@ -263,9 +306,8 @@ def fprop(
 ) -> None:
     """``out[rows of e] = x_TK[rows of e] @ w[e].T`` for every group e (writes ``out``)."""
     if plan is None:
-        plan = plan_for(
-            "fprop", x_TK.dtype, out.dtype, x_TK.size(0), len(w), out.size(1), x_TK.size(1)
-        )
+        E = group_size(w)
+        plan = plan_for("fprop", x_TK.dtype, out.dtype, x_TK.size(0), E, out.size(1), x_TK.size(1))
     _extension(plan.variant).fprop(
         x_TK, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
     )
@@ -273,7 +315,7 @@ def fprop(
 
 def dgrad(
     dy_TN: torch.Tensor,
-    w: list[torch.Tensor],
+    w: Group,
     splits_E: torch.Tensor,
     out: torch.Tensor,
     *,
@@ -281,8 +323,9 @@ def dgrad(
 ) -> None:
     """``out[rows of e] = dy_TN[rows of e] @ w[e]`` for every group e (writes ``out``)."""
     if plan is None:
+        E = group_size(w)
         plan = plan_for(
-            "dgrad", dy_TN.dtype, out.dtype, dy_TN.size(0), len(w), dy_TN.size(1), out.size(1)
+            "dgrad", dy_TN.dtype, out.dtype, dy_TN.size(0), E, dy_TN.size(1), out.size(1)
         )
     _extension(plan.variant).dgrad(
         dy_TN, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
@@ -293,7 +336,7 @@ def wgrad(
     dy_TN: torch.Tensor,
     x_TK: torch.Tensor,
     splits_E: torch.Tensor,
-    out: list[torch.Tensor],
+    out: Group,
     accumulate: bool,
     *,
     plan: Plan | None = None,
@@ -311,7 +354,7 @@ def wgrad(
             dy_TN.dtype,
             out[0].dtype,
             dy_TN.size(0),
-            len(out),
+            group_size(out),
             dy_TN.size(1),
             x_TK.size(1),
             accumulate,

@@ -144,18 +144,27 @@ def wgrad_call(
     if isinstance(out, Tensor):
         members = [out]
         _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
-        outputs = [(f"out[{e}]", dw_NK) for e, dw_NK in enumerate(out.unbind(0))]
+        _check_experts_apart(out)
+        outputs = [("out", out)]
     elif isinstance(out, Iterable) and not isinstance(out, str | bytes):
         members = list(out)
         if len(members) != E:
             raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
+        first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
+        shape, dtype = first.shape, first.dtype
         for e, member in enumerate(members):
-            name = f"out[{e}]"
-            dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
-            if e > 0 and dw_NK.dtype != members[0].dtype:
-                raise TypeError(
-                    f"{name} has dtype {dw_NK.dtype}, expected {members[0].dtype} like out[0]"
-                )
+            # One lean pass; the detailed checks (and their messages) only for a misfit.
+            if not (
+                isinstance(member, Tensor)
+                and member.shape == shape
+                and member.dtype == dtype
+                and member.device == dy_TN.device
+                and member.is_contiguous()
+            ):
+                name = f"out[{e}]"
+                dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
+                if dw_NK.dtype != dtype:
+                    raise TypeError(f"{name} has dtype {dw_NK.dtype}, expected {dtype} like out[0]")
         outputs = _named("out", members)
     else:
         raise TypeError(
@@ -195,37 +204,53 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
             raise ValueError(
                 f"weights must be {expected}, got a tensor of shape {tuple(weights.shape)}"
             )
-        members = [weights]
         E, N, K = weights.shape
         if E == 0:
             raise ValueError("weights has shape (0, N, K), expected at least one expert")
-    elif isinstance(weights, Iterable) and not isinstance(weights, str | bytes):
-        members = list(weights)
-        if not members:
-            raise ValueError(f"weights holds no experts, expected {expected}")
-        for e, member in enumerate(members):
-            name = f"weights[{e}]"
-            w_NK = _tensor(name, member)
-            if w_NK.dim() != 2:
-                raise ValueError(f"{name} must be 2-D (N, K), got shape {tuple(w_NK.shape)}")
-            if e > 0 and w_NK.dtype != members[0].dtype:
-                raise TypeError(
-                    f"{name} has dtype {w_NK.dtype}, expected {members[0].dtype} like weights[0]"
-                )
-            if e > 0 and w_NK.shape != members[0].shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(w_NK.shape)}, "
-                    f"expected {tuple(members[0].shape)} like weights[0]"
-                )
-        E, (N, K) = len(members), members[0].shape
-    else:
+        _weight_member("weights", weights, a_name, a, None)
+        return _grouped.pack(weights), (E, N, K)
+    if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
         raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
-    for name, w in _named("weights", members):
-        if w.dtype != a.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype}, expected {a.dtype} like {a_name}")
-        _check_device(name, w, a_name, a)
-        _check_row_major(name, w)
-    return _grouped.pack(weights if isinstance(weights, Tensor) else members), (E, N, K)
+    members = list(weights)
+    if not members:
+        raise ValueError(f"weights holds no experts, expected {expected}")
+    first = _weight_member("weights[0]", members[0], a_name, a, None)
+    if first.dim() != 2:
+        raise ValueError(f"weights[0] must be 2-D (N, K), got shape {tuple(first.shape)}")
+    shape, dtype, device = first.shape, first.dtype, first.device
+    for e, member in enumerate(members):
+        # One lean pass; the detailed checks (and their messages) only for a misfit.
+        if not (
+            isinstance(member, Tensor)
+            and member.shape == shape
+            and member.dtype == dtype
+            and member.device == device
+            and member.is_contiguous()
+        ):
+            _weight_member(f"weights[{e}]", member, a_name, a, first)
+    N, K = shape
+    return _grouped.pack(members), (len(members), N, K)
+
+
+def _weight_member(
+    name: str, value: object, a_name: str, a: Tensor, first: Tensor | None
+) -> Tensor:
+    """Check one weight (a listed member when ``first``, the listed ``weights[0]``, is given)."""
+    w = _tensor(name, value)
+    if first is not None:
+        if w.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (N, K), got shape {tuple(w.shape)}")
+        if w.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype}, expected {first.dtype} like weights[0]")
+        if w.shape != first.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(w.shape)}, expected {tuple(first.shape)} like weights[0]"
+            )
+    if w.dtype != a.dtype:
+        raise TypeError(f"{name} has dtype {w.dtype}, expected {a.dtype} like {a_name}")
+    _check_device(name, w, a_name, a)
+    _check_row_major(name, w)
+    return w
 
 
 def _wgrad_out_member(
@@ -302,6 +327,24 @@ def _check_row_major(name: str, t: Tensor) -> None:
         raise ValueError(
             f"{name} must be row-major (stride 1 in the last dimension), got shape "
             f"{tuple(t.shape)} with strides {t.stride()}; call .contiguous()"
+        )
+
+
+def _check_experts_apart(out: Tensor) -> None:
+    """Raise unless each expert's matrix of a row-major ``(E, N, K)`` tensor ends before the next starts.
+
+    The packed form of the overlap rule of :func:`_check_no_overlap` (outputs
+    whose address ranges meet or interleave overlap), in O(1) instead of one
+    range per expert.
+    """
+    E, N, K = out.shape
+    if E < 2 or N == 0 or K == 0:
+        return
+    span = (N - 1) * out.stride(1) + (K - 1) * out.stride(2) + 1  # elements one matrix reaches
+    if out.stride(0) < span:
+        raise ValueError(
+            f"out[1] overlaps out[0] in memory (out has strides {out.stride()} for shape "
+            f"{tuple(out.shape)}); outputs must not overlap each other or the inputs"
         )
 
 

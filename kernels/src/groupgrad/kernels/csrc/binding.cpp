@@ -89,14 +89,27 @@ struct Tuning {
   int max_swizzle = 1;
 };
 
-// Runs setup (chunked) and the CUTLASS kernel. `group_tensors` are the
-// weights (fprop, dgrad) or the outputs (wgrad), one (N, K) matrix per group.
+// A group of E (N, K) matrices as the Python side hands it over: packed, one
+// (E, N, K) tensor in a one-element list, or listed, E separate matrices.
+bool is_packed(const std::vector<at::Tensor>& group) {
+  return group.size() == 1 && group[0].dim() == 3;
+}
+
+int64_t group_count(const std::vector<at::Tensor>& group) {
+  return is_packed(group) ? group[0].size(0) : static_cast<int64_t>(group.size());
+}
+
+// Runs setup (chunked) and the CUTLASS kernel. `group` holds the weights
+// (fprop, dgrad) or the outputs (wgrad), one (N, K) matrix per group, packed
+// or listed (see is_packed).
 void run_grouped(const KernelVariant& variant, SetupParams setup,
-                 const std::vector<at::Tensor>& group_tensors, const at::Tensor& splits,
+                 const std::vector<at::Tensor>& group, const at::Tensor& splits,
                  const at::Tensor& anchor, const Tuning& tuning, bool accumulate) {
   TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
               " has no C operand and cannot accumulate");
-  const int groups = static_cast<int>(group_tensors.size());
+  const int64_t group_total = group_count(group);
+  TORCH_CHECK(group_total < (int64_t{1} << 31), "groupgrad: too many groups: ", group_total);
+  const int groups = static_cast<int>(group_total);
   TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
                   splits.is_cuda() && splits.is_contiguous(),
               "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,
@@ -136,11 +149,18 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   setup.ld_B = buffers.ld_B;
   setup.ptr_D = buffers.ptr_D;
   setup.ld_D = buffers.ld_D;
+  const bool packed = is_packed(group);
+  if (packed) {
+    const at::Tensor& t = group[0];
+    setup.packed_base = static_cast<const char*>(t.data_ptr());
+    setup.packed_stride_bytes = t.stride(0) * t.element_size();
+    setup.packed_ld = t.stride(1);
+  }
   for (int begin = 0; begin < groups; begin += kMaxGroupsPerLaunch) {
     setup.group_begin = begin;
     setup.group_count = std::min(kMaxGroupsPerLaunch, groups - begin);
-    for (int i = 0; i < setup.group_count; ++i) {
-      const at::Tensor& t = group_tensors[begin + i];
+    for (int i = 0; !packed && i < setup.group_count; ++i) {
+      const at::Tensor& t = group[begin + i];
       setup.group_ptr[i] = static_cast<const char*>(t.data_ptr());
       setup.group_ld[i] = t.stride(0);
     }
@@ -164,15 +184,27 @@ void check_matrix(const at::Tensor& t, const char* name, const at::Device& devic
               " must be a 2-D row-major matrix, got sizes ", t.sizes(), " strides ", t.strides());
 }
 
-void check_group_list(const std::vector<at::Tensor>& list, const char* name, int64_t rows,
-                      int64_t cols, at::ScalarType dtype, const at::Device& device) {
-  for (size_t i = 0; i < list.size(); ++i) {
-    const std::string item = std::string(name) + "[" + std::to_string(i) + "]";
-    check_matrix(list[i], item.c_str(), device);
-    TORCH_CHECK(list[i].size(0) == rows && list[i].size(1) == cols, "groupgrad: ", item,
-                " has shape ", list[i].sizes(), ", expected (", rows, ", ", cols, ")");
-    TORCH_CHECK(list[i].scalar_type() == dtype, "groupgrad: ", item, " has dtype ",
-                list[i].scalar_type(), ", expected ", dtype);
+// Checks a group of (rows, cols) matrices, packed or listed (see is_packed).
+void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
+                 int64_t cols, at::ScalarType dtype, const at::Device& device) {
+  if (is_packed(group)) {
+    const at::Tensor& t = group[0];
+    TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+                ", got ", t.device());
+    TORCH_CHECK(t.size(1) == rows && t.size(2) == cols && t.stride(2) == 1, "groupgrad: ", name,
+                " must be (E, ", rows, ", ", cols, ") with row-major matrices, got sizes ",
+                t.sizes(), " strides ", t.strides());
+    TORCH_CHECK(t.scalar_type() == dtype, "groupgrad: ", name, " has dtype ", t.scalar_type(),
+                ", expected ", dtype);
+    return;
+  }
+  for (size_t i = 0; i < group.size(); ++i) {
+    const at::Tensor& t = group[i];
+    const bool ok = t.is_cuda() && t.device() == device && t.dim() == 2 && t.stride(1) == 1 &&
+                    t.size(0) == rows && t.size(1) == cols && t.scalar_type() == dtype;
+    TORCH_CHECK(ok, "groupgrad: ", name, "[", i, "] must be a row-major (", rows, ", ", cols,
+                ") ", dtype, " matrix on ", device, ", got sizes ", t.sizes(), " strides ",
+                t.strides(), " ", t.scalar_type(), " on ", t.device());
   }
 }
 
@@ -196,7 +228,7 @@ void fprop(const at::Tensor& x_TK, const std::vector<at::Tensor>& w, const at::T
   const KernelVariant& variant = find_variant(variant_name);
   check_matrix(x_TK, "x", x_TK.device());
   check_matrix(y_TN, "out", x_TK.device());
-  check_group_list(w, "weights", y_TN.size(1), x_TK.size(1), x_TK.scalar_type(), x_TK.device());
+  check_group(w, "weights", y_TN.size(1), x_TK.size(1), x_TK.scalar_type(), x_TK.device());
   SetupParams setup;
   setup.op = GemmOp::kFprop;
   setup.tokens = x_TK.size(0);
@@ -219,8 +251,7 @@ void dgrad(const at::Tensor& dy_TN, const std::vector<at::Tensor>& w, const at::
   const KernelVariant& variant = find_variant(variant_name);
   check_matrix(dy_TN, "dy", dy_TN.device());
   check_matrix(dx_TK, "out", dy_TN.device());
-  check_group_list(w, "weights", dy_TN.size(1), dx_TK.size(1), dy_TN.scalar_type(),
-                   dy_TN.device());
+  check_group(w, "weights", dy_TN.size(1), dx_TK.size(1), dy_TN.scalar_type(), dy_TN.device());
   SetupParams setup;
   setup.op = GemmOp::kDgrad;
   setup.tokens = dy_TN.size(0);
@@ -244,8 +275,7 @@ void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& sp
   check_matrix(dy_TN, "dy", dy_TN.device());
   check_matrix(x_TK, "x", dy_TN.device());
   TORCH_CHECK(!out.empty(), "groupgrad: wgrad needs at least one output");
-  check_group_list(out, "out", dy_TN.size(1), x_TK.size(1), out[0].scalar_type(),
-                   dy_TN.device());
+  check_group(out, "out", dy_TN.size(1), x_TK.size(1), out[0].scalar_type(), dy_TN.device());
   SetupParams setup;
   setup.op = GemmOp::kWgrad;
   setup.tokens = dy_TN.size(0);

@@ -43,6 +43,14 @@ __device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t
   }
 }
 
+__device__ const char* group_matrix(const SetupParams& p, int g, int local) {
+  return p.packed_base != nullptr ? p.packed_base + g * p.packed_stride_bytes : p.group_ptr[local];
+}
+
+__device__ int64_t group_leading_dim(const SetupParams& p, int local) {
+  return p.packed_base != nullptr ? p.packed_ld : p.group_ld[local];
+}
+
 // grid = (parts, group_count): block (0, g) writes group g's CUTLASS arguments;
 // when zeroing, every block of a group with no tokens zeroes a share of its rows.
 __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupParams p) {
@@ -51,6 +59,8 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
   // Clamp so that malformed device splits (negative, or summing past T) can
   // never address memory outside the dense operands.
   const int64_t rows = max(p.splits[g], int64_t{0});
+  const char* matrix = group_matrix(p, g, local);
+  const int64_t ld = group_leading_dim(p, local);
 
   if (blockIdx.x == 0) {
     const int64_t start = min(block_prefix(p.splits, g), p.tokens);
@@ -64,8 +74,8 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
           shape[2] = static_cast<int>(p.in_features);
           p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
           p.ld_A[g] = p.ld_dense_a;
-          p.ptr_B[g] = p.group_ptr[local];
-          p.ld_B[g] = p.group_ld[local];
+          p.ptr_B[g] = matrix;
+          p.ld_B[g] = ld;
           p.ptr_D[g] = p.dense_d + start * p.ld_dense_d * p.out_bytes;
           p.ld_D[g] = p.ld_dense_d;
           break;
@@ -75,8 +85,8 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
           shape[2] = static_cast<int>(p.out_features);
           p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
           p.ld_A[g] = p.ld_dense_a;
-          p.ptr_B[g] = p.group_ptr[local];
-          p.ld_B[g] = p.group_ld[local];
+          p.ptr_B[g] = matrix;
+          p.ld_B[g] = ld;
           p.ptr_D[g] = p.dense_d + start * p.ld_dense_d * p.out_bytes;
           p.ld_D[g] = p.ld_dense_d;
           break;
@@ -91,17 +101,16 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
           p.ld_A[g] = p.ld_dense_a;
           p.ptr_B[g] = p.dense_b + start * p.ld_dense_b * p.in_bytes;
           p.ld_B[g] = p.ld_dense_b;
-          p.ptr_D[g] = const_cast<char*>(p.group_ptr[local]);
-          p.ld_D[g] = p.group_ld[local];
+          p.ptr_D[g] = const_cast<char*>(matrix);
+          p.ld_D[g] = ld;
           break;
       }
     }
   }
 
   if (p.zero_empty_outputs && rows == 0) {
-    zero_matrix(const_cast<char*>(p.group_ptr[local]), p.out_features,
-                p.in_features * p.out_bytes, p.group_ld[local] * p.out_bytes, blockIdx.x,
-                gridDim.x);
+    zero_matrix(const_cast<char*>(matrix), p.out_features, p.in_features * p.out_bytes,
+                ld * p.out_bytes, blockIdx.x, gridDim.x);
   }
 }
 

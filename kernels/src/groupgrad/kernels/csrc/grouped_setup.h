@@ -35,8 +35,14 @@ struct SetupParams {
   int in_bytes = 2;                 // element size of A and B
   int out_bytes = 2;                // element size of D
   // Per-group operands of this chunk: weights (fprop, dgrad) or outputs (wgrad).
+  // Either packed — one (E, N, K) tensor: group g's matrix starts at
+  // packed_base + g * packed_stride_bytes, rows packed_ld apart — or listed
+  // per group in group_ptr / group_ld (packed_base is then null).
   int group_begin = 0;
   int group_count = 0;
+  const char* packed_base = nullptr;
+  int64_t packed_stride_bytes = 0;
+  int64_t packed_ld = 0;
   const char* group_ptr[kMaxGroupsPerLaunch] = {};
   int64_t group_ld[kMaxGroupsPerLaunch] = {};
   // wgrad, overwrite: zero the output of every group with no tokens

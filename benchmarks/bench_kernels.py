@@ -3,6 +3,11 @@
 For each config (E, K, N, T) and each split distribution (uniform, skewed) it
 times, on the same random inputs in the same run:
 
+"Ours" is the public API (``grouped_fprop`` etc.: validation, dispatch, launch) with
+device splits: packed ``(E, N, K)`` weights and bf16 outputs, and each expert's own
+fp32 ``main_grad`` (a list of separate allocations) for the fp32 wgrad. Every row
+also records ``host_us``, the CPU time per call of ours (calls enqueued back to back).
+
 * fprop ``y_e = x_e @ w_e.T`` and dgrad ``dx_e = dy_e @ w_e``: ours, ``torch._grouped_mm``,
   a per-expert cuBLAS loop, and one dense cuBLAS matmul of the same FLOPs;
 * wgrad ``dw_e = dy_e.T @ x_e`` into bf16: ours, ``torch._grouped_mm``, the loop, dense;
@@ -35,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernels_report
 import kernels_timing as kt
 
-from groupgrad.kernels import _cutlass
+from groupgrad.kernels import _cutlass, grouped_dgrad, grouped_fprop, grouped_wgrad
 
 CONFIGS = [
     (8, 4096, 28672, 16384),
@@ -138,7 +143,13 @@ def _measure(
 
 
 def _row(
-    op: str, case: Case, plan: _cutlass.Plan, times: dict, sweep: dict, **extra: object
+    op: str,
+    case: Case,
+    plan: _cutlass.Plan,
+    times: dict,
+    sweep: dict,
+    ours: Callable[[int], object],
+    **extra: object,
 ) -> dict:
     return {
         "op": op,
@@ -146,6 +157,7 @@ def _row(
         "flops": case.flops,
         "variant": _plan_tag(plan),
         "times_ms": times,
+        "host_us": kt.host_us(ours, N_SETS),
         "sweep_ms": sweep,
         **extra,
     }
@@ -157,10 +169,14 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
     w_views = [list(w.unbind(0)) for w in case.w]
     out = torch.empty(case.T, cols_out, device="cuda", dtype=torch.bfloat16)
     backend = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
+    public = grouped_fprop if op == "fprop" else grouped_dgrad
     plan = _cutlass.plan_for(op, torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
 
-    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
-        backend(a[i], w_views[i], case.splits_dev, out, plan=p)
+    def ours(i: int) -> None:
+        public(a[i], case.w[i], case.splits_dev, out=out)
+
+    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
+        backend(a[i], [case.w[i]], case.splits_dev, out, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         b = case.w[i].transpose(-2, -1) if op == "fprop" else case.w[i]
@@ -183,8 +199,8 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
         "loop": loop,
         "dense": dense,
     }
-    times, sweep = _measure(headline, ours, _candidates(op, "bf16", tuning), reps)
-    return _row(op, case, plan, times, sweep, rel_err_vs_grouped_mm=err)
+    times, swept = _measure(headline, sweep, _candidates(op, "bf16", tuning), reps)
+    return _row(op, case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
 
 
 def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
@@ -194,8 +210,11 @@ def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
         "wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K
     )
 
-    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
-        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, out_views, False, plan=p)
+    def ours(i: int) -> None:
+        grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=out)
+
+    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
+        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, [out], False, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         return torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs)
@@ -215,8 +234,8 @@ def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
         "loop": loop,
         "dense": dense,
     }
-    times, sweep = _measure(headline, ours, _candidates("wgrad", "bf16", tuning), reps)
-    return _row("wgrad_bf16", case, plan, times, sweep, rel_err_vs_grouped_mm=err)
+    times, swept = _measure(headline, sweep, _candidates("wgrad", "bf16", tuning), reps)
+    return _row("wgrad_bf16", case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
 
 
 def bench_wgrad_fp32(
@@ -229,7 +248,10 @@ def bench_wgrad_fp32(
         "wgrad", torch.bfloat16, torch.float32, case.T, case.E, case.N, case.K, accumulate=True
     )
 
-    def ours(i: int, p: _cutlass.Plan | None = None) -> None:
+    def ours(i: int) -> None:
+        grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=main_grads, accumulate=True)
+
+    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
         _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, main_grads, True, plan=p)
 
     def grouped_mm_add(i: int) -> None:
@@ -251,7 +273,7 @@ def bench_wgrad_fp32(
     err = kt.rel_error(main_grads, ref)
     del start, ref
     headline = {"ours": ours, "grouped_mm_add": grouped_mm_add, "loop_fp32": loop}
-    times, sweep = _measure(headline, ours, _candidates("wgrad", "f32", tuning), reps)
+    times, swept = _measure(headline, sweep, _candidates("wgrad", "f32", tuning), reps)
     bytes_rw = 2 * case.E * case.N * case.K * 4
     floor_ms = 1e3 * max(
         case.flops / (ceilings["dense_bf16_tflops"] * 1e12),
@@ -262,7 +284,8 @@ def bench_wgrad_fp32(
         case,
         plan,
         times,
-        sweep,
+        swept,
+        ours,
         rel_err_vs_fp32=err,
         floor_ms=floor_ms,
         fraction_of_floor=floor_ms / times["ours"],

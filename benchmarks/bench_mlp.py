@@ -15,6 +15,11 @@ calls), with fp32 ``main_grad`` on both weights:
   wgrad into fp32) — the floor for ours; the fused SwiGLU kernels are timed
   on their own too.
 
+Also timed: ``ours_per_expert``, the same MLP with one parameter and one fp32
+``main_grad`` per expert and layer (``single_grouped_weight=False``, listed
+groups), and the CPU time per step of each (``host_us_per_step``, steps enqueued
+back to back): where it exceeds the GPU time, the host is the bottleneck.
+
 Reported: speed-up ``(a) / ours`` (target >= 1.3), overhead ``ours / (b) - 1``
 (target <= 8 %), TFLOP/s (``18·T·H·F`` FLOPs per step), peak memory of one step
 beside (a), and the relative error of ours against (a). CUDA events, warm-up,
@@ -98,6 +103,13 @@ def median_ms(fn: Callable[[int], object], device: torch.device, reps: int, warm
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def host_us(fn: Callable[[int], object], device: torch.device, calls: int = 5) -> float | None:
+    """CPU time (µs) per call of ``fn``, calls enqueued back to back (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    return kt.host_us(fn, N_SETS, calls)
+
+
 def peak_bytes(fn: Callable[[int], object], device: torch.device) -> int | None:
     """Peak memory one call allocates beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
@@ -157,20 +169,35 @@ def make_case(E: int, H: int, F_: int, T: int, split_kind: str, device: torch.de
     )
 
 
-def make_mlp(case: Case, device: torch.device) -> GroupedMLP:
+def make_mlp(case: Case, device: torch.device, single_grouped_weight: bool = True) -> GroupedMLP:
     mlp = GroupedMLP(
         case.E,
         case.H,
         case.F,
         dtype=torch.bfloat16,
         device=device,
-        single_grouped_weight=True,
+        single_grouped_weight=single_grouped_weight,
         accumulate_into_main_grad=True,
     )
-    for w in (mlp.fc1.weight, mlp.fc2.weight):
+    for w in mlp.parameters():
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
         w.grad_added_to_main_grad = False
     return mlp
+
+
+def per_expert_step(case: Case, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """Ours with one parameter (and one fp32 ``main_grad``) per expert and layer, as
+    Megatron's default expert layout holds them: listed groups instead of packed."""
+    mlp = make_mlp(case, device, single_grouped_weight=False)
+    params = list(mlp.parameters())
+
+    def step(i: int) -> torch.Tensor:
+        y = mlp(case.x[i], case.splits_dev, case.probs[i])
+        y.backward(case.dy[i])
+        _clear(case.x[i], case.probs[i], *params)
+        return y
+
+    return step
 
 
 def _clear(*tensors: torch.Tensor) -> None:
@@ -220,7 +247,12 @@ def bench_case(case: Case, device: torch.device, reps: int, warmup: int) -> dict
     peaks = {"ours": peak_bytes(ours, device)}
     times["grouped_mm_mlp"] = median_ms(theirs, device, reps, warmup)
     peaks["grouped_mm_mlp"] = peak_bytes(theirs, device)
+    host = {"ours": host_us(ours, device), "grouped_mm_mlp": host_us(theirs, device)}
     del theirs, mg1_a, mg2_a
+    per_expert = per_expert_step(case, device)
+    times["ours_per_expert"] = median_ms(per_expert, device, reps, warmup)
+    host["ours_per_expert"] = host_us(per_expert, device)
+    del per_expert
 
     gemms, swiglu = _bench_parts(
         case, w1.detach(), w2.detach(), w1.main_grad, w2.main_grad, device, reps, warmup
@@ -242,6 +274,7 @@ def bench_case(case: Case, device: torch.device, reps: int, warmup: int) -> dict
         "overhead_vs_gemm_sum": times["ours"] / times["gemm_sum"] - 1.0,
         "tflops": {k: case.flops / (v * 1e-3) / 1e12 for k, v in times.items()},
         "peak_bytes": peaks,
+        "host_us_per_step": host,
         "rel_err_vs_grouped_mm": errors,
     }
 

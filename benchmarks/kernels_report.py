@@ -53,7 +53,8 @@ def one_line(row: dict) -> str:
     err = row.get("rel_err_vs_grouped_mm", row.get("rel_err_vs_fp32"))
     return (
         f"{row['op']:15s} {row['case']:42s} ours {row['times_ms']['ours']:.3f} ms "
-        f"({tflops(row):.0f} TFLOP/s): {ratios}{extra} [{row['variant']}, rel err {err:.1e}]"
+        f"({tflops(row):.0f} TFLOP/s, host {row.get('host_us', float('nan')):.0f} us/call): "
+        f"{ratios}{extra} [{row['variant']}, rel err {err:.1e}]"
     )
 
 
@@ -63,8 +64,8 @@ def markdown_table(result: dict) -> str:
         f"ceilings measured in the same run: copy {result['ceilings']['copy_gbs']:.0f} GB/s "
         f"(read+write), dense bf16 {result['ceilings']['dense_bf16_tflops']:.0f} TFLOP/s.",
         "",
-        "| op | E, K, N, T | splits | ours ms | TFLOP/s | speed-ups (baseline time / ours) | floor fraction |",
-        "|---|---|---|---|---|---|---|",
+        "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call | speed-ups (baseline time / ours) | floor fraction |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         shape, splits = row["case"].rsplit(" ", 1)
@@ -73,9 +74,10 @@ def markdown_table(result: dict) -> str:
             for key, label, target in BASELINES[row["op"]]
         )
         floor = f"{row['fraction_of_floor']:.2f}" if "fraction_of_floor" in row else ""
+        host = f"{row['host_us']:.0f}" if "host_us" in row else ""
         lines.append(
             f"| {row['op']} | {shape} | {splits} | {row['times_ms']['ours']:.3f} | "
-            f"{tflops(row):.0f} | {ratios} | {floor} |"
+            f"{tflops(row):.0f} | {host} | {ratios} | {floor} |"
         )
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ inputs rotated between calls so that no call finds its operands in L2.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -61,6 +62,23 @@ def interleaved_ms(
                 call += 1
         torch.cuda.synchronize()
     return {n: statistics.median(s.elapsed_time(e) for s, e in samples[n]) for n in names}
+
+
+def host_us(fn: Callable[[int], object], n_sets: int, calls: int = 20) -> float:
+    """CPU time per call (µs) of ``fn``: ``calls`` calls enqueued back to back, no sync inside.
+
+    The GPU runs behind, so this is what each call costs the host (validation,
+    dispatch, launches). When it exceeds the GPU time of a call, the host is
+    the bottleneck of back-to-back calls.
+    """
+    fn(0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i % n_sets)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def copy_bandwidth_gbs(gib: float = 4.0, reps: int = 20) -> float:

@@ -14,6 +14,11 @@ def _mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
 
+def _host(row: dict, key: str) -> str:
+    value = row.get("host_us_per_step", {}).get(key)
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def _verdict(row: dict, targets: dict) -> str:
     misses = []
     if row["speedup_vs_grouped_mm"] < targets["speedup_vs_grouped_mm"]:
@@ -30,6 +35,8 @@ def one_line(row: dict, targets: dict) -> str:
         f"_grouped_mm MLP {t['grouped_mm_mlp']:.3f} ms: x{row['speedup_vs_grouped_mm']:.2f} | "
         f"GEMM sum {t['gemm_sum']:.3f} ms: overhead {100 * row['overhead_vs_gemm_sum']:+.1f}% | "
         f"SwiGLU fwd {row['swiglu_ms']['forward']:.3f} + bwd {row['swiglu_ms']['backward']:.3f} ms"
+        f" | per-expert params {t.get('ours_per_expert', float('nan')):.3f} ms"
+        f" | host us/step {_host(row, 'ours')} ours, {_host(row, 'ours_per_expert')} per-expert"
         f" | peak MiB {_mib(row['peak_bytes']['ours'])} vs "
         f"{_mib(row['peak_bytes']['grouped_mm_mlp'])} | {_verdict(row, targets)}"
     )
@@ -46,8 +53,8 @@ def markdown_table(result: dict) -> str:
         "",
         "| E, H, F, T | splits | ours ms | TFLOP/s | _grouped_mm MLP ms | speed-up | "
         "GEMM sum ms | overhead | SwiGLU fwd+bwd ms | peak MiB ours / _grouped_mm | max rel err | "
-        "verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "verdict | per-expert params ms | host µs/step ours / per-expert |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         t = row["times_ms"]
@@ -58,7 +65,9 @@ def markdown_table(result: dict) -> str:
             f"{row['speedup_vs_grouped_mm']:.2f} | {t['gemm_sum']:.3f} | "
             f"{100 * row['overhead_vs_gemm_sum']:+.1f}% | {swiglu:.3f} | "
             f"{_mib(row['peak_bytes']['ours'])} / {_mib(row['peak_bytes']['grouped_mm_mlp'])} | "
-            f"{max(row['rel_err_vs_grouped_mm'].values()):.1e} | {_verdict(row, targets)} |"
+            f"{max(row['rel_err_vs_grouped_mm'].values()):.1e} | {_verdict(row, targets)} | "
+            f"{t.get('ours_per_expert', float('nan')):.3f} | "
+            f"{_host(row, 'ours')} / {_host(row, 'ours_per_expert')} |"
         )
     if result["fallbacks"]:
         lines += ["", "Fallbacks during the run (not the fast path):"]

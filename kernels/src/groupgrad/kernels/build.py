@@ -117,9 +117,8 @@ TUNING_VARIANTS: tuple[Variant, ...] = tuple(
     Variant(op, "bf16", dout, sched, tile, cluster)
     for op, dout in (("fprop", "bf16"), ("dgrad", "bf16"), ("wgrad", "bf16"), ("wgrad", "f32"))
     for sched, tile, cluster in (
-        ("coop", (128, 256, 64), (2, 1)),  # torch._grouped_mm's large-problem configuration
-        ("pong", (128, 128, 64), (2, 1)),
-        ("coop", (128, 256, 64), (1, 2)),
+        ("coop", (256, 128, 64), (1, 1)),  # one M tile per 256-token group (E = 128)
+        ("coop", (128, 128, 64), (1, 1)),  # twice the tiles: less padding for ragged groups
     )
 )
 

@@ -120,3 +120,64 @@ def test_compile_wgrad_into_main_grads(out_form):
     got = out if isinstance(out, Tensor) else torch.stack(out)
     assert torch.equal(got, expected)
     assert torch.equal(fresh, grouped_wgrad_ref(dy, x, SPLITS, out_dtype=torch.float32))
+
+
+# --- plain eager calls skip the op machinery; everything else goes through the op ----
+
+
+@pytest.fixture
+def ops_forbidden(monkeypatch):
+    """The custom ops raise when called: a call that reaches one went through the op."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("went through the custom op")
+
+    for name in ("grouped_fprop_op", "grouped_dgrad_op", "grouped_wgrad_op"):
+        monkeypatch.setattr(_ops, name, forbidden)
+
+
+def test_plain_eager_calls_run_the_kernel_directly_and_bump_versions(ops_forbidden):
+    x, dy, w_ENK = rand(T, K, seed=12), rand(T, N, seed=13), rand(E, N, K, seed=14)
+    y = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
+    dx = torch.full((T, K), float("nan"), dtype=torch.bfloat16)
+    main = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
+    expected_main = grouped_wgrad_ref(dy, x, SPLITS, out=[t.clone() for t in main], accumulate=True)
+    versions = [t._version for t in (y, dx, *main)]
+    grouped_fprop(x, w_ENK, splits_tensor(), out=y)
+    grouped_dgrad(dy, torch.nn.Parameter(w_ENK, requires_grad=False), SPLITS, out=dx)
+    with torch.no_grad():  # grad mode off: inputs that require grad are fine
+        grouped_wgrad(dy.requires_grad_(), x, SPLITS, out=main, accumulate=True)
+    assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))
+    assert torch.equal(dx, grouped_dgrad_ref(dy, w_ENK, SPLITS))
+    assert torch.equal(torch.stack(main), torch.stack(expected_main))
+    assert all(t._version > v for t, v in zip((y, dx, *main), versions, strict=True))
+
+
+def test_direct_calls_show_in_the_profiler_under_the_op_name(ops_forbidden):
+    x, w_ENK = rand(T, K), rand(E, N, K, seed=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grouped_fprop(x, w_ENK, SPLITS)
+    assert "groupgrad::grouped_fprop" in {event.name for event in prof.events()}
+
+
+def test_calls_autograd_would_record_go_through_the_op(monkeypatch):
+    seen = []
+    monkeypatch.setattr(_ops, "grouped_fprop_op", lambda *args: seen.append(args))
+    x = rand(T, K).requires_grad_()
+    grouped_fprop(x, rand(E, N, K, seed=1), SPLITS)
+    assert len(seen) == 1
+
+
+def test_tracing_and_subclasses_go_through_the_op(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+    monkeypatch.setattr(_ops, "grouped_wgrad_op", lambda *args: seen.append(args))
+    dy, x = rand(T, N), rand(T, K, seed=1)
+    with FakeTensorMode() as mode:  # a dispatch mode, and fake tensors
+        fake_dy, fake_x = mode.from_tensor(dy), mode.from_tensor(x)
+        grouped_wgrad(fake_dy, fake_x, SPLITS, out_dtype=torch.float32)
+    assert len(seen) == 1
+    assert not _ops.direct_call_ok([fake_dy, fake_x])
+    assert not _ops.direct_call_ok([dy.to("meta")])
+    assert _ops.direct_call_ok([dy, x])

@@ -109,6 +109,32 @@ def test_public_entry_points_run_the_ops_and_check_shapes() -> None:
         swiglu_probs_backward(da[:, :11], h, probs)
 
 
+def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:
+    calls: list[str] = []
+
+    def recording(name: str, real):
+        def op(*args):
+            calls.append(name)
+            return real(*args)
+
+        return op
+
+    monkeypatch.setattr(_swiglu, "swiglu_probs_op", recording("fwd", _swiglu.swiglu_probs_op))
+    monkeypatch.setattr(
+        _swiglu,
+        "swiglu_probs_backward_op",
+        recording("bwd", _swiglu.swiglu_probs_backward_op),
+    )
+    h, da, probs = _inputs(9, 12, torch.bfloat16, torch.float32)
+    assert torch.equal(swiglu_probs(h, probs), swiglu_probs_ref(h, probs))
+    swiglu_probs_backward(da, h, probs)
+    assert calls == []  # plain eager: the kernels ran directly
+    swiglu_probs(h.requires_grad_(), probs)  # autograd would record it: through the op
+    with torch.no_grad():
+        swiglu_probs_backward(da, h, probs)  # grad mode off: directly again
+    assert calls == ["fwd"]
+
+
 def test_cuda_kernel_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog) -> None:
     # The CUDA kernels of the ops, called directly on CPU tensors with triton "missing".
     monkeypatch.setattr(_swiglu, "load_triton_kernels", lambda: (None, "triton is missing"))

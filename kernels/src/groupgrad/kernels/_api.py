@@ -57,7 +57,7 @@ def grouped_fprop(
             Nothing is written when a call is rejected.
     """
     call = _validate.grouped_call("fprop", x, weights, splits, out)
-    _ops.grouped_fprop_op(call.a, call.weights, call.splits, call.out)
+    _ops.fprop(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
@@ -87,7 +87,7 @@ def grouped_dgrad(
             Nothing is written when a call is rejected.
     """
     call = _validate.grouped_call("dgrad", dy, weights, splits, out)
-    _ops.grouped_dgrad_op(call.a, call.weights, call.splits, call.out)
+    _ops.dgrad(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
@@ -166,7 +166,7 @@ def grouped_wgrad(
             Nothing is written when a call is rejected.
     """
     call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
-    _ops.grouped_wgrad_op(call.dy, call.x, call.splits, call.out, call.accumulate)
+    _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate)
     return call.result
 
 

@@ -35,6 +35,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from groupgrad.kernels._ops import direct_call_ok, profiled_range  # the eager rule, shared
+
 __all__ = [
     "swiglu_probs",
     "swiglu_probs_backward",
@@ -115,13 +117,20 @@ def swiglu_probs_op(h: Tensor, probs: Tensor | None) -> Tensor:
     return swiglu_probs_ref(h, probs)
 
 
+def swiglu_probs_backward_op_ref(
+    da: Tensor, h: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Default kernel of the backward op: the reference, ``dprobs`` ``(0,)`` without ``probs``."""
+    dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
+    return dh, _dprobs_or_empty(dprobs, h), a
+
+
 @torch.library.custom_op("groupgrad::swiglu_probs_backward", mutates_args=())
 def swiglu_probs_backward_op(
     da: Tensor, h: Tensor, probs: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Default kernel: the reference. Returns ``(dh, dprobs, a)``; ``dprobs`` is ``(0,)`` without ``probs``."""
-    dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
-    return dh, _dprobs_or_empty(dprobs, h), a
+    return swiglu_probs_backward_op_ref(da, h, probs)
 
 
 def _dprobs_or_empty(dprobs: Tensor | None, h: Tensor) -> Tensor:
@@ -212,8 +221,11 @@ def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
         ValueError: ``h`` is not ``(T, 2F)`` or ``probs`` is not ``(T,)``.
     """
     _check(h_T2F, probs_T)
-    probs = None if probs_T is None else probs_T.contiguous()
-    return swiglu_probs_op(h_T2F.contiguous(), probs)
+    h, probs = h_T2F.contiguous(), None if probs_T is None else probs_T.contiguous()
+    if _direct_ok(h, probs):
+        with profiled_range("groupgrad::swiglu_probs"):
+            return (_swiglu_probs_cuda if h.is_cuda else swiglu_probs_ref)(h, probs)
+    return swiglu_probs_op(h, probs)
 
 
 def swiglu_probs_backward(
@@ -240,7 +252,17 @@ def swiglu_probs_backward(
     if tuple(da_TF.shape) != expected:
         raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
     probs = None if probs_T is None else probs_T.contiguous()
-    dh, dprobs, a = swiglu_probs_backward_op(
-        da_TF.contiguous().to(h_T2F.dtype), h_T2F.contiguous(), probs
-    )
+    da, h = da_TF.contiguous().to(h_T2F.dtype), h_T2F.contiguous()
+    if _direct_ok(h, probs, da):
+        with profiled_range("groupgrad::swiglu_probs_backward"):
+            kernel = _swiglu_probs_backward_cuda if h.is_cuda else swiglu_probs_backward_op_ref
+            dh, dprobs, a = kernel(da, h, probs)
+    else:
+        dh, dprobs, a = swiglu_probs_backward_op(da, h, probs)
     return dh, None if probs_T is None else dprobs, a
+
+
+def _direct_ok(*tensors: Tensor | None) -> bool:
+    """Plain eager code: run the op's kernel without the custom-op machinery (see
+    ``groupgrad.kernels._ops``: the same rule, about 50 µs of host time saved per call)."""
+    return direct_call_ok([t for t in tensors if t is not None])

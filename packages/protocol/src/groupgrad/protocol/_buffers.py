@@ -32,6 +32,8 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     """Return the half-open address range ``[start, end)`` a tensor's elements span."""
     start = tensor.data_ptr()
+    if tensor.is_contiguous():
+        return start, start + tensor.nbytes
     last = sum(
         (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
@@ -63,7 +65,15 @@ def check_grad_buffers(
     """
     names = list(labels) if labels is not None else [f"member {i}" for i in range(len(buffers))]
     expected_shape = tuple(shape)
+    first = buffers[0] if buffers else None
     for index, buffer in enumerate(buffers):
+        if (
+            isinstance(buffer, torch.Tensor)
+            and buffer.shape == expected_shape
+            and buffer.dtype == first.dtype  # type: ignore[union-attr]
+            and buffer.device == device
+        ):
+            continue  # the common case, in one lean test; the checks below name a misfit
         if not isinstance(buffer, torch.Tensor):
             raise RuntimeError(
                 f"{what} of {names[index]} is a {type(buffer).__name__}, expected a torch.Tensor"

@@ -27,6 +27,7 @@ from groupgrad.protocol._attrs import (
     is_fsdp_param,
     mark_grad_added,
     overwrites_main_grad,
+    rezeroes_dummy,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import check_grad_buffers, weight_grad_buffers
@@ -171,12 +172,24 @@ class WeightGradPlan:
 
 def _hand_over_main_grad(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
     handed: list[torch.Tensor | None] = []
+    # Members of one group share shape, dtype and device, hence one cached dummy:
+    # fetch (and re-zero) it once per group, then hand each member its own alias.
+    dummy: torch.Tensor | None = None
+    zeroed = False
     for param in weights:
-        if takes_grad_added_flag(param):
-            mark_grad_added(param)
-            handed.append(dummy_wgrad(param))
-        else:
+        if not takes_grad_added_flag(param):
             handed.append(None)
+            continue
+        mark_grad_added(param)
+        if dummy is None or dummy.shape != param.shape or dummy.dtype != param.dtype:
+            dummy = dummy_wgrad(param)
+            zeroed = rezeroes_dummy(param)
+            handed.append(dummy)
+            continue
+        if not zeroed and rezeroes_dummy(param):
+            dummy.zero_()
+            zeroed = True
+        handed.append(dummy.detach())
     return handed
 
 

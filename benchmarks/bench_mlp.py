@@ -13,7 +13,9 @@ calls), with fp32 ``main_grad`` on both weights:
 * (b) ``gemm_sum``: the sum of our six grouped GEMMs timed one by one with the
   same shapes (fc1/fc2 fprop, fc2 dgrad, fc2 wgrad into fp32, fc1 dgrad, fc1
   wgrad into fp32) — the floor for ours; the fused SwiGLU kernels are timed
-  on their own too.
+  on their own too, and all eight kernels of a step back to back without
+  autograd (``swiglu_ms["kernel_sequence"]``: what is left of the overhead
+  once the kernels themselves are counted is bookkeeping).
 
 Also timed: ``ours_per_expert``, the same MLP with one parameter and one fp32
 ``main_grad`` per expert and layer (``single_grouped_weight=False``, listed
@@ -345,12 +347,24 @@ def _bench_parts(
         "fc1_wgrad_fp32": lambda i: grouped_wgrad(dh[i], x[i], s, out=mg1, accumulate=True),
     }
     gemms = {name: median_ms(fn, device, reps, warmup) for name, fn in parts.items()}
+
+    def sequence(i: int) -> None:  # the step's kernels back to back, without autograd
+        parts["fc1_fprop"](i)
+        swiglu_probs(h[i], probs[i])
+        for name in ("fc2_fprop", "fc2_dgrad"):
+            parts[name](i)
+        swiglu_probs_backward(da[i], h[i], probs[i])
+        for name in ("fc2_wgrad_fp32", "fc1_dgrad", "fc1_wgrad_fp32"):
+            parts[name](i)
+
+    kernel_sequence_ms = median_ms(sequence, device, reps, warmup)
     swiglu = {
         "forward": median_ms(lambda i: swiglu_probs(h[i], probs[i]), device, reps, warmup),
         "backward": median_ms(
             lambda i: swiglu_probs_backward(da[i], h[i], probs[i]), device, reps, warmup
         ),
     }
+    swiglu["kernel_sequence"] = kernel_sequence_ms
     return gemms, swiglu
 
 

@@ -35,6 +35,7 @@ def one_line(row: dict, targets: dict) -> str:
         f"_grouped_mm MLP {t['grouped_mm_mlp']:.3f} ms: x{row['speedup_vs_grouped_mm']:.2f} | "
         f"GEMM sum {t['gemm_sum']:.3f} ms: overhead {100 * row['overhead_vs_gemm_sum']:+.1f}% | "
         f"SwiGLU fwd {row['swiglu_ms']['forward']:.3f} + bwd {row['swiglu_ms']['backward']:.3f} ms"
+        f" | kernels back to back {row['swiglu_ms'].get('kernel_sequence', float('nan')):.3f} ms"
         f" | per-expert params {t.get('ours_per_expert', float('nan')):.3f} ms"
         f" | host us/step {_host(row, 'ours')} ours, {_host(row, 'ours_per_expert')} per-expert"
         f" | peak MiB {_mib(row['peak_bytes']['ours'])} vs "

@@ -226,3 +226,15 @@ def test_triton_kernels_match_the_reference_under_the_interpreter(dtype, tmp_pat
         else:
             assert dprobs.dtype == probs.dtype
             torch.testing.assert_close(dprobs, ref_dprobs, **_tolerance(probs.dtype), msg=label)
+
+
+def test_triton_column_blocks_tile_the_ffn_width_exactly() -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from groupgrad.modules._swiglu_triton import _block_f
+
+    assert _block_f(768) == 256  # not 512: a half-masked last block
+    assert _block_f(14336) == 512
+    assert _block_f(2048) == 512
+    assert _block_f(96) == 128  # no power-of-two divisor >= 64: cover F
+    assert _block_f(40) == 64
+    assert _block_f(5000) == 512

@@ -110,8 +110,25 @@ def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _block_f(F: int) -> int:
+    """Columns per tile: the largest power of two up to 512 that tiles ``F`` exactly.
+
+    A ragged last block wastes its masked lanes: F = 768 in 512-wide blocks
+    leaves a quarter of the lanes idle (and ran at 1.8 TB/s on the H200).
+    Without such a divisor (>= 64), the smallest power of two covering ``F``,
+    capped at 512.
+    """
+    widest = min(triton.next_power_of_2(max(F, 1)), _MAX_BLOCK_F)
+    block = widest
+    while block >= 64:
+        if F % block == 0:
+            return block
+        block //= 2
+    return widest
+
+
 def _blocks(F: int) -> tuple[int, int]:
-    block_f = min(triton.next_power_of_2(max(F, 1)), _MAX_BLOCK_F)
+    block_f = _block_f(F)
     return max(1, _TILE_ELEMENTS // block_f), block_f
 
 

@@ -65,12 +65,11 @@ def check_grad_buffers(
     """
     names = list(labels) if labels is not None else [f"member {i}" for i in range(len(buffers))]
     expected_shape = tuple(shape)
-    first = buffers[0] if buffers else None
     for index, buffer in enumerate(buffers):
         if (
             isinstance(buffer, torch.Tensor)
             and buffer.shape == expected_shape
-            and buffer.dtype == first.dtype  # type: ignore[union-attr]
+            and buffer.dtype == buffers[0].dtype
             and buffer.device == device
         ):
             continue  # the common case, in one lean test; the checks below name a misfit

@@ -16,25 +16,22 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_timing as kt
 
 from groupgrad.kernels import _cutlass, _dispatch, _validate, grouped_fprop, grouped_wgrad
 from groupgrad.modules import GroupedMLP
 from groupgrad.modules._swiglu import swiglu_probs, swiglu_probs_backward
 
 
-def host_us(fn: Callable[[], object], calls: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """CPU µs per call of ``fn`` (``kernels_timing.host_us`` on one input set)."""
+    return kt.host_us(lambda _set: fn(), n_sets=1, calls=calls)
 
 
 def gemm_stages() -> None:

@@ -29,6 +29,7 @@ from typing import cast
 
 import torch
 
+from groupgrad.kernels._grouped import is_packed
 from groupgrad.kernels.build import (
     CACHE_ENV,
     COOP_TILE,
@@ -140,7 +141,7 @@ Group = Sequence[torch.Tensor]
 
 def group_size(group: Group) -> int:
     """``E``, the number of matrices in a group given packed ``[w_ENK]`` or listed."""
-    if len(group) == 1 and group[0].dim() == 3:
+    if is_packed(group):
         return group[0].size(0)
     return len(group)
 
@@ -178,9 +179,9 @@ def _group_reason(name: str, group: Group, dim: str, device: torch.device) -> st
     member in one lean pass against the first member (same shape and strides,
     same device, aligned pointer); names are formatted only for a failure.
     """
-    first = group[0]
-    reason = _matrix_reason(name if first.dim() == 3 else f"{name}[0]", first, dim, device)
-    if reason is not None or (len(group) == 1 and first.dim() == 3):
+    first, packed = group[0], is_packed(group)
+    reason = _matrix_reason(name if packed else f"{name}[0]", first, dim, device)
+    if reason is not None or packed:
         return reason
     if first.dim() != 2:
         return f"{name}[0] is {first.dim()}-D, expected a 2-D matrix"
@@ -212,14 +213,14 @@ def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> st
         return f"tensors are on {a.device.type}, not cuda"
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"{_dtype_name(a.dtype)} inputs (the CUTLASS kernels take bf16 or fp16)"
-    if op == "wgrad":
-        x_TK, group, group_name = cast(torch.Tensor, b), cast(Group, out), "out"
-        dense = [("dy", a, "N"), ("x", x_TK, "K")]
-    else:
-        out_T, group, group_name = cast(torch.Tensor, out), cast(Group, b), "weights"
-        dense = [("x", a, "K"), ("out", out_T, "N")]
-        if op == "dgrad":
-            dense = [("dy", a, "N"), ("out", out_T, "K")]
+    # The two dense operands (name, tensor, column dimension) and the group of matrices.
+    second = cast(torch.Tensor, b if op == "wgrad" else out)
+    dense = {
+        "fprop": [("x", a, "K"), ("out", second, "N")],
+        "dgrad": [("dy", a, "N"), ("out", second, "K")],
+        "wgrad": [("dy", a, "N"), ("x", second, "K")],
+    }[op]
+    group, group_name = (cast(Group, out), "out") if op == "wgrad" else (cast(Group, b), "weights")
     if not group:
         return f"{group_name} holds no matrices"
     for name, t, _ in dense:

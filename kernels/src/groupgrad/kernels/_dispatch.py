@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import _reference, _splits
-from groupgrad.kernels._grouped import per_expert
+from groupgrad.kernels._grouped import is_packed, per_expert
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def layout_reason(
     else:
         second, group_name, group = ("out", cast(Tensor, out)), b_name, cast(list[Tensor], b)
     named = [(a_name, a), second]
-    if len(group) == 1 and group[0].dim() == 3:
+    if is_packed(group):
         named.append((group_name, group[0]))
     sizes = {  # (K, N) of each op; their outputs are (T, N), (T, K) and E × (N, K)
         "fprop": (a.shape[1], second[1].shape[1]),

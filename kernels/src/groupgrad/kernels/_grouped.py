@@ -28,8 +28,13 @@ def pack(group: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return list(group)
 
 
+def is_packed(group: Sequence[Tensor]) -> bool:
+    """Whether a group in op-argument form is one packed ``(E, N, K)`` tensor (``[w_ENK]``)."""
+    return len(group) == 1 and group[0].dim() == 3
+
+
 def per_expert(packed: list[Tensor]) -> list[Tensor]:
     """The ``E`` per-expert ``(N, K)`` matrices of a group in op-argument form (views)."""
-    if len(packed) == 1 and packed[0].dim() == 3:
+    if is_packed(packed):
         return list(packed[0].unbind(0))
     return list(packed)

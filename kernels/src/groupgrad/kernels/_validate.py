@@ -153,14 +153,7 @@ def wgrad_call(
         first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
         shape, dtype = first.shape, first.dtype
         for e, member in enumerate(members):
-            # One lean pass; the detailed checks (and their messages) only for a misfit.
-            if not (
-                isinstance(member, Tensor)
-                and member.shape == shape
-                and member.dtype == dtype
-                and member.device == dy_TN.device
-                and member.is_contiguous()
-            ):
+            if not _fits(member, shape, dtype, dy_TN.device):
                 name = f"out[{e}]"
                 dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
                 if dw_NK.dtype != dtype:
@@ -219,17 +212,24 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
         raise ValueError(f"weights[0] must be 2-D (N, K), got shape {tuple(first.shape)}")
     shape, dtype, device = first.shape, first.dtype, first.device
     for e, member in enumerate(members):
-        # One lean pass; the detailed checks (and their messages) only for a misfit.
-        if not (
-            isinstance(member, Tensor)
-            and member.shape == shape
-            and member.dtype == dtype
-            and member.device == device
-            and member.is_contiguous()
-        ):
+        if not _fits(member, shape, dtype, device):
             _weight_member(f"weights[{e}]", member, a_name, a, first)
     N, K = shape
     return _grouped.pack(members), (len(members), N, K)
+
+
+def _fits(member: object, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """The lean test of one listed member against the first: a contiguous tensor alike.
+
+    A member that fails it gets the detailed checks, whose messages name it.
+    """
+    return (
+        isinstance(member, Tensor)
+        and member.shape == shape
+        and member.dtype == dtype
+        and member.device == device
+        and member.is_contiguous()
+    )
 
 
 def _weight_member(
@@ -349,7 +349,7 @@ def _check_experts_apart(out: Tensor) -> None:
 
 
 def _named(prefix: str, members: list[Tensor]) -> list[tuple[str, Tensor]]:
-    if len(members) == 1 and members[0].dim() == 3:
+    if _grouped.is_packed(members):
         return [(prefix, members[0])]
     return [(f"{prefix}[{i}]", t) for i, t in enumerate(members)]
 

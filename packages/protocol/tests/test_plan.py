@@ -200,17 +200,31 @@ def test_without_the_flag_attribute_autograd_receives_none() -> None:
     assert not hasattr(params[0], "grad_added_to_main_grad")
 
 
-def test_zero_out_wgrad_rezeroes_the_dummy_before_each_hand_out() -> None:
+def test_a_dummy_written_through_an_alias_is_rezeroed_before_the_next_hand_out() -> None:
     params = _params(count=1, shape=(5, 7), main_grad=torch.float32, grad_added_to_main_grad=False)
     first = _plan(params, shape=(5, 7)).finish()[0]
     assert first is not None
-    first.add_(3.0)  # a framework that adds the dummy somewhere in place
+    first.add_(3.0)  # a hook or weight decay adding into the .grad alias in place
     kept = _plan(params, shape=(5, 7)).finish()[0]
     assert kept is not None
-    assert kept.data_ptr() == first.data_ptr()
-    assert bool((kept == 3.0).all())  # without zero_out_wgrad nobody re-zeroes
-    params[0].zero_out_wgrad = True
+    assert kept.data_ptr() == first.data_ptr()  # still one shared buffer, no new memory
+    assert not kept.any()  # its version counter moved, so it was zeroed before the hand-out
+    untouched_version = kept._version
     again = _plan(params, shape=(5, 7)).finish()[0]
+    assert again is not None
+    assert again._version == untouched_version  # nothing wrote: no needless re-zeroing
+
+
+def test_zero_out_wgrad_rezeroes_even_writes_the_version_counter_cannot_see() -> None:
+    params = _params(count=1, shape=(5, 9), main_grad=torch.float32, grad_added_to_main_grad=False)
+    first = _plan(params, shape=(5, 9)).finish()[0]
+    assert first is not None
+    first.data.add_(3.0)  # e.g. a framework kernel writing through the storage, unversioned
+    kept = _plan(params, shape=(5, 9)).finish()[0]
+    assert kept is not None
+    assert bool((kept == 3.0).all())  # unseen without zero_out_wgrad
+    params[0].zero_out_wgrad = True
+    again = _plan(params, shape=(5, 9)).finish()[0]
     assert again is not None
     assert again.data_ptr() == first.data_ptr()
     assert not again.any()

@@ -8,19 +8,40 @@ the output dtype. For wgrad, accumulating adds the fp32 product to ``out``
 in fp32 before that single rounding (``D = C + A·B``, as the CUTLASS epilogue
 does); overwriting never reads ``out``. An fp32 ``out`` (e.g. a ``main_grad``)
 is written in place by the matrix product itself, with no weight-sized
-scratch.
+scratch. An ambient ``torch.autocast`` does not apply: the products run in
+fp32 as stated, like the CUTLASS kernels, whatever the caller's context.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
+
+def _autocast_off(kernel: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``kernel`` with autocast off on its first operand's device (fp32 stays fp32)."""
+
+    @functools.wraps(kernel)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        device_type = args[0].device.type  # type: ignore[attr-defined]
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return kernel(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def fprop(x_TK: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], y_TN: Tensor) -> None:
     """``y_e = x_e @ w_e.T`` for each expert ``e``; overwrites ``y_TN``."""
     start = 0
@@ -31,6 +52,7 @@ def fprop(x_TK: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], y_TN: T
         start += count
 
 
+@_autocast_off
 def dgrad(dy_TN: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], dx_TK: Tensor) -> None:
     """``dx_e = dy_e @ w_e`` for each expert ``e``; overwrites ``dx_TK``."""
     start = 0
@@ -41,6 +63,7 @@ def dgrad(dy_TN: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], dx_TK:
         start += count
 
 
+@_autocast_off
 def wgrad(
     dy_TN: Tensor,
     x_TK: Tensor,

@@ -106,6 +106,7 @@ def grouped_call(
                 f"out has shape {tuple(out_TX.shape)}, expected {out_dims} = {out_shape}"
             )
         _check_row_major("out", out_TX)
+        _check_writable("out", out_TX)
         inputs = [(a_name, a_TX), *_named("weights", packed)]
         _check_no_overlap([("out", out_TX)], inputs)
     return GroupedCall(a=a_TX, weights=packed, splits=splits_E, out=out_TX)
@@ -153,7 +154,7 @@ def wgrad_call(
         first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
         shape, dtype = first.shape, first.dtype
         for e, member in enumerate(members):
-            if not _fits(member, shape, dtype, dy_TN.device):
+            if not _fits(member, shape, dtype, dy_TN.device) or member.requires_grad:
                 name = f"out[{e}]"
                 dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
                 if dw_NK.dtype != dtype:
@@ -270,6 +271,7 @@ def _wgrad_out_member(
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {dims} = {shape}")
     _check_row_major(name, t)
+    _check_writable(name, t)
     return t
 
 
@@ -327,6 +329,17 @@ def _check_row_major(name: str, t: Tensor) -> None:
         raise ValueError(
             f"{name} must be row-major (stride 1 in the last dimension), got shape "
             f"{tuple(t.shape)} with strides {t.stride()}; call .contiguous()"
+        )
+
+
+def _check_writable(name: str, t: Tensor) -> None:
+    """Reject an output autograd tracks: the kernels write it in place, outside autograd."""
+    if t.requires_grad and torch.is_grad_enabled():
+        kind = "a leaf tensor" if t.is_leaf else "a tensor"
+        raise ValueError(
+            f"{name} is {kind} that requires grad; the kernels write out in place outside "
+            "autograd, so expected a tensor that does not require grad (e.g. a main_grad "
+            "buffer, or call under torch.no_grad())"
         )
 
 

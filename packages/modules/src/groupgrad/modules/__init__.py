@@ -4,6 +4,8 @@
 * :class:`GroupedLinear` — ``E`` experts' ``nn.Linear`` as grouped GEMMs, with
   per-expert or packed parameters, ``main_grad`` writing, delayed wgrad and
   ``DistributedWeight`` support.
+* :func:`grouped_mlp` — the fused MLP as a functional op, for frameworks that
+  own their parameters.
 * :class:`GroupedMLP` — ``E`` experts' SwiGLU MLPs (fc1 → SwiGLU × router
   probabilities → fc2) as one fused op with one backward; both layers' weight
   gradients follow the same contract.
@@ -16,5 +18,6 @@ implementer's buffers, or back to autograd.
 from groupgrad.modules._linear import GroupedLinear
 from groupgrad.modules._linear_fn import grouped_linear
 from groupgrad.modules._mlp import GroupedMLP
+from groupgrad.modules._mlp_fn import grouped_mlp
 
-__all__ = ["GroupedLinear", "GroupedMLP", "grouped_linear"]
+__all__ = ["GroupedLinear", "GroupedMLP", "grouped_linear", "grouped_mlp"]

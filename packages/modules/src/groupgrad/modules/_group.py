@@ -9,13 +9,19 @@ a ``DistributedWeight``. :class:`WeightGroupSpec` records the layout once, so
 the autograd Functions never branch on it; :func:`run_wgrad` resolves the
 ``main_grad`` contract into a plan (``groupgrad.protocol``) and runs the GEMM
 into it.
+
+What a backward uses later is pinned at forward: :func:`snapshot_splits`
+copies the token counts (a caller may refill its buffer at once), and a
+deferred wgrad (:class:`DeferredWgrad`) checks, as autograd checks saved
+tensors, that its operands were not changed in place before it runs.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -29,12 +35,67 @@ from groupgrad.protocol import (
 
 __all__ = [
     "DeferredWgrad",
+    "Splits",
     "WeightGroupSpec",
     "WgradQueue",
+    "as_gemm_dtype",
+    "autocast_dtype",
     "expert_index",
+    "gemm_dtype",
+    "no_autocast",
     "run_wgrad",
+    "snapshot_splits",
     "wgrad_step",
 ]
+
+Splits = Sequence[int] | Tensor
+"""``E`` token counts: a sequence of ints, a CPU tensor or a device tensor."""
+
+
+def snapshot_splits(splits: Splits) -> Splits:
+    """A private copy of ``splits``, taken at forward for every later GEMM of the op.
+
+    A sequence becomes a tuple; a tensor is cloned where it lives (on the
+    device without a host sync, so the CUDA-graph path stays capturable).
+    Values are checked by the kernels, not here.
+    """
+    if isinstance(splits, Tensor):
+        return splits.clone()
+    if isinstance(splits, Sequence) and not isinstance(splits, str | bytes):
+        return tuple(splits)
+    return splits  # not a token count container: the kernels name the problem
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` asks for on ``x``'s device, or ``None`` when it is off."""
+    device_type = x.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def gemm_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the grouped GEMMs run in: autocast's where it is on (like ``nn.Linear``), else ``x``'s."""
+    return autocast_dtype(x) or x.dtype
+
+
+@contextlib.contextmanager
+def no_autocast(device: torch.device) -> Iterator[None]:
+    """Autocast off on ``device`` inside an op's own forward and backward.
+
+    The op casts its operands itself (to :func:`gemm_dtype`); the reference
+    kernels and the elementwise steps must run in the dtypes they are given.
+    """
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def as_gemm_dtype(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``tensors`` in the GEMM's dtype (the same objects where they already are)."""
+    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -63,9 +124,7 @@ class WeightGroupSpec:
         return materialized[0].shape[0] if self.packed else len(materialized)
 
 
-def expert_index(
-    splits: Sequence[int] | Tensor, num_groups: int, rows: int, device: torch.device
-) -> Tensor:
+def expert_index(splits: Splits, num_groups: int, rows: int, device: torch.device) -> Tensor:
     """Return ``(T,)`` int64: the expert each row belongs to, without a host sync.
 
     Args:
@@ -87,7 +146,7 @@ def run_wgrad(
     params: Sequence[Tensor],
     dy_TN: Tensor,
     x_TK: Tensor,
-    splits: Sequence[int] | Tensor,
+    splits: Splits,
     *,
     deferred: bool = False,
 ) -> list[Tensor | None]:
@@ -131,14 +190,50 @@ def run_wgrad(
 
 @dataclass(frozen=True)
 class DeferredWgrad:
-    """One group's wgrad GEMM, queued by backward for ``backward_dw()``."""
+    """One group's wgrad GEMM, queued by backward for ``backward_dw()``.
+
+    ``operands`` names the tensors the GEMM reads (``dy_TN`` and ``x_TK``)
+    for messages; their version counters are recorded when the job is queued
+    and checked when it runs.
+    """
 
     spec: WeightGroupSpec
     shape: tuple[int, ...]
     params: tuple[Tensor, ...]
     dy_TN: Tensor
     x_TK: Tensor
-    splits: Sequence[int] | Tensor
+    splits: Splits
+    operands: tuple[str, str] = ("dy", "x")
+    versions: tuple[int, int] = field(default=(0, 0))
+
+    @classmethod
+    def queue(
+        cls,
+        spec: WeightGroupSpec,
+        shape: tuple[int, ...],
+        params: Sequence[Tensor],
+        dy_TN: Tensor,
+        x_TK: Tensor,
+        splits: Splits,
+        operands: tuple[str, str],
+    ) -> DeferredWgrad:
+        """A job whose operands' versions are those they have now."""
+        versions = (dy_TN._version, x_TK._version)
+        return cls(spec, shape, tuple(params), dy_TN, x_TK, splits, operands, versions)
+
+    def check_unchanged(self, owner: str) -> None:
+        """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued."""
+        for name, tensor, version in zip(
+            self.operands, (self.dy_TN, self.x_TK), self.versions, strict=True
+        ):
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"{owner}.backward_dw(): {name}, which the deferred weight gradient of "
+                    f"{self.spec.names[0]!r} reads, was modified in place since backward (its "
+                    f"version is {tensor._version}, expected {version}); the gradient would not "
+                    "match the values the forward saw. Do not modify it before backward_dw(), or "
+                    "pass a copy"
+                )
 
     def run(self) -> None:
         """Run the GEMM now, finalize distributed weights and deliver to ``.grad``."""
@@ -153,21 +248,24 @@ def wgrad_step(
     params: Sequence[Tensor],
     dy_TN: Tensor,
     x_TK: Tensor,
-    splits: Sequence[int] | Tensor,
+    splits: Splits,
     deferred: list[DeferredWgrad] | None,
+    operands: tuple[str, str] = ("dy", "x"),
 ) -> list[Tensor | None]:
     """Backward's wgrad step for one group: what autograd receives for its parameters.
 
     Trainability is read from the parameters: a group none of whose
-    parameters requires grad runs nothing. With ``deferred`` (a list), the
-    GEMM is appended there for ``backward_dw()`` and autograd receives
+    parameters requires grad runs nothing, and a frozen member of a group is
+    never written (the plan gives it ``None``). With ``deferred`` (a list),
+    the GEMM is appended there for ``backward_dw()`` (``operands`` names
+    ``dy_TN`` and ``x_TK`` if it finds them changed) and autograd receives
     :func:`~groupgrad.protocol.defer_weight_grads`; otherwise it runs now.
     """
     if not any(param.requires_grad for param in params):
         return [None] * len(params)
     if deferred is None:
         return run_wgrad(spec, shape, params, dy_TN, x_TK, splits)
-    deferred.append(DeferredWgrad(spec, shape, tuple(params), dy_TN, x_TK, splits))
+    deferred.append(DeferredWgrad.queue(spec, shape, params, dy_TN, x_TK, splits, operands))
     return defer_weight_grads(
         params, wgrad_into_main_grad=spec.wgrad_into_main_grad, names=spec.names
     )
@@ -194,13 +292,22 @@ class WgradQueue:
     def pop_and_run(self, owner: str) -> None:
         """Run the oldest backward's deferred wgrads.
 
+        Every operand of the job is checked first: when one was changed in
+        place since backward, the job is dropped (its gradient can no longer be
+        computed from the values the forward saw) and nothing is written.
+
         Raises:
-            RuntimeError: No backward has queued anything.
+            RuntimeError: No backward has queued anything, or an operand of
+                the oldest job was modified in place since its backward.
         """
         if not self._jobs:
             raise RuntimeError(
                 f"{owner}.backward_dw() was called but no backward has queued a weight "
                 "gradient; call it once after each backward"
             )
-        for entry in self._jobs.popleft():
-            entry.run()
+        job = self._jobs.popleft()
+        for entry in job:
+            entry.check_unchanged(owner)
+        with no_autocast(job[0].dy_TN.device):
+            for entry in job:
+                entry.run()

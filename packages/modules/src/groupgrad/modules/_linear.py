@@ -6,16 +6,22 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from groupgrad.modules._group import WeightGroupSpec, WgradQueue
-from groupgrad.modules._linear_fn import GroupedLinearFunction
+from groupgrad.modules._group import Splits, WeightGroupSpec, WgradQueue
+from groupgrad.modules._linear_fn import apply_grouped_linear
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "check_sizes"]
+
+
+def check_sizes(**sizes: object) -> None:
+    """Raise ``ValueError`` naming the first size that is not a positive int (``True`` is not)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} is {value!r}, expected a positive int")
 
 
 class GroupedLinear(nn.Module):
@@ -43,7 +49,14 @@ class GroupedLinear(nn.Module):
             parameter's ``main_grad`` (fp32 in mixed-precision training) through
             the GEMM's epilogue: adding, or overwriting where the parameter's
             ``overwrite_main_grad`` is set when the GEMM runs. Autograd then
-            receives a zero dummy (``grad_added_to_main_grad``) or ``None``.
+            receives a zero dummy where the parameter carries
+            ``grad_added_to_main_grad`` (set ``True``), else ``None``. Dummies
+            are aliases of one cached zero buffer per shape and grad dtype, so
+            those parameters share ``.grad`` storage (as in TransformerEngine;
+            frameworks that honour the flag ignore ``.grad``); the buffer is
+            zeroed again before a hand-out if anything wrote into it. A
+            parameter with ``requires_grad=False`` is never written and needs
+            no ``main_grad``.
         delay_wgrad_compute: Backward computes only the input (and bias)
             gradients; the weight-gradient GEMMs run at :meth:`backward_dw`.
     """
@@ -62,13 +75,7 @@ class GroupedLinear(nn.Module):
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("num_groups", num_groups),
-            ("in_features", in_features),
-            ("out_features", out_features),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} is {value!r}, expected a positive int")
+        check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features
@@ -119,13 +126,18 @@ class GroupedLinear(nn.Module):
             for name in (*self.weight_names, *self.bias_names):
                 getattr(self, name).uniform_(-bound, bound)
 
-    def group_spec(self) -> WeightGroupSpec:
-        """The weight layout the grouped GEMMs see."""
-        return WeightGroupSpec(
-            self.weight_names, self.single_grouped_weight, self.accumulate_into_main_grad
-        )
+    def group_spec(self, prefix: str = "") -> WeightGroupSpec:
+        """The weight layout the grouped GEMMs see; messages name parameters ``prefix.name``."""
+        names = tuple(f"{prefix}.{n}" if prefix else n for n in self.weight_names)
+        return WeightGroupSpec(names, self.single_grouped_weight, self.accumulate_into_main_grad)
 
-    def forward(self, x: Tensor, splits: Sequence[int] | Tensor) -> Tensor:
+    def current_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The weight and bias parameters as they are now (looked up by name), leader first."""
+        weights = [getattr(self, name) for name in self.weight_names]
+        biases = [getattr(self, name) for name in self.bias_names]
+        return weights, biases
+
+    def forward(self, x: Tensor, splits: Splits) -> Tensor:
         """Apply every expert to its rows.
 
         Args:
@@ -135,7 +147,11 @@ class GroupedLinear(nn.Module):
                 the host).
 
         Returns:
-            ``(T, N)`` output in ``x``'s dtype.
+            ``(T, N)`` output in ``x``'s dtype, or in the autocast dtype under
+            ``torch.autocast`` (like ``nn.Linear``).
+
+        ``splits`` is copied now: backward and :meth:`backward_dw` use the
+        copy, so the caller may refill its buffer at once.
         """
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -143,10 +159,10 @@ class GroupedLinear(nn.Module):
                 f"x has shape {shape}, expected (tokens, {self.in_features}) for in_features="
                 f"{self.in_features}"
             )
-        params = [getattr(self, name) for name in (*self.weight_names, *self.bias_names)]
+        weights, biases = self.current_parameters()
         queue = self._wgrad_queue if self.delay_wgrad_compute else None
-        return GroupedLinearFunction.apply(
-            x, splits, self.group_spec(), queue, len(self.bias_names), *params
+        return apply_grouped_linear(
+            x, splits, self.group_spec(), queue, [*weights, *biases], len(biases)
         )
 
     def backward_dw(self) -> None:

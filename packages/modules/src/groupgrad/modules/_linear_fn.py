@@ -8,6 +8,11 @@ group), runs the grouped fprop GEMM and never saves the materialized weights.
 Backward re-materializes them for dgrad and runs the wgrad step of
 :mod:`groupgrad.modules._group`, which resolves every ``main_grad`` /
 distributed / deferred variant into a plan before its GEMM.
+
+Under ``torch.autocast`` the GEMMs run in the autocast dtype, like
+``nn.Linear``: ``x`` is cast before the op (autograd casts ``dx`` back) and
+the materialized weights inside it; the weight gradient still reaches each
+parameter in its ``grad_dtype`` straight from the GEMM's epilogue.
 """
 
 from __future__ import annotations
@@ -21,20 +26,31 @@ from torch import Tensor
 from groupgrad.kernels import grouped_dgrad, grouped_fprop
 from groupgrad.modules._group import (
     DeferredWgrad,
+    Splits,
     WeightGroupSpec,
     WgradQueue,
+    as_gemm_dtype,
     expert_index,
+    gemm_dtype,
+    no_autocast,
+    snapshot_splits,
     wgrad_step,
 )
 from groupgrad.protocol import (
+    autograd_grad_dtype,
     is_distributed_weight,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
 )
 
-__all__ = ["GroupedLinearFunction", "add_bias", "bias_grad", "grouped_linear"]
-
-Splits = Sequence[int] | Tensor
+__all__ = [
+    "GroupedLinearFunction",
+    "add_bias",
+    "apply_grouped_linear",
+    "bias_grad",
+    "bias_grads",
+    "grouped_linear",
+]
 
 
 def add_bias(y_TN: Tensor, b_EN: Tensor, expert_T: Tensor) -> Tensor:
@@ -54,8 +70,24 @@ def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dty
     return db_EN.to(dtype)
 
 
-def _stack_bias(biases: Sequence[Tensor], packed: bool) -> Tensor:
+def stack_bias(biases: Sequence[Tensor], packed: bool) -> Tensor:
+    """The ``(E, N)`` bias of a layer: the packed parameter, or the per-expert ones stacked."""
     return biases[0] if packed else torch.stack(list(biases))
+
+
+def bias_grads(
+    dy_TN: Tensor, biases: Sequence[Tensor], expert_T: Tensor | None, packed: bool
+) -> list[Tensor | None]:
+    """What autograd receives for a layer's biases: each in its ``grad_dtype``, or ``None``s.
+
+    ``None`` for every bias when none requires grad (or there are none).
+    """
+    if expert_T is None or not any(b.requires_grad for b in biases):
+        return [None] * len(biases)
+    num_groups = biases[0].shape[0] if packed else len(biases)
+    db_EN = bias_grad(dy_TN, expert_T, num_groups, autograd_grad_dtype(biases))
+    grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
+    return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -80,14 +112,17 @@ class GroupedLinearFunction(torch.autograd.Function):
     ) -> Tensor:
         weights = params[: len(params) - num_biases]
         biases = params[len(params) - num_biases :]
-        materialized = materialize_weight_for_forward(list(weights))
-        y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
-        num_groups = spec.num_groups(materialized)
-        expert_T = None
-        if biases:
-            expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
-            y_TN = add_bias(y_TN, _stack_bias(biases, spec.packed), expert_T)
-        ctx.wgrad_shape = tuple(materialized[0].shape)
+        splits = snapshot_splits(splits)
+        with no_autocast(x_TK.device):
+            materialized = materialize_weight_for_forward(list(weights))
+            ctx.wgrad_shape = tuple(materialized[0].shape)
+            materialized = as_gemm_dtype(materialized, x_TK.dtype)
+            y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
+            num_groups = spec.num_groups(materialized)
+            expert_T = None
+            if biases:
+                expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
+                y_TN = add_bias(y_TN, stack_bias(biases, spec.packed), expert_T)
         ctx.num_groups = num_groups
         del materialized  # never saved: backward materializes again
 
@@ -104,25 +139,34 @@ class GroupedLinearFunction(torch.autograd.Function):
         x_TK, expert_T = ctx.saved_tensors
         spec: WeightGroupSpec = ctx.spec
         weights: tuple[Tensor, ...] = ctx.weights
-        biases: tuple[Tensor, ...] = ctx.biases
         dy_TN = dy_TN.contiguous()
+        with no_autocast(dy_TN.device):
+            dx_TK = None
+            if ctx.needs_input_grad[0]:
+                materialized = materialize_weight_for_backward(list(weights))
+                materialized = as_gemm_dtype(materialized, dy_TN.dtype)
+                dx_TK = grouped_dgrad(dy_TN, spec.gemm_weights(materialized), ctx.splits)
+                del materialized
 
-        dx_TK = None
-        if ctx.needs_input_grad[0]:
-            materialized = materialize_weight_for_backward(list(weights))
-            dx_TK = grouped_dgrad(dy_TN, spec.gemm_weights(materialized), ctx.splits)
-            del materialized
-
-        deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
-        wgrads = wgrad_step(spec, ctx.wgrad_shape, weights, dy_TN, x_TK, ctx.splits, deferred)
-        if deferred is not None:
-            ctx.queue.push(deferred)
-
-        bgrads: list[Tensor | None] = [None] * len(biases)
-        if biases and any(b.requires_grad for b in biases):
-            db_EN = bias_grad(dy_TN, expert_T, ctx.num_groups, biases[0].dtype)
-            bgrads = [db_EN] if spec.packed else list(db_EN.unbind(0))
+            deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
+            wgrads = wgrad_step(spec, ctx.wgrad_shape, weights, dy_TN, x_TK, ctx.splits, deferred)
+            if deferred is not None:
+                ctx.queue.push(deferred)
+            bgrads = bias_grads(dy_TN, ctx.biases, expert_T, spec.packed)
         return (dx_TK, None, None, None, None, *wgrads, *bgrads)
+
+
+def apply_grouped_linear(
+    x_TK: Tensor,
+    splits: Splits,
+    spec: WeightGroupSpec,
+    queue: WgradQueue | None,
+    params: Sequence[Tensor],
+    num_biases: int,
+) -> Tensor:
+    """Run :class:`GroupedLinearFunction` in the GEMM dtype (autocast's where it is on)."""
+    x_TK = x_TK.to(gemm_dtype(x_TK))
+    return GroupedLinearFunction.apply(x_TK, splits, spec, queue, num_biases, *params)
 
 
 def grouped_linear(
@@ -155,7 +199,14 @@ def grouped_linear(
             ``main_grad``.
 
     Returns:
-        ``(T, N)`` output in ``x``'s dtype.
+        ``(T, N)`` output in ``x``'s dtype; under ``torch.autocast`` in the
+        autocast dtype (like ``nn.Linear``), while each weight gradient still
+        reaches its parameter in the parameter's ``grad_dtype``.
+
+    ``splits`` is copied at forward; backward uses the copy. Without
+    ``main_grad``, weight and bias gradients reach autograd in each
+    parameter's ``grad_dtype`` straight from the GEMM (a bf16 weight whose
+    ``grad_dtype`` is fp32 gets an fp32 gradient, never rounded to bf16).
 
     Raises:
         ValueError: ``x`` is not 2-D, or the weights and bias disagree in
@@ -164,7 +215,7 @@ def grouped_linear(
         RuntimeError: ``main_grad`` is missing or malformed (at backward).
     """
     spec, params, num_biases = _group_arguments(x, weights, bias, accumulate_into_main_grad)
-    return GroupedLinearFunction.apply(x, splits, spec, None, num_biases, *params)
+    return apply_grouped_linear(x, splits, spec, None, params, num_biases)
 
 
 def _group_arguments(

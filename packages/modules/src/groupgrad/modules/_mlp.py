@@ -5,19 +5,20 @@ Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor, nn
 
-from groupgrad.modules._group import WeightGroupSpec, WgradQueue
-from groupgrad.modules._linear import GroupedLinear
-from groupgrad.modules._mlp_fn import GroupedMLPFunction, MLPLayout
-from groupgrad.protocol import is_distributed_weight
+from groupgrad.modules._group import Splits, WgradQueue
+from groupgrad.modules._linear import GroupedLinear, check_sizes
+from groupgrad.modules._mlp_fn import (
+    MLPLayout,
+    apply_grouped_mlp,
+    check_activation,
+    check_distributed_pairing,
+    check_mlp_inputs,
+)
 
 __all__ = ["GroupedMLP"]
-
-ACTIVATIONS = ("swiglu",)
 
 
 class GroupedMLP(nn.Module):
@@ -64,8 +65,10 @@ class GroupedMLP(nn.Module):
         accumulate_into_main_grad: Write fc1's and fc2's weight gradients into
             each weight parameter's ``main_grad`` through the GEMM's epilogue
             (accumulating or overwriting, per ``overwrite_main_grad``);
-            autograd receives a zero dummy (``grad_added_to_main_grad``) or
-            ``None``.
+            autograd receives a zero dummy (``grad_added_to_main_grad``, the
+            shared cached buffer described in
+            :class:`~groupgrad.modules.GroupedLinear`) or ``None``. Settable
+            later: it sets both layers.
         delay_wgrad_compute: Backward computes only the input, ``probs`` and
             bias gradients; both weight-gradient GEMMs run at
             :meth:`backward_dw`.
@@ -90,25 +93,14 @@ class GroupedMLP(nn.Module):
         delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("num_groups", num_groups),
-            ("hidden_size", hidden_size),
-            ("ffn_hidden_size", ffn_hidden_size),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} is {value!r}, expected a positive int")
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"activation is {activation!r}; GroupedMLP supports only "
-                f"{', '.join(repr(a) for a in ACTIVATIONS)}"
-            )
+        check_sizes(num_groups=num_groups, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        check_activation(activation, "GroupedMLP")
         self.num_groups = num_groups
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
         self.use_bias = bias
         self.single_grouped_weight = single_grouped_weight
-        self.accumulate_into_main_grad = accumulate_into_main_grad
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_queue = WgradQueue()
 
@@ -128,53 +120,22 @@ class GroupedMLP(nn.Module):
         self.fc1 = layer(hidden_size, 2 * ffn_hidden_size)
         self.fc2 = layer(ffn_hidden_size, hidden_size)
 
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        """Whether fc1's and fc2's wgrads go into ``main_grad`` (set on both layers at once)."""
+        return self.fc1.accumulate_into_main_grad and self.fc2.accumulate_into_main_grad
+
+    @accumulate_into_main_grad.setter
+    def accumulate_into_main_grad(self, value: bool) -> None:
+        self.fc1.accumulate_into_main_grad = value
+        self.fc2.accumulate_into_main_grad = value
+
     def reset_parameters(self) -> None:
         """Re-initialize every expert of fc1 and fc2 like ``nn.Linear``."""
         self.fc1.reset_parameters()
         self.fc2.reset_parameters()
 
-    def _layer_spec(self, prefix: str, layer: GroupedLinear) -> WeightGroupSpec:
-        return WeightGroupSpec(
-            tuple(f"{prefix}.{name}" for name in layer.weight_names),
-            self.single_grouped_weight,
-            self.accumulate_into_main_grad,
-        )
-
-    def _check_inputs(self, x: Tensor, probs: Tensor | None) -> None:
-        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(
-                f"x has shape {shape}, expected (tokens, {self.hidden_size}) for hidden_size="
-                f"{self.hidden_size}"
-            )
-        if probs is None:
-            return
-        if not isinstance(probs, Tensor):
-            raise TypeError(f"probs is a {type(probs).__name__}, expected a Tensor or None")
-        if tuple(probs.shape) != (x.shape[0],):
-            raise ValueError(
-                f"probs has shape {tuple(probs.shape)}, expected (T,) = ({x.shape[0]},): one "
-                "router probability per row of x"
-            )
-        if not probs.dtype.is_floating_point:
-            raise TypeError(f"probs has dtype {probs.dtype}, expected a floating-point dtype")
-        if probs.device != x.device:
-            raise ValueError(f"probs is on {probs.device}, expected x's device {x.device}")
-
-    def _check_distributed_pairing(self, fc1_leader: Tensor, fc2_leader: Tensor) -> None:
-        fc1_distributed = is_distributed_weight(fc1_leader)
-        if fc1_distributed == is_distributed_weight(fc2_leader):
-            return
-        names = (f"fc1.{self.fc1.weight_names[0]}", f"fc2.{self.fc2.weight_names[0]}")
-        distributed, plain = names if fc1_distributed else names[::-1]
-        raise ValueError(
-            f"{distributed} is a DistributedWeight but {plain} is a plain tensor; GroupedMLP "
-            "needs fc1 and fc2 both distributed or both plain"
-        )
-
-    def forward(
-        self, x: Tensor, splits: Sequence[int] | Tensor, probs: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, splits: Splits, probs: Tensor | None = None) -> Tensor:
         """Apply every expert's MLP to its rows, scaled per token by ``probs``.
 
         Args:
@@ -188,7 +149,11 @@ class GroupedMLP(nn.Module):
                 ones.
 
         Returns:
-            ``(T, H)`` output in ``x``'s dtype.
+            ``(T, H)`` output in ``x``'s dtype, or in the autocast dtype under
+            ``torch.autocast``.
+
+        ``splits`` is copied now: backward and :meth:`backward_dw` use the
+        copy, so the caller may refill its buffer at once.
 
         Raises:
             ValueError: ``x`` is not ``(T, H)``; ``probs`` is not ``(T,)`` or
@@ -196,30 +161,17 @@ class GroupedMLP(nn.Module):
                 both plain (the kernels check ``splits``, dtypes and devices).
             TypeError: ``probs`` is not a floating-point tensor.
         """
-        self._check_inputs(x, probs)
-        fc1_weights = [getattr(self.fc1, name) for name in self.fc1.weight_names]
-        fc2_weights = [getattr(self.fc2, name) for name in self.fc2.weight_names]
-        self._check_distributed_pairing(fc1_weights[0], fc2_weights[0])
-        fc1_biases = [getattr(self.fc1, name) for name in self.fc1.bias_names]
-        fc2_biases = [getattr(self.fc2, name) for name in self.fc2.bias_names]
-        layout = MLPLayout(
-            fc1=self._layer_spec("fc1", self.fc1),
-            fc2=self._layer_spec("fc2", self.fc2),
-            num_weights=len(fc1_weights),
-            num_biases=len(fc1_biases),
+        check_mlp_inputs(x, probs, self.hidden_size)
+        fc1_weights, fc1_biases = self.fc1.current_parameters()
+        fc2_weights, fc2_biases = self.fc2.current_parameters()
+        fc1, fc2 = self.fc1.group_spec("fc1"), self.fc2.group_spec("fc2")
+        check_distributed_pairing(
+            fc1_weights[0], fc1.names[0], fc2_weights[0], fc2.names[0], "GroupedMLP"
         )
+        layout = MLPLayout(fc1, fc2, num_weights=len(fc1_weights), num_biases=len(fc1_biases))
         queue = self._wgrad_queue if self.delay_wgrad_compute else None
-        return GroupedMLPFunction.apply(
-            x,
-            splits,
-            probs,
-            layout,
-            queue,
-            *fc1_weights,
-            *fc1_biases,
-            *fc2_weights,
-            *fc2_biases,
-        )
+        params = [*fc1_weights, *fc1_biases, *fc2_weights, *fc2_biases]
+        return apply_grouped_mlp(x, splits, probs, layout, queue, params)
 
     def backward_dw(self) -> None:
         """Run the fc2 and fc1 weight-gradient GEMMs one backward deferred (oldest first).

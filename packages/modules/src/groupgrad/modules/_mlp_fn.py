@@ -32,6 +32,12 @@ Backward, one pass for every variant::
 With ``delay_wgrad_compute`` both wgrads go into one job of the module's
 :class:`~groupgrad.modules._group.WgradQueue`; ``backward_dw()`` runs them
 (fc2, then fc1).
+
+``splits`` is copied at forward; under ``torch.autocast`` the GEMMs run in
+the autocast dtype (``x`` cast before the op, the materialized weights inside
+it) and the wgrads still reach each parameter in its ``grad_dtype``.
+:func:`grouped_mlp` is the functional form, for frameworks that own their
+parameters.
 """
 
 from __future__ import annotations
@@ -46,18 +52,36 @@ from torch import Tensor
 from groupgrad.kernels import grouped_dgrad, grouped_fprop
 from groupgrad.modules._group import (
     DeferredWgrad,
+    Splits,
     WeightGroupSpec,
     WgradQueue,
+    as_gemm_dtype,
     expert_index,
+    gemm_dtype,
+    no_autocast,
+    snapshot_splits,
     wgrad_step,
 )
-from groupgrad.modules._linear_fn import add_bias, bias_grad
+from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
 from groupgrad.modules._swiglu import swiglu_probs, swiglu_probs_backward
-from groupgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
+from groupgrad.protocol import (
+    is_distributed_weight,
+    materialize_weight_for_backward,
+    materialize_weight_for_forward,
+)
 
-__all__ = ["GroupedMLPFunction", "MLPLayout"]
+__all__ = [
+    "ACTIVATIONS",
+    "GroupedMLPFunction",
+    "MLPLayout",
+    "apply_grouped_mlp",
+    "check_activation",
+    "check_distributed_pairing",
+    "check_mlp_inputs",
+    "grouped_mlp",
+]
 
-Splits = Sequence[int] | Tensor
+ACTIVATIONS = ("swiglu",)
 
 
 @dataclass(frozen=True)
@@ -91,20 +115,6 @@ class MLPLayout:
         return fc1[:w], fc1[w:], fc2[:w], fc2[w:]
 
 
-def _bias_EN(biases: Sequence[Tensor], packed: bool) -> Tensor:
-    return biases[0] if packed else torch.stack(list(biases))
-
-
-def _bias_grads(
-    dy_TX: Tensor, biases: Sequence[Tensor], expert_T: Tensor | None, packed: bool
-) -> list[Tensor | None]:
-    if expert_T is None or not any(b.requires_grad for b in biases):
-        return [None] * len(biases)  # expert_T exists whenever there are biases
-    num_groups = biases[0].shape[0] if packed else len(biases)
-    db_EX = bias_grad(dy_TX, expert_T, num_groups, biases[0].dtype)
-    return [db_EX] if packed else list(db_EX.unbind(0))
-
-
 class GroupedMLPFunction(torch.autograd.Function):
     """``y = fc2(silu(h[:, :F]) * h[:, F:] * probs[:, None])``, ``h = fc1(x)``: one backward.
 
@@ -125,24 +135,28 @@ class GroupedMLPFunction(torch.autograd.Function):
     ) -> Tensor:
         w1, b1, w2, b2 = layout.split(params)
         T = x_TH.shape[0]
+        splits = snapshot_splits(splits)
+        with no_autocast(x_TH.device):
+            fc1_weights = materialize_weight_for_forward(list(w1))
+            ctx.fc1_shape = tuple(fc1_weights[0].shape)
+            fc1_weights = as_gemm_dtype(fc1_weights, x_TH.dtype)
+            h_T2F = grouped_fprop(x_TH, layout.fc1.gemm_weights(fc1_weights), splits)
+            num_groups = layout.fc1.num_groups(fc1_weights)
+            del fc1_weights  # never saved: backward materializes again
+            expert_T = None
+            if layout.num_biases:
+                expert_T = expert_index(splits, num_groups, T, x_TH.device)
+                h_T2F = add_bias(h_T2F, stack_bias(b1, layout.fc1.packed), expert_T)
 
-        fc1_weights = materialize_weight_for_forward(list(w1))
-        h_T2F = grouped_fprop(x_TH, layout.fc1.gemm_weights(fc1_weights), splits)
-        num_groups = layout.fc1.num_groups(fc1_weights)
-        ctx.fc1_shape = tuple(fc1_weights[0].shape)
-        del fc1_weights  # never saved: backward materializes again
-        expert_T = expert_index(splits, num_groups, T, x_TH.device) if layout.num_biases else None
-        if expert_T is not None:
-            h_T2F = add_bias(h_T2F, _bias_EN(b1, layout.fc1.packed), expert_T)
+            a_TF = swiglu_probs(h_T2F, probs_T)
 
-        a_TF = swiglu_probs(h_T2F, probs_T)
-
-        fc2_weights = materialize_weight_for_forward(list(w2))
-        y_TH = grouped_fprop(a_TF, layout.fc2.gemm_weights(fc2_weights), splits)
-        ctx.fc2_shape = tuple(fc2_weights[0].shape)
-        del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
-        if expert_T is not None:
-            y_TH = add_bias(y_TH, _bias_EN(b2, layout.fc2.packed), expert_T)
+            fc2_weights = materialize_weight_for_forward(list(w2))
+            ctx.fc2_shape = tuple(fc2_weights[0].shape)
+            fc2_weights = as_gemm_dtype(fc2_weights, x_TH.dtype)
+            y_TH = grouped_fprop(a_TF, layout.fc2.gemm_weights(fc2_weights), splits)
+            del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
+            if expert_T is not None:
+                y_TH = add_bias(y_TH, stack_bias(b2, layout.fc2.packed), expert_T)
 
         ctx.save_for_backward(x_TH, h_T2F, probs_T)
         ctx.splits = splits
@@ -155,43 +169,248 @@ class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy_TH: Tensor) -> tuple[Tensor | None, ...]:
         x_TH, h_T2F, probs_T = ctx.saved_tensors
-        layout: MLPLayout = ctx.layout
-        w1, b1, w2, b2 = ctx.params
-        splits = ctx.splits
-        dy_TH = dy_TH.contiguous()
-        expert_T = None
-        if layout.num_biases:
-            expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
-        deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
+        with no_autocast(dy_TH.device):
+            return _mlp_backward(ctx, dy_TH.contiguous(), x_TH, h_T2F, probs_T)
 
-        fc2_weights = materialize_weight_for_backward(list(w2))
-        da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
-        del fc2_weights
-        dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
-        del da_TF
-        fc2_wgrads = wgrad_step(layout.fc2, ctx.fc2_shape, w2, dy_TH, a_TF, splits, deferred)
-        del a_TF
-        fc2_bgrads = _bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
 
-        dx_TH = None
-        if ctx.needs_input_grad[0]:
-            fc1_weights = materialize_weight_for_backward(list(w1))
-            dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
-            del fc1_weights
-        fc1_wgrads = wgrad_step(layout.fc1, ctx.fc1_shape, w1, dh_T2F, x_TH, splits, deferred)
-        fc1_bgrads = _bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
+def _mlp_backward(
+    ctx: Any, dy_TH: Tensor, x_TH: Tensor, h_T2F: Tensor, probs_T: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    layout: MLPLayout = ctx.layout
+    w1, b1, w2, b2 = ctx.params
+    splits = ctx.splits
+    dtype = dy_TH.dtype
+    expert_T = None
+    if layout.num_biases:
+        expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
+    deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
 
-        if deferred is not None:
-            ctx.queue.push(deferred)
-        dprobs_T = dprobs_T if ctx.needs_input_grad[2] else None
-        return (
-            dx_TH,
-            None,
-            dprobs_T,
-            None,
-            None,
-            *fc1_wgrads,
-            *fc1_bgrads,
-            *fc2_wgrads,
-            *fc2_bgrads,
+    fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), dtype)
+    da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
+    del fc2_weights
+    dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
+    del da_TF
+    fc2_wgrads = wgrad_step(
+        layout.fc2, ctx.fc2_shape, w2, dy_TH, a_TF, splits, deferred, ("dy", "fc2's input")
+    )
+    del a_TF
+    fc2_bgrads = bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
+
+    dx_TH = None
+    if ctx.needs_input_grad[0]:
+        fc1_weights = as_gemm_dtype(materialize_weight_for_backward(list(w1)), dtype)
+        dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
+        del fc1_weights
+    fc1_wgrads = wgrad_step(
+        layout.fc1, ctx.fc1_shape, w1, dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x")
+    )
+    fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
+
+    if deferred is not None:
+        ctx.queue.push(deferred)
+    dprobs_T = dprobs_T if ctx.needs_input_grad[2] else None
+    return (
+        dx_TH,
+        None,
+        dprobs_T,
+        None,
+        None,
+        *fc1_wgrads,
+        *fc1_bgrads,
+        *fc2_wgrads,
+        *fc2_bgrads,
+    )
+
+
+def check_activation(activation: object, owner: str) -> None:
+    """Raise ``ValueError`` unless ``activation`` is one the fused MLP supports."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation is {activation!r}; {owner} supports only "
+            f"{', '.join(repr(a) for a in ACTIVATIONS)}"
         )
+
+
+def check_mlp_inputs(x: object, probs: object, hidden_size: int) -> None:
+    """Check ``x`` is ``(T, H)`` and ``probs`` is ``None`` or a floating ``(T,)`` on ``x``'s device.
+
+    Raises:
+        ValueError: A shape or device mismatch.
+        TypeError: ``probs`` is not a floating-point tensor.
+    """
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != hidden_size:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(
+            f"x has shape {shape}, expected (tokens, {hidden_size}) for hidden_size={hidden_size}"
+        )
+    if probs is None:
+        return
+    if not isinstance(probs, Tensor):
+        raise TypeError(f"probs is a {type(probs).__name__}, expected a Tensor or None")
+    if tuple(probs.shape) != (x.shape[0],):
+        raise ValueError(
+            f"probs has shape {tuple(probs.shape)}, expected (T,) = ({x.shape[0]},): one "
+            "router probability per row of x"
+        )
+    if not probs.dtype.is_floating_point:
+        raise TypeError(f"probs has dtype {probs.dtype}, expected a floating-point dtype")
+    if probs.device != x.device:
+        raise ValueError(f"probs is on {probs.device}, expected x's device {x.device}")
+
+
+def check_distributed_pairing(
+    fc1_leader: Tensor, fc1_name: str, fc2_leader: Tensor, fc2_name: str, owner: str
+) -> None:
+    """Raise ``ValueError`` unless fc1 and fc2 are both distributed or both plain."""
+    fc1_distributed = is_distributed_weight(fc1_leader)
+    if fc1_distributed == is_distributed_weight(fc2_leader):
+        return
+    distributed, plain = (fc1_name, fc2_name) if fc1_distributed else (fc2_name, fc1_name)
+    raise ValueError(
+        f"{distributed} is a DistributedWeight but {plain} is a plain tensor; {owner} needs fc1 "
+        "and fc2 both distributed or both plain"
+    )
+
+
+def _check_mlp_shapes(fc1: Tensor, fc1_name: str, fc2: Tensor, fc2_name: str) -> int:
+    """Check fc1 is ``(·, 2F, H)`` and fc2 ``(·, H, F)`` with one ``E``; return ``H``."""
+    (*e1, two_f, hidden), (*e2, out, ffn) = fc1.shape, fc2.shape
+    if two_f != 2 * ffn or out != hidden or e1 != e2:
+        raise ValueError(
+            f"{fc1_name} has shape {tuple(fc1.shape)} and {fc2_name} has shape "
+            f"{tuple(fc2.shape)}; expected fc1 (·, 2F, H) and fc2 (·, H, F) with one E, F and H"
+        )
+    return int(hidden)
+
+
+def apply_grouped_mlp(
+    x_TH: Tensor,
+    splits: Splits,
+    probs_T: Tensor | None,
+    layout: MLPLayout,
+    queue: WgradQueue | None,
+    params: Sequence[Tensor],
+) -> Tensor:
+    """Run :class:`GroupedMLPFunction` in the GEMM dtype (autocast's where it is on)."""
+    x_TH = x_TH.to(gemm_dtype(x_TH))
+    return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, *params)
+
+
+def _layer_group(
+    name: str, weights: object, bias: Tensor | Sequence[Tensor] | None
+) -> tuple[WeightGroupSpec, list[Tensor], list[Tensor]]:
+    """One layer's weights and biases as a spec and parameter lists (functional form)."""
+    if isinstance(weights, Tensor):
+        if weights.dim() != 3 and not is_distributed_weight(weights):
+            raise ValueError(
+                f"{name}_weights has shape {tuple(weights.shape)}, expected (E, ·, ·) or a "
+                "sequence of E 2-D tensors"
+            )
+        members: list[Tensor] = [weights]
+        names: tuple[str, ...] = (f"{name}_weights",)
+    elif isinstance(weights, Sequence) and not isinstance(weights, str | bytes) and weights:
+        members = list(weights)
+        for index, w in enumerate(members):
+            if not isinstance(w, Tensor):
+                raise TypeError(
+                    f"{name}_weights[{index}] is a {type(w).__name__}, expected a Tensor"
+                )
+        names = tuple(f"{name}_weights[{i}]" for i in range(len(members)))
+    else:
+        raise TypeError(
+            f"{name}_weights is {type(weights).__name__}, expected an (E, ·, ·) tensor or a "
+            "non-empty sequence of E 2-D tensors"
+        )
+    packed = isinstance(weights, Tensor)
+    biases: list[Tensor] = []
+    if bias is not None:
+        if packed != isinstance(bias, Tensor):
+            raise ValueError(
+                f"{name}_bias is a {type(bias).__name__}; expected a packed (E, ·) tensor with "
+                f"packed {name}_weights, or a sequence of E 1-D tensors with per-expert weights"
+            )
+        biases = [bias] if isinstance(bias, Tensor) else list(bias)
+        if len(biases) != len(members):
+            raise ValueError(
+                f"{name}_bias has {len(biases)} entries, expected {len(members)} (one per "
+                f"{name} weight)"
+            )
+    return WeightGroupSpec(names, packed, False), members, biases
+
+
+def grouped_mlp(
+    x: Tensor,
+    fc1_weights: Tensor | Sequence[Tensor],
+    fc2_weights: Tensor | Sequence[Tensor],
+    splits: Splits,
+    probs: Tensor | None = None,
+    *,
+    fc1_bias: Tensor | Sequence[Tensor] | None = None,
+    fc2_bias: Tensor | Sequence[Tensor] | None = None,
+    activation: str = "swiglu",
+    accumulate_into_main_grad: bool = False,
+) -> Tensor:
+    """Fused grouped SwiGLU MLP: ``fc2(silu(h[:, :F]) * h[:, F:] * probs[:, None])``, ``h = fc1(x)``.
+
+    The functional form of :class:`~groupgrad.modules.GroupedMLP`, for
+    frameworks that own their parameters (Hugging Face, Megatron): one
+    autograd Function, one backward; weight gradients follow the ``main_grad``
+    contract exactly as in the module. Rows of ``x`` are grouped by expert in
+    order (``splits[e]`` rows for expert ``e``).
+
+    Args:
+        x: ``(T, H)`` input (bf16, fp16 or fp32; under ``torch.autocast`` the
+            GEMMs run in the autocast dtype).
+        fc1_weights: Packed ``(E, 2F, H)`` tensor or ``E`` ``(2F, H)`` tensors
+            (gate rows first, then up), in ``x``'s dtype.
+        fc2_weights: Packed ``(E, H, F)`` tensor or ``E`` ``(H, F)`` tensors, the
+            same layout as ``fc1_weights``.
+        splits: ``E`` token counts summing to ``T`` (sequence, CPU tensor or
+            device tensor); copied now, so the caller may refill its buffer.
+        probs: ``(T,)`` router probability per row (any floating dtype; it
+            receives a gradient), or ``None`` for ones.
+        fc1_bias: ``None``, packed ``(E, 2F)`` or ``E`` ``(2F,)`` tensors (same
+            layout as the weights); with ``fc2_bias`` both or neither.
+        fc2_bias: ``None``, packed ``(E, H)`` or ``E`` ``(H,)`` tensors.
+        activation: Only ``"swiglu"``.
+        accumulate_into_main_grad: Write each weight's gradient into its
+            ``main_grad`` (adding, or overwriting where ``overwrite_main_grad``
+            is set when the GEMM runs) instead of returning it to autograd.
+
+    Returns:
+        ``(T, H)`` output in ``x``'s dtype (the autocast dtype under autocast).
+
+    Raises:
+        ValueError: A shape, layout, device or activation mismatch.
+        TypeError: An argument of the wrong type.
+        RuntimeError: ``main_grad`` is missing or malformed (at backward).
+    """
+    check_activation(activation, "grouped_mlp")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x is a {type(x).__name__}, expected a Tensor")
+    if (fc1_bias is None) != (fc2_bias is None):
+        raise ValueError(
+            "fc1_bias and fc2_bias must be given both or neither, got "
+            f"fc1_bias={'None' if fc1_bias is None else 'a bias'} and "
+            f"fc2_bias={'None' if fc2_bias is None else 'a bias'}"
+        )
+    fc1, w1, b1 = _layer_group("fc1", fc1_weights, fc1_bias)
+    fc2, w2, b2 = _layer_group("fc2", fc2_weights, fc2_bias)
+    if fc1.packed != fc2.packed or len(w1) != len(w2):
+        raise ValueError(
+            f"fc1_weights and fc2_weights differ in layout ({len(w1)} "
+            f"{'packed' if fc1.packed else 'per-expert'} vs {len(w2)} "
+            f"{'packed' if fc2.packed else 'per-expert'}); expected the same"
+        )
+    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], "grouped_mlp")
+    hidden = x.shape[-1] if x.dim() == 2 else -1
+    if not is_distributed_weight(w1[0]):
+        hidden = _check_mlp_shapes(w1[0], fc1.names[0], w2[0], fc2.names[0])
+    check_mlp_inputs(x, probs, hidden)
+    layout = MLPLayout(
+        fc1=WeightGroupSpec(fc1.names, fc1.packed, accumulate_into_main_grad),
+        fc2=WeightGroupSpec(fc2.names, fc2.packed, accumulate_into_main_grad),
+        num_weights=len(w1),
+        num_biases=len(b1),
+    )
+    return apply_grouped_mlp(x, splits, probs, layout, None, [*w1, *b1, *w2, *b2])

@@ -17,18 +17,24 @@ Two parts:
   ``DistributedWeight`` read them through :func:`fetch_main_grad`,
   :func:`main_grad_or_none`, :func:`overwrites_main_grad`,
   :func:`takes_grad_added_flag`, :func:`mark_grad_added`, :func:`dummy_wgrad`,
-  :func:`rezeroes_dummy`
-  and :func:`is_fsdp_param`.
+  :func:`rezeroes_dummy` and :func:`is_fsdp_param`, and deliver a finished
+  gradient with :func:`deliver_to_main_grad` (copy or add, then mark).
+  PyTorch's own ``grad_dtype`` is read through :func:`grad_dtype_of`: the
+  dtype a wgrad reaches autograd in, and the dummy's.
 """
 
 from groupgrad.protocol._attrs import (
+    MAIN_GRAD_DTYPES,
+    deliver_to_main_grad,
     dummy_wgrad,
     fetch_main_grad,
+    grad_dtype_of,
     is_fsdp_param,
     main_grad_or_none,
     mark_grad_added,
     overwrites_main_grad,
     rezeroes_dummy,
+    set_overwrite_main_grad,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import weight_grad_buffers
@@ -45,6 +51,7 @@ from groupgrad.protocol._plan import (
     WeightGradPlan,
     WgradRoute,
     accumulate_grads_like_autograd,
+    autograd_grad_dtype,
     defer_weight_grads,
     plan_weight_grads,
     run_post_accumulate_grad_hooks,
@@ -52,15 +59,19 @@ from groupgrad.protocol._plan import (
 )
 
 __all__ = [
+    "MAIN_GRAD_DTYPES",
     "DistributedWeight",
     "WeightGradPlan",
     "WeightGroup",
     "WgradRoute",
     "accumulate_grads_like_autograd",
+    "autograd_grad_dtype",
     "defer_weight_grads",
+    "deliver_to_main_grad",
     "dummy_wgrad",
     "fetch_main_grad",
     "finalize_weight_grads",
+    "grad_dtype_of",
     "is_distributed_weight",
     "is_fsdp_param",
     "main_grad_or_none",
@@ -71,6 +82,7 @@ __all__ = [
     "plan_weight_grads",
     "rezeroes_dummy",
     "run_post_accumulate_grad_hooks",
+    "set_overwrite_main_grad",
     "takes_grad_added_flag",
     "weight_grad_buffers",
     "weight_grad_dtype",

@@ -13,6 +13,8 @@ attribute                    meaning
 ``grad_added_to_main_grad``  present: set ``True`` once written; autograd
                              receives a zero dummy instead of ``None``
 ``zero_out_wgrad``           truthy: the dummy is re-zeroed before each use
+``grad_dtype`` (PyTorch)     the dtype of the gradient autograd receives (and
+                             of the dummy); a bf16 parameter may ask for fp32
 ==========================  =================================================
 """
 
@@ -21,23 +23,58 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "MAIN_GRAD_DTYPES",
+    "deliver_to_main_grad",
     "dummy_wgrad",
     "fetch_main_grad",
+    "grad_dtype_of",
     "is_fsdp_param",
     "main_grad_or_none",
     "mark_grad_added",
     "overwrites_main_grad",
     "rezeroes_dummy",
+    "set_overwrite_main_grad",
     "takes_grad_added_flag",
 ]
 
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a ``main_grad`` buffer (and so a wgrad GEMM's output) may have."""
+
+
+class _CachedDummy:
+    """One shared zero buffer and its version counter as of its last hand-out."""
+
+    __slots__ = ("buffer", "version")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.version = buffer._version
+
+
 _DummyKey = tuple[tuple[int, ...], torch.dtype, torch.device]
-_dummy_cache: dict[_DummyKey, torch.Tensor] = {}
+_dummy_cache: dict[_DummyKey, _CachedDummy] = {}
 
 
 def is_fsdp_param(param: torch.Tensor) -> bool:
     """Tell whether ``param`` is marked as a Megatron-FSDP parameter (``__fsdp_param__``)."""
     return bool(getattr(param, "__fsdp_param__", False))
+
+
+@torch.compiler.assume_constant_result
+def grad_dtype_of(param: torch.Tensor) -> torch.dtype:
+    """Return the dtype autograd gives ``param``'s gradient: its ``grad_dtype``.
+
+    PyTorch's ``Tensor.grad_dtype`` defaults to the parameter's dtype; a bf16
+    parameter whose ``grad_dtype`` is fp32 gets fp32 gradients (FSDP2 and
+    plain PyTorch use this for fp32 gradients without ``main_grad``). Where it
+    is ``None`` (any dtype accepted) or unavailable (a non-leaf tensor, an
+    older PyTorch), the parameter's own dtype.
+
+    Under ``torch.compile`` the answer is read once, when the graph is traced
+    (set ``grad_dtype`` before the first compiled step).
+    """
+    dtype = getattr(param, "grad_dtype", None) if param.is_leaf else None
+    return dtype if isinstance(dtype, torch.dtype) else param.dtype
 
 
 def main_grad_or_none(param: torch.Tensor) -> torch.Tensor | None:
@@ -88,6 +125,15 @@ def overwrites_main_grad(param: torch.Tensor) -> bool:
     return bool(getattr(param, "overwrite_main_grad", False))
 
 
+def set_overwrite_main_grad(param: torch.Tensor, overwrite: bool) -> None:
+    """Set ``param.overwrite_main_grad``: the next wgrad overwrites (``True``) or adds (``False``).
+
+    For integrations that must correct what a framework set (e.g. Megatron-FSDP
+    asks to overwrite where a gradient buffer is not sharded).
+    """
+    param.overwrite_main_grad = bool(overwrite)  # type: ignore[attr-defined]
+
+
 def takes_grad_added_flag(param: torch.Tensor) -> bool:
     """Return whether ``param`` carries ``grad_added_to_main_grad`` (and so receives a dummy)."""
     return hasattr(param, "grad_added_to_main_grad")
@@ -96,6 +142,42 @@ def takes_grad_added_flag(param: torch.Tensor) -> bool:
 def mark_grad_added(param: torch.Tensor) -> None:
     """Set ``param.grad_added_to_main_grad = True``."""
     param.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+
+
+def deliver_to_main_grad(param: torch.Tensor, grad: torch.Tensor, name: str) -> None:
+    """Put a finished weight gradient into ``param``'s ``main_grad``, then mark it.
+
+    The one way an implementer (e.g. a reduce-scatter that lands in a
+    ``main_grad`` shard) delivers a gradient under the ``main_grad`` contract:
+    copied where ``overwrite_main_grad`` is set (old contents, even NaN, are
+    never read), else added in ``main_grad``'s dtype; then
+    ``grad_added_to_main_grad`` is set ``True`` where the parameter carries it.
+    A parameter that does not require grad is left untouched.
+
+    Args:
+        param: The parameter (shard) that owns the ``main_grad``.
+        grad: Its gradient, of ``main_grad``'s shape, any floating dtype.
+        name: How error messages name the parameter.
+
+    Raises:
+        RuntimeError: ``param`` has no ``main_grad``, or ``grad``'s shape
+            differs from it.
+    """
+    if not param.requires_grad:
+        return
+    buffer = fetch_main_grad(param, name)
+    if buffer.shape != grad.shape:
+        raise RuntimeError(
+            f"gradient for {name!r} has shape {tuple(grad.shape)}, expected its main_grad's "
+            f"shape {tuple(buffer.shape)}"
+        )
+    with torch.no_grad():
+        if overwrites_main_grad(param):
+            buffer.copy_(grad)
+        else:
+            buffer.add_(grad)
+    if takes_grad_added_flag(param):
+        mark_grad_added(param)
 
 
 def rezeroes_dummy(param: torch.Tensor) -> bool:
@@ -110,17 +192,23 @@ def rezeroes_dummy(param: torch.Tensor) -> bool:
 def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
     """Return the zero gradient autograd receives for a parameter whose wgrad went to main_grad.
 
-    The dummy has the parameter's shape, dtype and device and is a
-    ``.detach()`` alias of a cached buffer, so autograd's AccumulateGrad can
-    take it without a copy. The buffer is allocated zeroed; when the parameter
-    has a truthy ``zero_out_wgrad`` (the framework will add the dummy
-    somewhere), it is zeroed again before this hand-out.
+    The dummy has the parameter's shape, device and grad dtype
+    (:func:`grad_dtype_of`, so autograd never casts it) and is a ``.detach()``
+    alias of one cached buffer per (shape, dtype, device), so autograd's
+    AccumulateGrad takes it without a copy: parameters handed a dummy share
+    ``.grad`` storage (frameworks that honour ``grad_added_to_main_grad``
+    ignore ``.grad``). The buffer is allocated zeroed, and zeroed again before
+    this hand-out when anything wrote into it since the last one (its version
+    counter moved, e.g. a hook or weight decay added into a ``.grad`` alias)
+    or when the parameter has a truthy ``zero_out_wgrad``: a dummy is all
+    zeros when it is handed out.
     """
-    key = (tuple(param.shape), param.dtype, param.device)
+    key = (tuple(param.shape), grad_dtype_of(param), param.device)
     cached = _dummy_cache.get(key)
     if cached is None:
-        cached = torch.zeros(key[0], dtype=param.dtype, device=param.device)
+        cached = _CachedDummy(torch.zeros(key[0], dtype=key[1], device=key[2]))
         _dummy_cache[key] = cached
-    elif rezeroes_dummy(param):
-        cached.zero_()
-    return cached.detach()
+    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:
+        cached.buffer.zero_()
+        cached.version = cached.buffer._version
+    return cached.buffer.detach()

@@ -40,6 +40,15 @@ def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _row_major(buffer: torch.Tensor) -> bool:
+    """Unit stride in the last dimension, rows at least a row apart: what the GEMM writes."""
+    if buffer.is_contiguous():
+        return True
+    inner_ok = buffer.shape[-1] <= 1 or buffer.stride(-1) == 1
+    rows_ok = buffer.dim() < 2 or buffer.shape[-2] <= 1 or buffer.stride(-2) >= buffer.shape[-1]
+    return inner_ok and rows_ok
+
+
 def check_grad_buffers(
     buffers: Sequence[torch.Tensor],
     shape: Sequence[int],
@@ -50,14 +59,15 @@ def check_grad_buffers(
 ) -> None:
     """Check a group's gradient buffers before a GEMM writes them.
 
-    Every buffer must be a tensor of ``shape`` on ``device``, all of one dtype,
-    and no two may overlap in memory (a GEMM writing both would race).
+    Every buffer must be a row-major tensor of ``shape`` on ``device``, all of
+    one dtype, and no two may overlap in memory (a GEMM writing both would
+    race).
 
     Args:
         buffers: One buffer per group member.
         shape: The shape each buffer must have.
         device: The device each buffer must live on.
-        what: How messages name a buffer.
+        what: How messages name a buffer (e.g. ``"main_grad"``).
         labels: How messages name each member (default ``"member {i}"``).
 
     Raises:
@@ -71,6 +81,7 @@ def check_grad_buffers(
             and buffer.shape == expected_shape
             and buffer.dtype == buffers[0].dtype
             and buffer.device == device
+            and buffer.is_contiguous()
         ):
             continue  # the common case, in one lean test; the checks below name a misfit
         if not isinstance(buffer, torch.Tensor):
@@ -90,6 +101,13 @@ def check_grad_buffers(
             raise RuntimeError(
                 f"{what} of {names[index]} has dtype {buffer.dtype}, expected {buffers[0].dtype} "
                 f"like {names[0]} (one dtype across the group)"
+            )
+        if not _row_major(buffer):
+            attribute = f" ({names[index]}.{what})" if what == "main_grad" else ""
+            raise RuntimeError(
+                f"{what} of {names[index]}{attribute} is not row-major: shape "
+                f"{tuple(buffer.shape)} with strides {buffer.stride()}; expected stride 1 in the "
+                "last dimension (a contiguous buffer) for the wgrad GEMM to write"
             )
     if device.type == "meta":
         return

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from groupgrad.protocol._attrs import (
+    MAIN_GRAD_DTYPES,
     dummy_wgrad,
     fetch_main_grad,
+    grad_dtype_of,
     is_fsdp_param,
     mark_grad_added,
     overwrites_main_grad,
-    rezeroes_dummy,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import check_grad_buffers, weight_grad_buffers
@@ -42,20 +43,19 @@ __all__ = [
     "WeightGradPlan",
     "WgradRoute",
     "accumulate_grads_like_autograd",
+    "autograd_grad_dtype",
     "defer_weight_grads",
     "plan_weight_grads",
     "run_post_accumulate_grad_hooks",
     "wgrad_route",
 ]
 
-_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class WgradRoute(enum.Enum):
     """Where a group's weight gradient goes."""
 
     AUTOGRAD = "autograd"
-    """Returned to autograd in the parameter's dtype; autograd accumulates ``.grad``."""
+    """Returned to autograd in the parameter's ``grad_dtype``; autograd accumulates ``.grad``."""
 
     MAIN_GRAD = "main_grad"
     """Written by the GEMM straight into each parameter's ``main_grad``."""
@@ -113,13 +113,17 @@ class WeightGradPlan:
         weights: The group's parameters, leader first.
         buffers: Where the wgrad GEMM writes, one tensor per parameter, each of
             the GEMM's per-member shape (a packed ``(E, N, K)`` parameter has
-            one ``(E, N, K)`` buffer).
+            one ``(E, N, K)`` buffer). A member that does not require grad
+            gets scratch that nothing reads.
         dtype: The buffers' dtype: the GEMM's output dtype.
         accumulate: The GEMM's accumulate flag: ``True`` adds into the buffers
             (beta = 1, only when adding into ``main_grad``), ``False``
             overwrites them without reading (beta = 0).
         deferred: The plan runs in ``backward_dw()``; what autograd receives at
             backward was already handed out by :func:`defer_weight_grads`.
+        trainable: Per parameter, whether it requires grad (read when the
+            plan was made). A frozen member is never written and receives
+            ``None``.
     """
 
     route: WgradRoute
@@ -128,14 +132,20 @@ class WeightGradPlan:
     dtype: torch.dtype
     accumulate: bool
     deferred: bool = False
+    trainable: tuple[bool, ...] = ()
     _finished: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.trainable:
+            self.trainable = tuple(bool(p.requires_grad) for p in self.weights)
 
     def finish(self) -> list[torch.Tensor | None]:
         """Complete the plan once the GEMM has written :attr:`buffers`; call exactly once.
 
         Returns:
             One entry per parameter: what autograd receives (or, when
-            deferred, what :func:`accumulate_grads_like_autograd` adds).
+            deferred, what :func:`accumulate_grads_like_autograd` adds);
+            ``None`` for every member that does not require grad.
 
             * ``AUTOGRAD``: the buffers themselves.
             * ``MAIN_GRAD``: sets ``grad_added_to_main_grad = True`` where that
@@ -152,13 +162,16 @@ class WeightGradPlan:
                 "WeightGradPlan.finish() was called twice; a wgrad lands exactly once"
             )
         self._finished = True
+        answers: list[torch.Tensor | None]
         if self.route is WgradRoute.AUTOGRAD:
-            return list(self.buffers)
-        if self.route is WgradRoute.DISTRIBUTED:
-            return finalize_weight_grads(self.weights, self.buffers)
-        if self.deferred:
+            answers = list(self.buffers)
+        elif self.route is WgradRoute.DISTRIBUTED:
+            answers = finalize_weight_grads(self.weights, self.buffers)
+        elif self.deferred:
             return [None] * len(self.weights)
-        return _hand_over_main_grad(self.weights)
+        else:
+            return _hand_over_main_grad(self.weights)
+        return [a if keep else None for a, keep in zip(answers, self.trainable, strict=True)]
 
     @property
     def gemm_out(self) -> torch.Tensor | list[torch.Tensor]:
@@ -171,24 +184,23 @@ class WeightGradPlan:
 
 
 def _hand_over_main_grad(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Flag and dummy for every trainable member that carries the flag; ``None`` elsewhere.
+
+    Members of one group share shape, grad dtype and device, hence one cached
+    dummy: it is fetched (and re-zeroed where needed) once per group and each
+    member gets its own alias.
+    """
     handed: list[torch.Tensor | None] = []
-    # Members of one group share shape, dtype and device, hence one cached dummy:
-    # fetch (and re-zero) it once per group, then hand each member its own alias.
     dummy: torch.Tensor | None = None
-    zeroed = False
     for param in weights:
-        if not takes_grad_added_flag(param):
+        if not (param.requires_grad and takes_grad_added_flag(param)):
             handed.append(None)
             continue
         mark_grad_added(param)
-        if dummy is None or dummy.shape != param.shape or dummy.dtype != param.dtype:
+        if dummy is None or dummy.shape != param.shape or dummy.dtype != grad_dtype_of(param):
             dummy = dummy_wgrad(param)
-            zeroed = rezeroes_dummy(param)
             handed.append(dummy)
             continue
-        if not zeroed and rezeroes_dummy(param):
-            dummy.zero_()
-            zeroed = True
         handed.append(dummy.detach())
     return handed
 
@@ -210,28 +222,58 @@ def _main_grad_plan(
     deferred: bool,
 ) -> WeightGradPlan:
     _check_shape(members, shape, labels)
-    buffers = [fetch_main_grad(param, label) for param, label in zip(members, labels, strict=True)]
-    check_grad_buffers(buffers, shape, device, what="main_grad", labels=labels)
-    if buffers[0].dtype not in _MAIN_GRAD_DTYPES:
+    trainable = [bool(param.requires_grad) for param in members]
+    live = [i for i, keep in enumerate(trainable) if keep]
+    if not live:
         raise RuntimeError(
-            f"main_grad of {labels[0]!r} has dtype {buffers[0].dtype}, expected one of "
-            f"{', '.join(str(d) for d in _MAIN_GRAD_DTYPES)}"
+            f"no parameter of the group led by {labels[0]!r} requires grad; there is no weight "
+            "gradient to write"
         )
-    overwrite = [overwrites_main_grad(param) for param in members]
+    fetched = {i: fetch_main_grad(members[i], labels[i]) for i in live}
+    first = fetched[live[0]]
+    if first.dtype not in MAIN_GRAD_DTYPES:
+        raise RuntimeError(
+            f"main_grad of {labels[live[0]]!r} has dtype {first.dtype}, expected one of "
+            f"{', '.join(str(d) for d in MAIN_GRAD_DTYPES)}"
+        )
+    check_grad_buffers(
+        list(fetched.values()), shape, device, what="main_grad", labels=[labels[i] for i in live]
+    )
+    overwrite = [overwrites_main_grad(members[i]) for i in live]
     if any(overwrite) and not all(overwrite):
-        split = ", ".join(f"{label}={flag}" for label, flag in zip(labels, overwrite, strict=True))
+        split = ", ".join(f"{labels[i]}={flag}" for i, flag in zip(live, overwrite, strict=True))
         raise RuntimeError(
             f"overwrite_main_grad differs within one group ({split}); one wgrad GEMM either "
             "overwrites or accumulates, expected the same value on every parameter"
         )
+    frozen = len(members) - len(live)
+    scratch = iter(torch.empty((frozen, *shape), dtype=first.dtype, device=device).unbind(0))
+    buffers = [fetched[i] if keep else next(scratch) for i, keep in enumerate(trainable)]
     return WeightGradPlan(
         route=WgradRoute.MAIN_GRAD,
         weights=members,
         buffers=buffers,
-        dtype=buffers[0].dtype,
+        dtype=first.dtype,
         accumulate=not overwrite[0],
         deferred=deferred,
+        trainable=tuple(trainable),
     )
+
+
+def autograd_grad_dtype(weights: WeightGroup) -> torch.dtype:
+    """The dtype a plain group's wgrad GEMM writes for autograd: its members' ``grad_dtype``.
+
+    The widest :func:`~groupgrad.protocol.grad_dtype_of` among the members that
+    require grad (all of them when none does): autograd casts each gradient
+    to its parameter's ``grad_dtype`` anyway, so a mixed group rounds once,
+    from the widest.
+    """
+    members = as_weight_list(weights)
+    live = [p for p in members if p.requires_grad] or members
+    dtype = grad_dtype_of(live[0])
+    for param in live[1:]:
+        dtype = torch.promote_types(dtype, grad_dtype_of(param))
+    return dtype
 
 
 def plan_weight_grads(
@@ -251,7 +293,9 @@ def plan_weight_grads(
     ``get_main_grad()`` is called now, once per parameter.
 
     * ``AUTOGRAD``: fresh buffers (one packed allocation, per-member views) in
-      the parameter's dtype; ``accumulate=False``.
+      the parameters' ``grad_dtype`` (:func:`autograd_grad_dtype`: a bf16
+      parameter whose ``grad_dtype`` is fp32 gets an fp32 GEMM output, never
+      rounded to bf16); ``accumulate=False``.
     * ``MAIN_GRAD``: each parameter's ``main_grad`` in its dtype;
       ``accumulate`` unless ``overwrite_main_grad``.
     * ``DISTRIBUTED``: :func:`weight_grad_buffers` (fp32 when the leader's
@@ -287,7 +331,7 @@ def plan_weight_grads(
         buffers = weight_grad_buffers(members, shape, compute_dtype, device)
         return WeightGradPlan(route, members, buffers, buffers[0].dtype, False, deferred)
     _check_shape(members, shape, labels)
-    dtype = members[0].dtype
+    dtype = autograd_grad_dtype(members)
     buffers = weight_grad_buffers(members, shape, dtype, device)
     return WeightGradPlan(route, members, buffers, dtype, False, deferred)
 
@@ -316,11 +360,12 @@ def accumulate_grads_like_autograd(
     """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
 
     For each parameter that requires grad: a non-``None`` gradient goes into
-    ``.grad`` (the gradient itself, detached, no copy, cast to the parameter's
-    dtype, when ``.grad`` is ``None``; else added in place); then the
-    parameter's post-accumulate-grad hooks run, as autograd runs them (it does
-    so for a ``None`` gradient too). Call it with all-``None`` gradients to run
-    the hooks once a deferred GEMM has written ``main_grad``.
+    ``.grad`` in the parameter's ``grad_dtype`` (the gradient itself,
+    detached, no copy when it has that dtype, when ``.grad`` is ``None``; else
+    added in place); then the parameter's post-accumulate-grad hooks run, as
+    autograd runs them (it does so for a ``None`` gradient too). Call it with
+    all-``None`` gradients to run the hooks once a deferred GEMM has written
+    ``main_grad``.
 
     Args:
         weights: The group's parameters.
@@ -328,19 +373,34 @@ def accumulate_grads_like_autograd(
 
     Raises:
         ValueError: ``grads`` does not have one entry per parameter.
+        RuntimeError: A gradient's shape differs from its parameter's, or it
+            lives on another device (autograd rejects both); nothing is
+            accumulated then.
     """
     members = as_weight_list(weights)
     if len(grads) != len(members):
         raise ValueError(f"grads has {len(grads)} entries but the group has {len(members)} weights")
+    for index, (param, grad) in enumerate(zip(members, grads, strict=True)):
+        if grad is None or not param.requires_grad:
+            continue
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"grads[{index}] has shape {tuple(grad.shape)}, expected the parameter's shape "
+                f"{tuple(param.shape)}"
+            )
+        if grad.device != param.device:
+            raise RuntimeError(
+                f"grads[{index}] is on {grad.device}, expected the parameter's device {param.device}"
+            )
     with torch.no_grad():
         for param, grad in zip(members, grads, strict=True):
             if not param.requires_grad:
                 continue
             if grad is not None:
                 if param.grad is None:
-                    param.grad = grad.detach().to(param.dtype).reshape(param.shape)
+                    param.grad = grad.detach().to(grad_dtype_of(param))
                 else:
-                    param.grad.add_(grad.reshape(param.shape))
+                    param.grad.add_(grad)
             run_post_accumulate_grad_hooks(param)
 
 

@@ -56,6 +56,7 @@ from groupgrad.modules._group import (
     WeightGroupSpec,
     WgradQueue,
     as_gemm_dtype,
+    early_plan,
     expert_index,
     gemm_dtype,
     no_autocast,
@@ -65,6 +66,7 @@ from groupgrad.modules._group import (
 from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
 from groupgrad.modules._swiglu import swiglu_probs, swiglu_probs_backward
 from groupgrad.protocol import (
+    WeightGradPlan,
     is_distributed_weight,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
@@ -184,6 +186,13 @@ def _mlp_backward(
     if layout.num_biases:
         expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
     deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
+    # the main_grad groups of both layers are checked before any GEMM writes
+    plans: list[WeightGradPlan | None] = [None, None]
+    if deferred is None:
+        plans = [
+            early_plan(layout.fc1, ctx.fc1_shape, w1, dtype, dy_TH.device),
+            early_plan(layout.fc2, ctx.fc2_shape, w2, dtype, dy_TH.device),
+        ]
 
     fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), dtype)
     da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
@@ -191,7 +200,15 @@ def _mlp_backward(
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
     del da_TF
     fc2_wgrads = wgrad_step(
-        layout.fc2, ctx.fc2_shape, w2, dy_TH, a_TF, splits, deferred, ("dy", "fc2's input")
+        layout.fc2,
+        ctx.fc2_shape,
+        w2,
+        dy_TH,
+        a_TF,
+        splits,
+        deferred,
+        ("dy", "fc2's input"),
+        plans[1],
     )
     del a_TF
     fc2_bgrads = bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
@@ -202,7 +219,15 @@ def _mlp_backward(
         dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
         del fc1_weights
     fc1_wgrads = wgrad_step(
-        layout.fc1, ctx.fc1_shape, w1, dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x")
+        layout.fc1,
+        ctx.fc1_shape,
+        w1,
+        dh_T2F,
+        x_TH,
+        splits,
+        deferred,
+        ("fc1's output grad", "x"),
+        plans[0],
     )
     fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
 

@@ -45,7 +45,6 @@ __all__ = [
     "autocast_dtype",
     "early_plan",
     "expert_index",
-    "gemm_dtype",
     "no_autocast",
     "run_wgrad",
     "snapshot_splits",
@@ -78,16 +77,11 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     return None
 
 
-def gemm_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the grouped GEMMs run in: autocast's where it is on (like ``nn.Linear``), else ``x``'s."""
-    return autocast_dtype(x) or x.dtype
-
-
 @contextlib.contextmanager
 def no_autocast(device: torch.device) -> Iterator[None]:
     """Autocast off on ``device`` inside an op's own forward and backward.
 
-    The op casts its operands itself (to :func:`gemm_dtype`); the reference
+    The op casts its operands itself (to :func:`autocast_dtype`); the reference
     kernels and the elementwise steps must run in the dtypes they are given.
     """
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
@@ -97,8 +91,14 @@ def no_autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-def as_gemm_dtype(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """``tensors`` in the GEMM's dtype (the same objects where they already are)."""
+def as_gemm_dtype(tensors: Sequence[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """``tensors`` cast to autocast's ``dtype`` (unchanged when ``dtype`` is ``None``).
+
+    Without autocast nothing is cast: operands of different dtypes are the
+    kernels' to reject, as ``nn.Linear`` rejects them.
+    """
+    if dtype is None:
+        return list(tensors)
     return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 

@@ -43,6 +43,8 @@ def test_import_neither_initializes_cuda_nor_loads_an_extension():
     assert "groupgrad.kernels" in report["new_modules"]  # the probe did import it
     assert "groupgrad.kernels._cutlass" not in report["new_modules"]
     assert "groupgrad.kernels.build" not in report["new_modules"]
+    assert "groupgrad.kernels._swiglu_triton" not in report["new_modules"]
+    assert "triton" not in report["new_modules"]
     assert "torch.utils.cpp_extension" not in report["new_modules"]
 
 
@@ -62,6 +64,10 @@ def test_public_names_are_documented():
         "grouped_fprop_ref",
         "grouped_wgrad",
         "grouped_wgrad_ref",
+        "swiglu_probs",
+        "swiglu_probs_backward",
+        "swiglu_probs_backward_ref",
+        "swiglu_probs_ref",
     ]
     for name in groupgrad.kernels.__all__:
         doc = getattr(groupgrad.kernels, name).__doc__ or ""

@@ -166,7 +166,6 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
     a = case.x if op == "fprop" else case.dy
     w_views = [list(w.unbind(0)) for w in case.w]
     out = torch.empty(case.T, cols_out, device="cuda", dtype=torch.bfloat16)
-    backend = tuning.cutlass_fprop if op == "fprop" else tuning.cutlass_dgrad
     public = grouped_fprop if op == "fprop" else grouped_dgrad
     plan = tuning.plan_for(op, torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
 
@@ -174,7 +173,7 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
         public(a[i], case.w[i], case.splits_dev, out=out)
 
     def sweep(i: int, p: tuning.Plan | None = None) -> None:
-        backend(a[i], case.w[i], case.splits_dev, out, plan=p)
+        tuning.run_cutlass(op, a[i], case.w[i], case.splits_dev, out, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         b = case.w[i].transpose(-2, -1) if op == "fprop" else case.w[i]
@@ -210,7 +209,7 @@ def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
         grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=out)
 
     def sweep(i: int, p: tuning.Plan | None = None) -> None:
-        tuning.cutlass_wgrad(case.dy[i], case.x[i], case.splits_dev, out, plan=p)
+        tuning.run_cutlass("wgrad", case.dy[i], case.x[i], case.splits_dev, out, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         return torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs)
@@ -248,8 +247,8 @@ def bench_wgrad_fp32(
         grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=main_grads, accumulate=True)
 
     def sweep(i: int, p: tuning.Plan | None = None) -> None:
-        tuning.cutlass_wgrad(
-            case.dy[i], case.x[i], case.splits_dev, main_grads, accumulate=True, plan=p
+        tuning.run_cutlass(
+            "wgrad", case.dy[i], case.x[i], case.splits_dev, main_grads, accumulate=True, plan=p
         )
 
     def grouped_mm_add(i: int) -> None:

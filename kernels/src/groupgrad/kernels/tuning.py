@@ -13,9 +13,8 @@ machinery for measuring and tuning it, so benchmarks need no private module:
   groupgrad.kernels.build`` is the same build from the command line.
 * **Plans** — :class:`Plan` names the variant, raster order and swizzle of
   one call; :func:`plan_for` is the choice the public functions make
-  (:data:`LARGE_GROUP_ROWS` is its threshold); :func:`cutlass_fprop`,
-  :func:`cutlass_dgrad` and :func:`cutlass_wgrad` launch a CUTLASS kernel
-  with any plan, skipping validation and fallback.
+  (:data:`LARGE_GROUP_ROWS` is its threshold); :func:`run_cutlass`
+  launches a CUTLASS kernel with any plan, skipping validation and fallback.
 * **Fallbacks** — :func:`fallback_reason` says why a call would run on the
   reference path; :func:`triton_unavailable_reason` loads the Triton SwiGLU
   kernels and says why they cannot run, if they cannot.
@@ -33,7 +32,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -61,12 +60,10 @@ __all__ = [
     "Variant",
     "build",
     "compiled_variants",
-    "cutlass_dgrad",
-    "cutlass_fprop",
-    "cutlass_wgrad",
     "fallback_reason",
     "host_stages",
     "plan_for",
+    "run_cutlass",
     "triton_unavailable_reason",
 ]
 
@@ -74,81 +71,51 @@ Op = Literal["fprop", "dgrad", "wgrad"]
 Group = Tensor | Sequence[Tensor]
 
 
-def cutlass_fprop(
-    x: Tensor, weights: Group, splits: Tensor, out: Tensor, *, plan: Plan | None = None
-) -> None:
-    """Run the CUTLASS fprop ``y_e = x_e @ w_e.T`` with a chosen plan, nothing else.
-
-    No validation, no support check, no fallback, no custom op: the arguments
-    must be what :func:`~groupgrad.kernels.grouped_fprop` would hand CUTLASS
-    (:func:`fallback_reason` is ``None`` for them). Builds the default
-    variant set on first use.
-
-    Args:
-        x: ``(T, K)`` contiguous CUDA tensor, bf16 or fp16.
-        weights: ``(E, N, K)`` contiguous tensor, or a sequence of ``E``
-            ``(N, K)`` row-major matrices, in ``x``'s dtype.
-        splits: ``(E,)`` int64 token counts on ``x``'s device.
-        out: ``(T, N)`` contiguous tensor in ``x``'s dtype; overwritten.
-        plan: the variant to run (it must be compiled: see :func:`build`);
-            ``None`` takes :func:`plan_for`'s choice.
-
-    Returns:
-        ``None``; ``out`` holds the result.
-    """
-    _cutlass.fprop(x, op_form(weights), splits, out, plan=plan)
-
-
-def cutlass_dgrad(
-    dy: Tensor, weights: Group, splits: Tensor, out: Tensor, *, plan: Plan | None = None
-) -> None:
-    """Run the CUTLASS dgrad ``dx_e = dy_e @ w_e`` with a chosen plan, nothing else.
-
-    Requirements as in :func:`cutlass_fprop`.
-
-    Args:
-        dy: ``(T, N)`` contiguous CUDA tensor, bf16 or fp16.
-        weights: ``(E, N, K)`` contiguous tensor, or a sequence of ``E``
-            ``(N, K)`` row-major matrices, in ``dy``'s dtype.
-        splits: ``(E,)`` int64 token counts on ``dy``'s device.
-        out: ``(T, K)`` contiguous tensor in ``dy``'s dtype; overwritten.
-        plan: the variant to run, or ``None`` for :func:`plan_for`'s choice.
-
-    Returns:
-        ``None``; ``out`` holds the result.
-    """
-    _cutlass.dgrad(dy, op_form(weights), splits, out, plan=plan)
-
-
-def cutlass_wgrad(
-    dy: Tensor,
-    x: Tensor,
+def run_cutlass(
+    op: Op,
+    a: Tensor,
+    b: Group,
     splits: Tensor,
     out: Group,
     *,
     accumulate: bool = False,
     plan: Plan | None = None,
 ) -> None:
-    """Run the CUTLASS wgrad ``dw_e = dy_e.T @ x_e`` with a chosen plan, nothing else.
+    """Launch the CUTLASS kernel of one grouped GEMM with a chosen plan, and nothing else.
 
-    Requirements as in :func:`cutlass_fprop`. An expert with no tokens gets
-    exact zeros (overwrite) or is left untouched (accumulate).
+    No validation, no support check, no fallback, no custom op: the operands
+    must be what ``grouped_<op>`` would hand CUTLASS (:func:`fallback_reason`
+    is ``None`` for them). Builds the default variant set on first use. For
+    wgrad, an expert with no tokens gets exact zeros (overwrite) or is left
+    untouched (accumulate).
 
     Args:
-        dy: ``(T, N)`` contiguous CUDA tensor, bf16 or fp16.
-        x: ``(T, K)`` contiguous tensor in ``dy``'s dtype.
-        splits: ``(E,)`` int64 token counts on ``dy``'s device.
-        out: ``(E, N, K)`` contiguous tensor, or a sequence of ``E``
-            ``(N, K)`` row-major matrices (e.g. each expert's ``main_grad``),
-            in ``dy``'s dtype or fp32; written in place.
-        accumulate: add into ``out`` (``True``) or overwrite it without
-            reading it (``False``).
-        plan: the variant to run, or ``None`` for :func:`plan_for`'s choice.
+        op: ``"fprop"`` (``y_e = x_e @ w_e.T``), ``"dgrad"`` (``dx_e = dy_e @
+            w_e``) or ``"wgrad"`` (``dw_e = dy_e.T @ x_e``).
+        a: ``x`` ``(T, K)`` for fprop, ``dy`` ``(T, N)`` for dgrad and wgrad: a
+            contiguous CUDA tensor, bf16 or fp16.
+        b: for fprop and dgrad the weights, an ``(E, N, K)`` contiguous tensor
+            or a sequence of ``E`` ``(N, K)`` row-major matrices in ``a``'s
+            dtype; for wgrad ``x``, ``(T, K)`` contiguous in ``a``'s dtype.
+        splits: ``(E,)`` int64 token counts on ``a``'s device.
+        out: overwritten (fprop ``(T, N)``, dgrad ``(T, K)``: contiguous, in
+            ``a``'s dtype) or, for wgrad, written in place: an ``(E, N, K)``
+            contiguous tensor or ``E`` ``(N, K)`` row-major matrices (e.g. each
+            expert's ``main_grad``), in ``a``'s dtype or fp32.
+        accumulate: wgrad only: add into ``out`` instead of overwriting it
+            (without reading it).
+        plan: the variant to run (it must be compiled: see :func:`build`);
+            ``None`` takes :func:`plan_for`'s choice.
 
     Returns:
         ``None``; ``out`` holds the result.
     """
-    _cutlass.wgrad(dy, x, splits, op_form(out), accumulate, plan=plan)
+    if op == "wgrad":
+        _cutlass.wgrad(a, cast(Tensor, b), splits, op_form(out), accumulate, plan=plan)
+    elif op == "fprop":
+        _cutlass.fprop(a, op_form(b), splits, cast(Tensor, out), plan=plan)
+    else:
+        _cutlass.dgrad(a, op_form(b), splits, cast(Tensor, out), plan=plan)
 
 
 def fallback_reason(op: Op, a: Tensor, b: Group, out: Group) -> str | None:
@@ -188,7 +155,7 @@ def triton_unavailable_reason() -> str | None:
 
 
 def host_stages(
-    op: Op, a: Tensor, b: Group, splits: object, out: Group, *, accumulate: bool = False
+    op: Op, a: Tensor, b: Group, splits: _api.Splits, out: Group, *, accumulate: bool = False
 ) -> dict[str, Callable[[], object]]:
     """Each layer of one grouped-GEMM call as a callable, to time its host (CPU) cost.
 
@@ -253,12 +220,13 @@ def host_stages(
 
 
 def _wgrad_stages(
-    dy: Tensor, x: object, splits: object, out: Group, accumulate: bool
+    dy: Tensor, x: object, splits: _api.Splits, out: Group, accumulate: bool
 ) -> dict[str, Callable[[], object]]:
     call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
     dy_TN, x_TK, dw = call.dy, call.x, call.out
     splits_E = _splits.on_device(call.splits, dy_TN.device)
     plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
+    out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
 
     def cxx() -> None:
         extension = _cutlass._extension(plan.variant)
@@ -277,5 +245,5 @@ def _wgrad_stages(
         "custom op": lambda: torch.ops.groupgrad.grouped_wgrad(
             dy_TN, x_TK, call.splits, dw, accumulate
         ),
-        "public": lambda: _api.grouped_wgrad(dy, x_TK, splits, out=out, accumulate=accumulate),
+        "public": lambda: _api.grouped_wgrad(dy, x_TK, splits, out=out_seq, accumulate=accumulate),
     }

@@ -47,8 +47,9 @@ def fprop_on_device(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tenso
     x_TK, y_TN = x, out
     if x_TK.shape[0] == 0:
         return
-    cutlass = _cutlass_for("fprop", x_TK, weights, y_TN)
+    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN)
     if cutlass is None:
+        _say_once("fprop", reason)
         _reference.fprop(x_TK, weights, splits, y_TN)
     else:
         cutlass.fprop(x_TK, weights, _splits.on_device(splits, x_TK.device), y_TN)
@@ -59,8 +60,9 @@ def dgrad_on_device(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tens
     dy_TN, dx_TK = dy, out
     if dy_TN.shape[0] == 0:
         return
-    cutlass = _cutlass_for("dgrad", dy_TN, weights, dx_TK)
+    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK)
     if cutlass is None:
+        _say_once("dgrad", reason)
         _reference.dgrad(dy_TN, weights, splits, dx_TK)
     else:
         cutlass.dgrad(dy_TN, weights, _splits.on_device(splits, dy_TN.device), dx_TK)
@@ -76,8 +78,9 @@ def wgrad_on_device(
             for dw in out:
                 dw.zero_()
         return
-    cutlass = _cutlass_for("wgrad", dy_TN, x_TK, out)
+    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out)
     if cutlass is None:
+        _say_once("wgrad", reason)
         _reference.wgrad(dy_TN, x_TK, splits, out, accumulate)
     else:
         cutlass.wgrad(dy_TN, x_TK, _splits.on_device(splits, x_TK.device), out, accumulate)
@@ -96,16 +99,6 @@ def cutlass_or_reason(
     return (cutlass, None) if reason is None else (None, reason)
 
 
-def _cutlass_for(
-    op: _support.Op, a: Tensor, b: Tensor | list[Tensor], out: Tensor | list[Tensor]
-) -> ModuleType | None:
-    """The CUTLASS backend when it can run this call, else ``None`` (reason logged once)."""
-    cutlass, reason = cutlass_or_reason(op, a, b, out)
-    if reason is not None:
-        _say_once(f"grouped_{op} runs on the reference path: {reason}")
-    return cutlass
-
-
 @functools.cache
 def load_cutlass() -> tuple[ModuleType | None, str | None]:
     """Import the CUTLASS backend once: ``(module, None)`` or ``(None, reason)``."""
@@ -115,7 +108,9 @@ def load_cutlass() -> tuple[ModuleType | None, str | None]:
         return None, f"the CUTLASS backend cannot be imported ({error})"
 
 
-def _say_once(message: str) -> None:
+def _say_once(op: str, reason: str | None) -> None:
+    """Log, once per distinct reason, that ``grouped_<op>`` runs on the reference path."""
+    message = f"grouped_{op} runs on the reference path: {reason}"
     if message not in _reasons_said:
         _reasons_said.add(message)
         logger.warning(message)

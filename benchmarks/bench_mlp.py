@@ -56,9 +56,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernels_timing as kt  # splits and error helpers shared with bench_kernels.py
 import mlp_report
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
+from groupgrad.kernels import (
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    swiglu_probs,
+    swiglu_probs_backward,
+    tuning,
+)
 from groupgrad.modules import GroupedMLP
-from groupgrad.modules._swiglu import load_triton_kernels, swiglu_probs, swiglu_probs_backward
 
 CONFIGS = [(8, 4096, 14336, 16384), (32, 7168, 2048, 65536), (128, 2048, 768, 32768)]
 QUICK_CONFIGS = [(4, 256, 512, 2048)]
@@ -384,13 +390,11 @@ def _environment(device: torch.device, recorder: _Recorder) -> dict:
         env["triton"] = None
     if device.type != "cuda":
         return env
-    from groupgrad.kernels import _cutlass
-
-    _, build_s, compiled = _cutlass.build()
+    _, build_s, compiled = tuning.build()
     env["cutlass_build_seconds"] = build_s
     print(f"CUTLASS extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})")
-    kernels, reason = load_triton_kernels()
-    if kernels is None:
+    reason = tuning.triton_unavailable_reason()
+    if reason is not None:
         recorder.note(f"SwiGLU runs on the PyTorch reference: {reason}")
     return env
 

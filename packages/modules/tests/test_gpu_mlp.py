@@ -254,6 +254,10 @@ def test_backward_peak_is_bounded_by_its_activation_gradients() -> None:
 def test_torch_compile_on_cuda_matches_eager() -> None:
     torch.manual_seed(1)
     module = GroupedMLP(E, H, FFN, dtype=torch.bfloat16, device="cuda", bias=True)
+    with torch.no_grad():  # zero biases keep the fp64 oracle below bias-free
+        for name, p in module.named_parameters():
+            if "bias" in name:
+                p.zero_()
     splits = SPLITS[0]
     tokens = sum(splits)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -276,6 +280,16 @@ def test_torch_compile_on_cuda_matches_eager() -> None:
     want = [loss.detach(), x.grad, probs.grad, *(p.grad for p in params)]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+    # the compiled gradients against the independent fp64 oracle, not only against eager
+    ref = _reference(module, x.detach(), probs, dy, splits)
+    compiled = dict(zip([n for n, _ in module.named_parameters()], got[3:], strict=True))
+    _assert_bf16_close(got[1], ref["dx"], "compiled dx")
+    _assert_bf16_close(got[2], ref["dp"], "compiled dprobs")
+    for e in range(E):
+        _assert_bf16_close(compiled[f"fc1.weight{e}"], ref["dw1"][e], f"compiled fc1 wgrad {e}")
+        _assert_bf16_close(compiled[f"fc2.weight{e}"], ref["dw2"][e], f"compiled fc2 wgrad {e}")
+        db2 = dy.double().split(splits)[e].sum(0)
+        _assert_bf16_close(compiled[f"fc2.bias{e}"], db2, f"compiled fc2 bias grad {e}")
 
 
 def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None:

@@ -1,7 +1,7 @@
 """Benchmark the CUTLASS grouped GEMMs of groupgrad.kernels on one GPU (H100/H200).
 
-For each config (E, K, N, T) and each split distribution (uniform, skewed) it
-times, on the same random inputs in the same run:
+For each config (E, K, N, T) and each split distribution (uniform, mild and heavy
+skew: ``kernels_timing.splits_for``) it times, on the same random inputs in the same run:
 
 "Ours" is the public API (``grouped_fprop`` etc.: validation, dispatch, launch) with
 device splits: packed ``(E, N, K)`` weights and bf16 outputs, and each expert's own
@@ -47,6 +47,7 @@ CONFIGS = [
     (8, 7168, 4096, 32768),
     (128, 2048, 1536, 32768),
     (32, 2048, 7168, 65536),
+    (64, 2048, 2816, 32768),  # held out: never used to choose tiles (DeepSeek-V2-Lite's fc1)
 ]
 N_SETS = 2  # input sets rotated between calls
 
@@ -82,7 +83,7 @@ class Case:
 
 
 def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Case:
-    splits = kt.uniform_splits(T, E) if split_kind == "uniform" else kt.skewed_splits(T, E, seed)
+    splits = kt.splits_for(split_kind, T, E, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -297,6 +298,9 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also sweep every compiled variant")
     parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
     parser.add_argument("--ops", type=str, default="fprop,dgrad,wgrad_bf16,wgrad_fp32")
+    parser.add_argument(
+        "--splits", type=str, default=",".join(kt.SPLIT_KINDS), help="split kinds (default: all)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -323,7 +327,7 @@ def main() -> None:
     rows = []
     for index in picks:
         E, K, N, T = CONFIGS[index]
-        for split_kind in ("uniform", "skewed"):
+        for split_kind in args.splits.split(","):
             case = make_case(E, K, N, T, split_kind, seed=index)
             if "fprop" in ops:
                 rows.append(bench_fprop_dgrad(case, "fprop", args.reps, args.tuning))

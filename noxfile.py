@@ -34,9 +34,14 @@ import tomllib
 from pathlib import Path
 
 import nox
+import nox.virtualenv
+from packaging.version import Version
 
 nox.options.sessions = ["tests"]
-nox.options.default_venv_backend = "venv"  # chosen explicitly: nox does not look for uv
+nox.options.default_venv_backend = "venv"
+# The backend is the standard library's venv, so nox need not look for uv (it would print
+# "uv binary not found." in every session); these are the values nox itself reads.
+nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
 
 ROOT = Path(__file__).resolve().parent
 PYTHON_VERSIONS = None  # the interpreter nox runs under
@@ -270,7 +275,9 @@ def _build_dists(session: nox.Session) -> None:
     for old in DIST_DIR.glob("groupgrad[-_]*"):
         old.unlink()
     for folder in FOLDERS:
-        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(DIST_DIR), folder)
+        session.run(
+            "python", "-m", "build", "-q", "--no-isolation", "--outdir", str(DIST_DIR), folder
+        )
     session.log("dist/: " + ", ".join(sorted(p.name for p in DIST_DIR.glob("groupgrad[-_]*"))))
 
 

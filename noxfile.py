@@ -65,12 +65,16 @@ CUDA_TOOLING = ("nvidia-cutlass", "cuda-python", "cuda-bindings")
 # --------------------------------------------------------------------------- PyTorch, once
 
 
+def _ask(python: str | Path, code: str) -> str:
+    """What ``python -c code`` prints (a quiet query, kept out of the session's log)."""
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
 def _torch_layer(session: nox.Session) -> Path:
     """The folder holding ``torch==2.13.0`` and its dependencies, installed on first use."""
-    tag = session.run(
-        "python", "-c", "import sys; print('py%d%d' % sys.version_info[:2])", silent=True
-    )
-    layer = ROOT / ".nox" / f"_torch-{TORCH_VERSION}-{str(tag).strip()}"
+    tag = _ask(Path(session.bin) / "python", "import sys; print('py%d%d' % sys.version_info[:2])")
+    layer = ROOT / ".nox" / f"_torch-{TORCH_VERSION}-{tag}"
     complete = layer / ".complete"
     if complete.is_file():
         session.log(f"reusing {TORCH_CPU} from {layer.relative_to(ROOT)}")
@@ -84,21 +88,19 @@ def _torch_layer(session: nox.Session) -> Path:
     return layer
 
 
-def _purelib(python: str | Path, session: nox.Session) -> Path:
-    out = session.run(
-        str(python),
-        "-c",
-        "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-        silent=True,
-        external=True,
-    )
-    return Path(str(out).strip())
+def _purelib(python: str | Path) -> Path:
+    return Path(_ask(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])"))
 
 
-def _see_torch_layer(session: nox.Session, python: str | Path, bin_dir: str | Path) -> None:
-    """Let the environment of ``python`` import the shared PyTorch and run its commands (torchrun)."""
-    layer = _torch_layer(session)
-    (_purelib(python, session) / "_groupgrad_torch.pth").write_text(f"{layer}\n")
+def _see_torch_layer(
+    session: nox.Session, layer: Path, python: str | Path, bin_dir: str | Path
+) -> Path:
+    """Let the environment of ``python`` import the shared PyTorch and run its commands (torchrun).
+
+    Returns the environment's own site-packages folder.
+    """
+    purelib = _purelib(python)
+    (purelib / "_groupgrad_torch.pth").write_text(f"{layer}\n")
     # The console scripts pip would have written for torch, bound to this environment's Python.
     for entry_points in layer.glob("torch-*.dist-info/entry_points.txt"):
         scripts = entry_points.read_text().partition("[console_scripts]")[2].split("[")[0]
@@ -110,10 +112,11 @@ def _see_torch_layer(session: nox.Session, python: str | Path, bin_dir: str | Pa
                 f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
             )
             launcher.chmod(0o755)
+    return purelib
 
 
 def _install_project_cpu(session: nox.Session, *extra: str) -> None:
-    _see_torch_layer(session, Path(session.bin) / "python", session.bin)
+    _see_torch_layer(session, _torch_layer(session), Path(session.bin) / "python", session.bin)
     if extra:
         session.install(*extra, silent=False)
     session.install(*PACKAGES, silent=False)
@@ -181,7 +184,7 @@ def _see_host_packages(session: nox.Session) -> None:
         for path in (*site.getsitepackages(), site.getusersitepackages())
         if os.path.isdir(path)
     ]
-    purelib = _purelib(Path(session.bin) / "python", session)
+    purelib = _purelib(Path(session.bin) / "python")
     (purelib / "_groupgrad_host_site.pth").write_text("\n".join(host) + "\n")
 
 
@@ -343,14 +346,14 @@ def _check_dists(session: nox.Session) -> None:
 
     work = Path(session.create_tmp()) / "dist-check"
     shutil.rmtree(work, ignore_errors=True)
-    timings = []
+    layer, timings = _torch_layer(session), []
     for folder in FOLDERS:
         name = _project(folder)["project"]["name"]
         start = time.perf_counter()
         env = work / name
         session.run("python", "-m", "venv", str(env))
         python = env / "bin" / "python"
-        _see_torch_layer(session, python, env / "bin")
+        site_dir = _see_torch_layer(session, layer, python, env / "bin")
         session.run(
             str(python), "-m", "pip", "install", "--find-links", str(DIST_DIR), name, external=True
         )
@@ -358,7 +361,7 @@ def _check_dists(session: nox.Session) -> None:
             str(python),
             "-c",
             _DIST_PROBE,
-            str(_purelib(python, session)),
+            str(site_dir),
             _top_package(folder),
             silent=True,
             external=True,

@@ -101,18 +101,34 @@ def _see_torch_layer(
     """
     purelib = _purelib(python)
     (purelib / "_groupgrad_torch.pth").write_text(f"{layer}\n")
-    # The console scripts pip would have written for torch, bound to this environment's Python.
-    for entry_points in layer.glob("torch-*.dist-info/entry_points.txt"):
-        scripts = entry_points.read_text().partition("[console_scripts]")[2].split("[")[0]
-        for line in filter(None, map(str.strip, scripts.splitlines())):
-            name, _, target = (part.strip() for part in line.partition("="))
-            module, _, function = target.partition(":")
-            launcher = Path(bin_dir) / name
-            launcher.write_text(
-                f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
-            )
-            launcher.chmod(0o755)
+    _bind_torch_commands(python, bin_dir)
     return purelib
+
+
+_TORCH_COMMANDS = """
+import json
+from importlib import metadata
+print(json.dumps([[e.name, e.value] for e in metadata.distribution("torch").entry_points
+                  if e.group == "console_scripts"]))
+"""
+
+
+def _bind_torch_commands(python: str | Path, bin_dir: str | Path) -> None:
+    """Write PyTorch's console scripts (``torchrun`` ...) into ``bin_dir``, run by ``python``.
+
+    PyTorch seen through a ``.pth`` file brings no commands of its own, and the
+    host's ``torchrun`` would start its workers with the host's Python, which
+    lacks this environment's packages.
+    """
+    import json
+
+    for name, target in json.loads(_ask(python, _TORCH_COMMANDS)):
+        module, _, function = target.partition(":")
+        launcher = Path(bin_dir) / name
+        launcher.write_text(
+            f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+        )
+        launcher.chmod(0o755)
 
 
 def _install_project_cpu(session: nox.Session, *extra: str) -> None:
@@ -174,6 +190,9 @@ def _host_cuda_reason() -> str | None:
 def _see_host_packages(session: nox.Session) -> None:
     """Let the session's environment import what the Python running nox has (its CUDA torch).
 
+    PyTorch's commands (``torchrun``) are bound to the session's Python, so their
+    workers see the project installed here.
+
     A ``.pth`` file appends the host's site-packages to the environment's path,
     after the environment's own packages; this works even when the host Python
     is itself a virtual environment (where ``--system-site-packages`` would
@@ -186,6 +205,7 @@ def _see_host_packages(session: nox.Session) -> None:
     ]
     purelib = _purelib(Path(session.bin) / "python")
     (purelib / "_groupgrad_host_site.pth").write_text("\n".join(host) + "\n")
+    _bind_torch_commands(Path(session.bin) / "python", session.bin)
 
 
 def _install_project_gpu(session: nox.Session) -> None:
@@ -346,6 +366,9 @@ def _check_dists(session: nox.Session) -> None:
 
     work = Path(session.create_tmp()) / "dist-check"
     shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    probe_script = work / "probe.py"
+    probe_script.write_text(_DIST_PROBE)
     layer, timings = _torch_layer(session), []
     for folder in FOLDERS:
         name = _project(folder)["project"]["name"]
@@ -359,8 +382,7 @@ def _check_dists(session: nox.Session) -> None:
         )
         probe = session.run(
             str(python),
-            "-c",
-            _DIST_PROBE,
+            str(probe_script),
             str(site_dir),
             _top_package(folder),
             silent=True,

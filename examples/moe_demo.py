@@ -181,6 +181,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"argument --device: cuda was asked for, but {why} (torch {torch.__version__}); "
             "use --device cpu"
         )
+    if args.device.type == "cuda" and (args.device.index or 0) >= torch.cuda.device_count():
+        parser.error(
+            f"argument --device: {args.device} was asked for, but PyTorch sees "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
     return args
 
 

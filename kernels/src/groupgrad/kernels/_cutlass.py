@@ -125,7 +125,7 @@ def _build_on_first_use() -> None:
     The message reaches a terminal even where no logging is configured (Python's
     last-resort handler prints WARNING and above).
     """
-    spec = build_spec(None, VARIANTS)
+    spec = build_spec(None, VARIANT_SETS["default"])
     if not is_cached(spec):
         logger.warning(
             "groupgrad.kernels: compiling %d CUTLASS kernel variants for the first GPU call "
@@ -255,10 +255,6 @@ def unsupported_reason(op: str, a: torch.Tensor, b: Operand, out: Operand) -> st
     ``(T, K)``) or ``"wgrad"`` (``a`` = dy, ``b`` = x, ``out`` = the outputs). A
     group of ``(N, K)`` matrices is packed (``[w_ENK]``) or listed (``E`` matrices).
     Never compiles, and never initialises CUDA for CPU tensors.
-
-    Raises:
-        RuntimeError: The call suits CUTLASS but the build tools of the ``[cuda]``
-            extra are missing (the message names ``pip install 'groupgrad-kernels[cuda]'``).
     """
     if op not in _OPS:
         return f"unknown op {op!r}"

@@ -20,9 +20,6 @@ which the backend addresses by stride without per-expert host work, or listed:
 When the backend cannot be imported, or the call's layout does not suit it,
 or ``unsupported_reason`` gives a reason, the call runs on the reference path
 instead and the reason is logged once (per distinct reason) at WARNING level.
-A call that suits CUTLASS on a machine without the ``[cuda]`` extra's build
-tools raises ``RuntimeError`` naming ``pip install 'groupgrad-kernels[cuda]'``
-(from ``unsupported_reason``); the first call that compiles says so first.
 The reference path reads ``splits`` on the host, which synchronizes with the
 device when ``splits`` is a device tensor; the CUTLASS path never does.
 

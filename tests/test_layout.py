@@ -1,4 +1,4 @@
-"""Cross-package rules of the monorepo: the package list, layout, metadata, dependency direction."""
+"""Cross-package rules of the monorepo: namespace layout and dependency direction."""
 
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ PYTHON_ENTRIES = [
     ("py:class", "enum.Enum", "library/enum.html#enum.Enum"),
     ("py:module", "logging", "library/logging.html#module-logging"),
     ("py:class", "os.PathLike", "library/os.html#os.PathLike"),
+    ("py:class", "types.ModuleType", "library/types.html#types.ModuleType"),
     ("py:class", "typing.Protocol", "library/typing.html#typing.Protocol"),
     ("py:data", "typing.Any", "library/typing.html#typing.Any"),
     ("py:data", "typing.Literal", "library/typing.html#typing.Literal"),

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -34,7 +36,15 @@ import torch
 
 from groupgrad.kernels._grouped import group_size
 from groupgrad.kernels._plan import Plan, plan_for
-from groupgrad.kernels.build import TUNING_VARIANTS, VARIANT_SETS, build_spec, load_or_build
+from groupgrad.kernels.build import (
+    BUILD_TIME_HINT,
+    CUDA_EXTRA_INSTALL,
+    TUNING_VARIANTS,
+    VARIANT_SETS,
+    build_spec,
+    is_cached,
+    load_or_build,
+)
 
 __all__ = [
     "build",
@@ -47,6 +57,8 @@ __all__ = [
 ]
 
 _TUNING_NAMES = frozenset(v.name for v in TUNING_VARIANTS)
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}  # variant set -> loaded extension
@@ -87,7 +99,7 @@ def _extension(variant: str) -> ModuleType:
     if variant_set not in _modules:
         if variant_set != "default":
             raise RuntimeError(f"{variant} is a tuning variant: build(variant_set='tuning') first")
-        build()
+        _build_on_first_use()
     return _modules[variant_set]
 
 
@@ -98,8 +110,27 @@ def compiled_variants() -> frozenset[str]:
         The ``Variant.name`` of every compiled kernel of every variant set built so far.
     """
     if "default" not in _modules:
-        build()
+        _build_on_first_use()
     return frozenset(name for m in _modules.values() for name in m.variants())
+
+
+def _build_on_first_use() -> None:
+    """:func:`build` of the default set, saying first (WARNING) when that means compiling.
+
+    The message reaches a terminal even where no logging is configured (Python's
+    last-resort handler prints WARNING and above).
+    """
+    spec = build_spec(None, VARIANT_SETS["default"])
+    if not is_cached(spec):
+        logger.warning(
+            "groupgrad.kernels: compiling %d CUTLASS kernel variants for the first GPU call "
+            "into %s (once per cache; %s; MAX_JOBS caps the parallel jobs). "
+            "Prebuild them with: python -m groupgrad.kernels.build",
+            len(spec.variants),
+            spec.directory,
+            BUILD_TIME_HINT,
+        )
+    build()
 
 
 # --------------------------------------------------------------------------- availability
@@ -107,20 +138,43 @@ def compiled_variants() -> frozenset[str]:
 
 _toolchain_reason_cache: list[str | None] = []
 
+#: What a build needs from the ``[cuda]`` extra: importable module -> distribution. (Its
+#: third package, pybind11, is not checked: the build uses the headers PyTorch ships.)
+BUILD_TOOLS = {"cutlass_library": "nvidia-cutlass", "ninja": "ninja"}
+
+
+def _missing_build_tools() -> list[str]:
+    """Distributions of the ``[cuda]`` extra that a build needs and this Python lacks."""
+    missing = []
+    for module, distribution in BUILD_TOOLS.items():
+        on_path = module == "ninja" and shutil.which("ninja") is not None
+        if importlib.util.find_spec(module) is None and not on_path:
+            missing.append(distribution)
+    return missing
+
 
 def _toolchain_reason() -> str | None:
-    """Why the extension cannot be built here, if it is not loaded yet (cheap, cached)."""
+    """Why the extension cannot be built here, if it is not loaded yet (cheap, cached).
+
+    Raises:
+        RuntimeError: The ``[cuda]`` extra's build tools are missing; the message
+            names the install command.
+    """
     if _modules:
         return None
+    missing = _missing_build_tools()
+    if missing:
+        raise RuntimeError(
+            f"groupgrad.kernels needs {' and '.join(missing)} to compile its CUTLASS kernels "
+            f"for this GPU call (groupgrad-kernels installs without them on CPU machines); "
+            f"install the GPU extra: {CUDA_EXTRA_INSTALL}"
+        )
     if not _toolchain_reason_cache:
-        reason = None
-        if importlib.util.find_spec("cutlass_library") is None:
-            reason = "the nvidia-cutlass package (CUTLASS headers) is not installed"
-        else:
-            from torch.utils.cpp_extension import CUDA_HOME
+        from torch.utils.cpp_extension import CUDA_HOME
 
-            if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-                reason = "nvcc was not found (CUDA_HOME is unset or has no bin/nvcc)"
+        reason = None
+        if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+            reason = "nvcc was not found (CUDA_HOME is unset or has no bin/nvcc)"
         _toolchain_reason_cache.append(reason)
     return _toolchain_reason_cache[0]
 

@@ -17,14 +17,7 @@ import torch
 import groupgrad.kernels as gk
 from groupgrad.kernels import _cutlass
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the CUTLASS kernels are built for sm_90a (H100/H200)",
-    ),
-]
+pytestmark = pytest.mark.gpu(capability=(9, 0))  # the CUTLASS kernels are built for sm_90a
 
 E, K, N = 5, 256, 384
 SPLITS = [0, 301, 1, 0, 129]  # empty first, middle and last-but-one; odd; one token

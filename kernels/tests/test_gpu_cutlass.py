@@ -22,14 +22,7 @@ import torch
 
 from groupgrad.kernels import _cutlass, build
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the CUTLASS kernels are built for sm_90a (H100/H200)",
-    ),
-]
+pytestmark = pytest.mark.gpu(capability=(9, 0))  # the CUTLASS kernels are built for sm_90a
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 

@@ -10,10 +10,7 @@ import torch
 from groupgrad.modules import GroupedLinear
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 E, K, N = 8, 128, 64
 SPLITS = [[0, 17, 33, 1, 0, 64, 9, 4], [12, 0, 0, 40, 31, 5, 8, 32], [16] * 8]

@@ -14,9 +14,11 @@ What is here:
   :class:`Launches`, :func:`run_worker`, :class:`Rank`.
 * :mod:`.results` -- rank results as JSON, tensors exact to the bit.
 * :mod:`.numerics` -- :func:`assert_close`, :func:`assert_as_close_as_torch`
-  (DESIGN's "at most 2× PyTorch's own error" rule), :func:`max_abs_error`,
+  (DESIGN's "at most 2× PyTorch's own error" rule), :func:`assert_within_scale`,
+  :func:`max_abs_error`, :func:`assert_compiled_matches_eager`,
   :func:`poisoned` / :func:`poison_` (NaN outputs).
-* :mod:`.matrix` -- :class:`Case`, the module-matrix combination.
+* :mod:`.matrix` -- :class:`Case`, the module-matrix combination, and
+  :func:`distribute_fake` / :func:`attach_main_grads` to set a module up for one.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
 
 Writing a multi-rank test
@@ -74,10 +76,12 @@ from __future__ import annotations
 from groupgrad_testsupport.gpu import GpuNeed, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch
-from groupgrad_testsupport.matrix import Case
+from groupgrad_testsupport.matrix import Case, attach_main_grads, distribute_fake
 from groupgrad_testsupport.numerics import (
     assert_as_close_as_torch,
     assert_close,
+    assert_compiled_matches_eager,
+    assert_within_scale,
     max_abs_error,
     poison_,
     poisoned,
@@ -92,6 +96,10 @@ __all__ = [
     "Rank",
     "assert_as_close_as_torch",
     "assert_close",
+    "assert_compiled_matches_eager",
+    "assert_within_scale",
+    "attach_main_grads",
+    "distribute_fake",
     "launch",
     "load_sibling",
     "mark_unavailable",

@@ -8,13 +8,20 @@ accumulate, overwrite} × {delay, no delay} × {zero_out_wgrad} × {bias}::
 
     @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
     def test_matches_reference(case: Case) -> None: ...
+
+:func:`distribute_fake` and :func:`attach_main_grads` set a module up for a
+case's ``kind`` and ``main_grad``.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
 
 Layout = Literal["per_expert", "single"]
 Kind = Literal["plain", "distributed"]
@@ -77,3 +84,62 @@ class Case:
                 (False, True),
             )
         ]
+
+
+def distribute_fake(owner: nn.Module, main_grad: MainGrad) -> list[Tensor]:
+    """Replace ``owner``'s weights (``owner.weight_names``) with one fake ``DistributedWeight`` group.
+
+    The group comes from ``groupgrad.protocol.testing.make_fake_group``: its
+    leader's forward materialization scales the weights by 2 and its backward
+    one by 4 (so a test sees which weights each GEMM used), and its finalize
+    hands autograd the wgrads (``main_grad="none"``) or zero dummies (with an
+    fp32 ``main_grad``).
+
+    Returns:
+        The group's members, leader first (now ``owner``'s weights).
+    """
+    from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+
+    names = owner.weight_names
+    group = make_fake_group(
+        [getattr(owner, name) for name in names],
+        main_grad_dtype=None if main_grad == "none" else torch.float32,
+    )
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight)
+    leader.finalize_returns = "grads" if main_grad == "none" else "dummy"
+    for name, param in zip(names, group, strict=True):
+        setattr(owner, name, param)
+    return group
+
+
+def attach_main_grads(
+    params: Sequence[Tensor],
+    main_grad: MainGrad,
+    *,
+    zero_out: bool = False,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Give each parameter the ``main_grad`` and flags ``main_grad`` (a :class:`Case` field) asks for.
+
+    ``"none"``: nothing. ``"accumulate"``: an fp32 ``main_grad`` of random
+    values (from ``generator``, drawn on the CPU, or from the global RNG on
+    the parameter's device when ``None``) that the wgrad is added to.
+    ``"overwrite"``: an fp32 ``main_grad`` of NaN with ``overwrite_main_grad``
+    set, so an element left unwritten shows. Both clear
+    ``grad_added_to_main_grad`` and set ``zero_out_wgrad`` where ``zero_out``.
+    """
+    if main_grad == "none":
+        return
+    for param in params:
+        if main_grad == "overwrite":
+            buffer = torch.full(param.shape, float("nan"), device=param.device)
+        elif generator is not None:
+            buffer = torch.randn(param.shape, generator=generator).to(param.device)
+        else:
+            buffer = torch.randn(param.shape, device=param.device)
+        param.main_grad = buffer  # type: ignore[attr-defined]
+        param.overwrite_main_grad = main_grad == "overwrite"  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        if zero_out:
+            param.zero_out_wgrad = True  # type: ignore[attr-defined]

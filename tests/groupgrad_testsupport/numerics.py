@@ -9,8 +9,10 @@ writes them, so an unwritten element shows.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def max_abs_error(actual: Tensor, expected: Tensor) -> float:
@@ -87,6 +89,56 @@ def assert_as_close_as_torch(
         f"{label}max error {error:.3g} > {factor:g} × PyTorch's {torch_error:.3g} "
         f"+ slack {bound - factor * torch_error:.3g}"
     )
+
+
+def assert_within_scale(
+    actual: Tensor, expected: Tensor, *, rel: float, atol: float, what: str = ""
+) -> None:
+    """``max |actual - expected| <= rel * max |expected| + atol`` in float64; NaN never passes.
+
+    For results whose PyTorch twin is not at hand (a whole module's bf16 run
+    against its fp64 reference): the error is bounded relative to the
+    result's scale rather than element by element.
+    """
+    label = f"{what}: " if what else ""
+    assert not actual.isnan().any(), f"{label}has NaN (an element never written?)"
+    scale = float(expected.detach().double().abs().max()) if expected.numel() else 0.0
+    error = max_abs_error(actual, expected)
+    assert error <= rel * scale + atol, (
+        f"{label}max error {error:.3e} > {rel:g} × scale {scale:.3e} + {atol:g}"
+    )
+
+
+def assert_compiled_matches_eager(
+    step: Callable[..., Tensor], inputs: Sequence[Tensor], module: nn.Module
+) -> None:
+    """``torch.compile(step, fullgraph=True)`` gives eager's loss and gradients, exactly.
+
+    ``step(*inputs)`` returns a scalar loss; the loss, every input's ``.grad``
+    and every parameter's ``.grad`` of ``module`` are compared with
+    ``torch.testing.assert_close`` at its default (dtype-based) tolerances.
+    The compiled run uses the ``aot_eager`` backend (traced forward and
+    backward graphs, no code generation), after ``torch._dynamo.reset()``.
+    """
+    params = list(module.parameters())
+
+    def run(fn: Callable[..., Tensor]) -> list[Tensor]:
+        for tensor in (*inputs, *params):
+            tensor.grad = None
+        loss = fn(*inputs)
+        loss.backward()
+        grads = [t.grad for t in (*inputs, *params)]
+        missing = [i for i, g in enumerate(grads) if g is None]
+        assert not missing, f"no gradient reached inputs/parameters {missing}"
+        return [loss.detach(), *(g.clone() for g in grads if g is not None)]
+
+    torch._dynamo.reset()
+    got = run(torch.compile(step, backend="aot_eager", fullgraph=True))
+    want = run(step)
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(
+            a, b, msg=lambda m, i=index: f"compiled vs eager, value {i}: {m}"
+        )
 
 
 def poisoned(

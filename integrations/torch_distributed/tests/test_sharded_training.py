@@ -125,6 +125,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run]:
     return get
 
 
+def _case(runs: Callable[[int], Run], case: tuple[int, str]) -> tuple[int, str, list[dict], Any]:
+    """A case's world size, name, per-rank results and fp64 reference."""
+    world, name = case
+    run = runs(world)
+    return world, name, run.results[name], run.reference(name)
+
+
 def _ids(case: tuple[int, str]) -> str:
     return f"{case[0]}ranks-{case[1]}"
 
@@ -136,12 +143,11 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: str, what: str) 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_outputs_and_input_grads_match_reference(runs: Callable[[int], Run], case: tuple) -> None:
-    world, name = case
-    run = runs(world)
-    for rank, result in enumerate(run.results[name]):
+    _, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         dtype = result["config"]["dtype"]
         for index, (got, want) in enumerate(
-            zip(result["micro"], run.reference(name).micro[rank], strict=True)
+            zip(result["micro"], reference.micro[rank], strict=True)
         ):
             where = f"{name} rank {rank} micro-batch {index}"
             if dtype == "bfloat16":
@@ -172,10 +178,8 @@ def _check_bf16_rule(cfg: dict, init: dict, got: dict, want: Any, where: str) ->
 def test_main_grad_shards_hold_the_reduced_gradient_rows(
     runs: Callable[[int], Run], case: tuple
 ) -> None:
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
+    world, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         for index, got in enumerate(result["micro"]):
             for param, expected in reference.main_grads[index].items():
                 shard = got["main_grads"][param]
@@ -211,13 +215,11 @@ def test_flags_dummies_and_shapes(runs: Callable[[int], Run], case: tuple) -> No
 def test_gathered_weights_after_sgd_steps_match_reference(
     runs: Callable[[int], Run], case: tuple
 ) -> None:
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
-        assert result["init"].keys() == run.results[name][0]["init"].keys()
+    _, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
+        assert result["init"].keys() == ranks[0]["init"].keys()
         for param, full in result["init"].items():  # every rank built the same model
-            assert torch.equal(full, run.results[name][0]["init"][param]), f"{name} {param}"
+            assert torch.equal(full, ranks[0]["init"][param]), f"{name} {param}"
         for step, gathered in enumerate(result["after_step"]):
             for param, expected in reference.after_step[step].items():
                 where = f"{name} rank {rank} after step {step}: {param}"
@@ -260,10 +262,8 @@ def _layer_numels(cfg: dict[str, Any]) -> list[int]:
 @pytest.mark.parametrize("case", BF16_CASES, ids=_ids)
 def test_bf16_weights_reduce_in_fp32(runs: Callable[[int], Run], case: tuple) -> None:
     """bf16 weights, fp32 main_grad: the reduce-scatter saw fp32 and beats a bf16 one by far."""
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
+    world, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         assert all(p.dtype == torch.bfloat16 for p in result["init"].values())
         for index, got in enumerate(result["micro"]):
             dtypes = {c["input_dtype"] for c in got["collectives"] if c["kind"] == "reduce_scatter"}

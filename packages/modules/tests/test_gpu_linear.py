@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from groupgrad.modules import GroupedLinear
-from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad.protocol.testing import FakeDistributedWeight
+from groupgrad_testsupport import (
+    assert_compiled_matches_eager,
+    assert_within_scale,
+    attach_main_grads,
+    distribute_fake,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -29,10 +35,7 @@ def _reference(x, dy, weights, splits, fwd_scale, bwd_scale):
 
 
 def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert not actual.isnan().any(), f"{what} has NaN"
-    scale = expected.abs().max().item() + 1e-6
-    err = (actual.double() - expected).abs().max().item()
-    assert err <= 2e-2 * scale + 1e-3, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
+    assert_within_scale(actual, expected, rel=2e-2, atol=1e-3, what=what)
 
 
 @pytest.mark.parametrize(
@@ -64,26 +67,10 @@ def test_grouped_linear_on_cuda(
         accumulate_into_main_grad=main_grad != "none",
         delay_wgrad_compute=delay,
     )
-    names = module.weight_names
     if kind == "distributed":
-        group = make_fake_group(
-            [getattr(module, n) for n in names],
-            main_grad_dtype=None if main_grad == "none" else torch.float32,
-        )
-        group[0].finalize_returns = "grads" if main_grad == "none" else "dummy"  # type: ignore[union-attr]
-        for name, param in zip(names, group, strict=True):
-            setattr(module, name, param)
-    params = [getattr(module, n) for n in names]
-    for p in params:
-        if main_grad != "none":
-            p.main_grad = (
-                torch.full(p.shape, float("nan"), device="cuda")
-                if main_grad == "overwrite"
-                else torch.randn(p.shape, device="cuda")
-            )
-            p.overwrite_main_grad = main_grad == "overwrite"
-            p.grad_added_to_main_grad = False
-            p.zero_out_wgrad = zero_out
+        distribute_fake(module, main_grad)
+    params = [getattr(module, n) for n in module.weight_names]
+    attach_main_grads(params, main_grad, zero_out=zero_out)
     initial = [p.main_grad.clone() for p in params] if main_grad == "accumulate" else None
     fwd, bwd = (2.0, 4.0) if kind == "distributed" else (1.0, 1.0)
     expert_weights = list(params[0].unbind(0)) if single else params
@@ -221,14 +208,4 @@ def test_torch_compile_on_cuda_matches_eager(bias: bool) -> None:
     def step(inp: torch.Tensor) -> torch.Tensor:
         return (module(inp, splits).float() * dy.float()).sum()
 
-    torch._dynamo.reset()
-    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-    loss.backward()
-    got = [loss.detach(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
-    x.grad = None
-    module.zero_grad()
-    loss = step(x)
-    loss.backward()
-    want = [loss.detach(), x.grad, *(p.grad for p in module.parameters())]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
+    assert_compiled_matches_eager(step, [x], module)

@@ -115,12 +115,18 @@ def launch(
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device is {device!r}, expected 'cpu' or 'cuda'")
+    if world_size < 1:
+        raise ValueError(f"world_size is {world_size}, expected at least 1")
     _check_scenarios(scenarios)
     worker = Path(worker).resolve()
     workdir = workdir.resolve()
     (workdir / "results").mkdir(parents=True, exist_ok=True)
     store = workdir / "store"
-    store.unlink(missing_ok=True)  # a file store left by an earlier launch would be reused
+    stale = [store] + [
+        result_path(workdir, s["name"], rank) for s in scenarios for rank in range(world_size)
+    ]
+    for path in stale:  # an earlier launch's store would be reused, its results read
+        path.unlink(missing_ok=True)
     spec = {
         "backend": backend or ("gloo" if device == "cpu" else "nccl"),
         "device": device,

@@ -1,16 +1,16 @@
-"""One rank of a Megatron-FSDP training run; the parent test compares what it saves to a reference.
+"""One rank of a Megatron-FSDP training run; the parent test compares what it returns to a reference.
 
 Launched by ``test_training.py`` and ``test_gpu.py`` through
 ``groupgrad_testsupport.launch`` (one process per rank); on CPU it installs
-the test-only CUDA shim (``cpu_shim.py``) first. For each scenario it builds :class:`Net` from the scenario's seed (the same
-full weights on every rank), shards it with ``shard_model`` (or, for the
-``"unfixed"`` scenarios, Megatron-FSDP's bare ``fully_shard_model``), trains
-``steps`` SGD steps of ``micro_batches`` micro-batches on data of its own
-(seeded by scenario, rank, step and micro-batch), and returns: the initial
-weights, the data, the full weights after every step, every
-``get_main_grad()`` call (parameter, dtype, and the ``overwrite_main_grad``
-flag it saw) and the dtype of every gradient collective. Any failure exits
-non-zero with a traceback.
+the test-only CUDA shim (``cpu_shim.py``) first. For each scenario it builds
+:class:`Net` from the scenario's seed (the same full weights on every rank),
+shards it with ``shard_model`` (or, for the ``"unfixed"`` scenarios,
+Megatron-FSDP's bare ``fully_shard_model``), trains ``steps`` SGD steps of
+``micro_batches`` micro-batches on data of its own (seeded by scenario, rank,
+step and micro-batch), and returns: the initial weights, the data, the full
+weights after every step, every ``get_main_grad()`` call (parameter, dtype,
+and the ``overwrite_main_grad`` flag it saw) and the dtype of every gradient
+collective. Any failure exits non-zero with a traceback.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One rank of a sharded-training run; the parent test compares what it saves to a reference.
+"""One rank of a sharded-training run; the parent test compares what it returns to a reference.
 
 Launched by ``test_sharded_training.py`` through ``groupgrad_testsupport.launch``
 (one process per rank). For each scenario it builds the module from the

@@ -73,7 +73,7 @@ def _check_scenarios(scenarios: Sequence[Mapping[str, Any]]) -> None:
     bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
     if bad:
         raise ValueError(f"scenario names {bad} must be strings of letters, digits, '_', '-', '.'")
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    repeated = sorted({str(n) for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"scenario names repeat: {repeated}")
 

@@ -100,7 +100,7 @@ def distribute_fake(owner: nn.Module, main_grad: MainGrad) -> list[Tensor]:
     """
     from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
 
-    names = owner.weight_names
+    names: list[str] = list(owner.weight_names)  # type: ignore[arg-type]
     group = make_fake_group(
         [getattr(owner, name) for name in names],
         main_grad_dtype=None if main_grad == "none" else torch.float32,

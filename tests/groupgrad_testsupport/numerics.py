@@ -24,6 +24,10 @@ def max_abs_error(actual: Tensor, expected: Tensor) -> float:
     return float((actual.detach().double() - expected.detach().double()).abs().max())
 
 
+def _prefixed(what: str) -> Callable[[str], str]:
+    return lambda message: f"{what}: {message}"
+
+
 def assert_close(
     actual: Tensor, expected: Tensor, *, rtol: float, atol: float, what: str = ""
 ) -> None:
@@ -36,7 +40,7 @@ def assert_close(
         expected.detach().double(),
         rtol=rtol,
         atol=atol,
-        msg=(lambda message: f"{what}: {message}") if what else None,
+        msg=_prefixed(what) if what else None,
     )
 
 
@@ -136,9 +140,8 @@ def assert_compiled_matches_eager(
     got = run(torch.compile(step, backend="aot_eager", fullgraph=True))
     want = run(step)
     for index, (a, b) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(
-            a, b, msg=lambda m, i=index: f"compiled vs eager, value {i}: {m}"
-        )
+        what = f"compiled vs eager, value {index} (loss, input grads, parameter grads)"
+        torch.testing.assert_close(a, b, msg=_prefixed(what))
 
 
 def poisoned(

@@ -21,6 +21,7 @@ from groupgrad_testsupport import (
     LaunchError,
     assert_as_close_as_torch,
     assert_close,
+    cuda_peak_growth,
     launch,
     load_sibling,
     poison_,
@@ -198,6 +199,14 @@ def test_gpu_skip_reasons_say_what_was_needed_and_found(monkeypatch: pytest.Monk
     monkeypatch.setattr(gpu_support, "cuda_device_count", lambda: (1, ""))
     assert reason(GpuNeed(2)) == "needs 2 CUDA devices, found 1"
     assert reason(GpuNeed(1)) is None
+
+
+@pytest.mark.gpu
+def test_cuda_peak_growth_sees_a_temporary_allocation() -> None:
+    kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # allocated before: not counted
+    grown = cuda_peak_growth(lambda: torch.empty(4 << 20, dtype=torch.uint8, device="cuda"))
+    assert 4 << 20 <= grown < 5 << 20, grown
+    del kept
 
 
 # ---------------------------------------------------------------- numerics

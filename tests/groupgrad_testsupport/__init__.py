@@ -9,7 +9,8 @@ What is here:
 
 * :mod:`.gpu` -- the ``gpu`` marker (``@pytest.mark.gpu``, ``gpu(2)``,
   ``gpu(capability=(9, 0))``): skips with a reason naming what was needed
-  and found; the root ``conftest.py`` applies it.
+  and found; the root ``conftest.py`` applies it. :func:`cuda_peak_growth`
+  measures what a step adds to the CUDA memory peak.
 * :mod:`.launcher` / :mod:`.worker` -- multi-rank tests: :func:`launch`,
   :class:`Launches`, :func:`run_worker`, :class:`Rank`.
 * :mod:`.results` -- rank results as JSON, tensors exact to the bit.
@@ -73,7 +74,7 @@ On GPUs mark the test ``@pytest.mark.gpu(2)`` and pass ``device="cuda"``
 
 from __future__ import annotations
 
-from groupgrad_testsupport.gpu import GpuNeed, mark_unavailable
+from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch
 from groupgrad_testsupport.matrix import Case, attach_main_grads, distribute_fake
@@ -99,6 +100,7 @@ __all__ = [
     "assert_compiled_matches_eager",
     "assert_within_scale",
     "attach_main_grads",
+    "cuda_peak_growth",
     "distribute_fake",
     "launch",
     "load_sibling",

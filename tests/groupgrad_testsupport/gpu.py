@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pytest
@@ -114,3 +114,20 @@ def mark_unavailable(items: Iterable[pytest.Item]) -> None:
         reason = unmet_reason(need)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def cuda_peak_growth(run: Callable[[], object]) -> int:
+    """Bytes by which ``run()``'s peak CUDA allocation exceeds what was allocated before it.
+
+    Synchronizes before and after, and resets the peak statistics first, so
+    the number is ``run``'s own (for "backward allocates nothing weight-sized"
+    tests: call the step once as a warm-up before measuring).
+    """
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

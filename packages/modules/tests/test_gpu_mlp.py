@@ -25,6 +25,7 @@ from groupgrad_testsupport import (
     assert_compiled_matches_eager,
     assert_within_scale,
     attach_main_grads,
+    cuda_peak_growth,
     distribute_fake,
 )
 
@@ -232,12 +233,7 @@ def _backward_peak_growth(module: GroupedMLP, hidden: int, splits: list[int]) ->
     module(x, splits, probs).backward(dy)  # warm-up: workspace, cached dummies, Triton compile
     x.grad = probs.grad = None
     y = module(x, splits, probs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return cuda_peak_growth(lambda: y.backward(dy))
 
 
 @pytest.mark.parametrize("single", [False, True])

@@ -19,7 +19,8 @@ What is here:
   :func:`max_abs_error`, :func:`assert_compiled_matches_eager`,
   :func:`poisoned` / :func:`poison_` (NaN outputs).
 * :mod:`.matrix` -- :class:`Case`, the module-matrix combination, and
-  :func:`distribute_fake` / :func:`attach_main_grads` to set a module up for one.
+  :func:`distribute_fake` / :func:`attach_main_grads` to set a module up for one,
+  :func:`write_into_dummies` to dirty the shared dummy as hooks do.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
 
 Writing a multi-rank test
@@ -77,7 +78,12 @@ from __future__ import annotations
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch
-from groupgrad_testsupport.matrix import Case, attach_main_grads, distribute_fake
+from groupgrad_testsupport.matrix import (
+    Case,
+    attach_main_grads,
+    distribute_fake,
+    write_into_dummies,
+)
 from groupgrad_testsupport.numerics import (
     assert_as_close_as_torch,
     assert_close,
@@ -109,4 +115,5 @@ __all__ = [
     "poison_",
     "poisoned",
     "run_worker",
+    "write_into_dummies",
 ]

@@ -10,7 +10,8 @@ accumulate, overwrite} × {delay, no delay} × {zero_out_wgrad} × {bias}::
     def test_matches_reference(case: Case) -> None: ...
 
 :func:`distribute_fake` and :func:`attach_main_grads` set a module up for a
-case's ``kind`` and ``main_grad``.
+case's ``kind`` and ``main_grad``; :func:`write_into_dummies` dirties the
+shared zero dummy as a hook would.
 """
 
 from __future__ import annotations
@@ -143,3 +144,18 @@ def attach_main_grads(
         param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         if zero_out:
             param.zero_out_wgrad = True  # type: ignore[attr-defined]
+
+
+def write_into_dummies(weights: Sequence[Tensor], *, versioned: bool) -> None:
+    """Write into the shared zero dummy behind each ``.grad``, as hooks and frameworks do.
+
+    ``versioned``: an ordinary in-place add, which moves the buffer's version
+    counter (the protocol's version guard must re-zero it). Else the write
+    goes through ``.data``, which the version counter cannot see (a fused
+    kernel writing the storage): only ``zero_out_wgrad`` re-zeroes it. The
+    next hand-out must be all zeros either way.
+    """
+    for weight in weights:
+        grad = weight.grad
+        assert grad is not None, "no dummy to write into"
+        (grad if versioned else grad.data).add_(1.0)

@@ -175,7 +175,20 @@ def _check_all_documented(app: Any, env: Any) -> None:
             )
 
 
+def _public_bases(app: Any, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
+    """Show a private base class (e.g. ``_base.GroupedModule``) as its first public ancestor."""
+    for index, base in enumerate(bases):
+        if any(part.startswith("_") for part in base.__module__.split(".")[1:]):
+            public = next(
+                b
+                for b in base.__mro__[1:]
+                if not any(part.startswith("_") for part in b.__module__.split(".")[1:])
+            )
+            bases[index] = public
+
+
 def setup(app: Any) -> None:
+    app.connect("autodoc-process-bases", _public_bases)
     app.connect("autodoc-skip-member", _skip_internal)
     app.connect("autodoc-process-docstring", _no_docstring_of_the_type, priority=400)
     app.connect("autodoc-process-docstring", _property_type_from_annotation, priority=600)

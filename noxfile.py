@@ -213,6 +213,8 @@ def _install_project_gpu(session: nox.Session) -> None:
     # --no-deps: their needs are the machine's (torch, einops) or unused (nvidia-cutlass only
     # lends its C++ headers; its Python tooling and cuda-python are not needed)
     session.install("--no-deps", *GPU_EXTRAS, silent=False)
+    # --no-build-isolation builds with this environment's setuptools: PEP 639 metadata needs 77+
+    session.install("--no-deps", "setuptools>=77", silent=False)
     session.install("--no-deps", "--no-build-isolation", *PACKAGES, silent=False)
 
 

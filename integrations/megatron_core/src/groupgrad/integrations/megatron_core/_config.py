@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-__all__ = ["check_expert_config", "check_fused_config", "process_groups"]
+__all__ = ["check_expert_config", "check_expert_groups", "check_fused_config", "process_groups"]
 
 
 def process_groups(pg_collection: Any) -> Any:
@@ -23,13 +23,12 @@ def process_groups(pg_collection: Any) -> Any:
     return get_default_pg_collection()
 
 
-def check_expert_config(config: Any, pg_collection: Any, owner: str) -> None:
-    """Check settings every groupgrad expert layer needs.
+def check_expert_config(config: Any, owner: str) -> None:
+    """Check the settings every groupgrad expert layer needs (before any process group is read).
 
     Raises:
         ValueError: Expert tensor parallelism (``expert_tensor_parallel_size``
-            or the expert tensor-parallel group larger than 1), or FP8 / FP4
-            training.
+            larger than 1), or FP8 / FP4 training.
     """
     etp = config.expert_tensor_parallel_size
     if etp is not None and etp > 1:
@@ -38,12 +37,6 @@ def check_expert_config(config: Any, pg_collection: Any, owner: str) -> None:
             "expert tensor parallelism, expected 1 (use expert_model_parallel_size to spread "
             "experts over ranks)"
         )
-    group_size = pg_collection.expt_tp.size()
-    if group_size > 1:
-        raise ValueError(
-            f"{owner}: the expert tensor-parallel group (pg_collection.expt_tp) has {group_size} "
-            "ranks; groupgrad experts do not implement expert tensor parallelism, expected 1"
-        )
     for option in ("fp8", "fp4"):
         value = getattr(config, option, None)
         if value:
@@ -51,6 +44,21 @@ def check_expert_config(config: Any, pg_collection: Any, owner: str) -> None:
                 f"{owner}: {option} is {value!r}; groupgrad experts compute in the parameters' "
                 f"dtype (bf16, fp16 or fp32), expected {option}=None"
             )
+
+
+def check_expert_groups(pg_collection: Any, owner: str) -> None:
+    """Check the process groups: no expert tensor parallelism.
+
+    Raises:
+        ValueError: The expert tensor-parallel group (``pg_collection.expt_tp``)
+            has more than one rank.
+    """
+    group_size = pg_collection.expt_tp.size()
+    if group_size > 1:
+        raise ValueError(
+            f"{owner}: the expert tensor-parallel group (pg_collection.expt_tp) has {group_size} "
+            "ranks; groupgrad experts do not implement expert tensor parallelism, expected 1"
+        )
 
 
 def check_fused_config(config: Any, owner: str) -> None:

@@ -29,6 +29,7 @@ from groupgrad.integrations.megatron_core._checkpoint import (
 )
 from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
+    check_expert_groups,
     check_fused_config,
     process_groups,
 )
@@ -90,10 +91,11 @@ class GroupgradFusedExperts(MegatronModule):
                 f"{owner}: submodules is {submodules!r}, expected None (the fused experts build "
                 "their own layers)"
             )
+        check_expert_config(config, owner)
+        check_fused_config(config, owner)
         super().__init__(config=config)
         pg_collection = process_groups(pg_collection)
-        check_expert_config(config, pg_collection, owner)
-        check_fused_config(config, owner)
+        check_expert_groups(pg_collection, owner)
         self.num_local_experts = num_local_experts
         self.pg_collection = pg_collection
         self.grouped_mlp = GroupedMLP(

@@ -28,7 +28,11 @@ from groupgrad.integrations.megatron_core._checkpoint import (
     drop_extra_state_copies,
     grouped_sharded_state_dict,
 )
-from groupgrad.integrations.megatron_core._config import check_expert_config, process_groups
+from groupgrad.integrations.megatron_core._config import (
+    check_expert_config,
+    check_expert_groups,
+    process_groups,
+)
 from groupgrad.integrations.megatron_core._hooks import WgradHooks
 from groupgrad.integrations.megatron_core._params import expert_device, setup_expert_parameters
 from groupgrad.modules import GroupedLinear
@@ -113,8 +117,9 @@ class GroupgradGroupedLinear(GroupedLinear):
             )
         if parallel_mode not in ("column", "row"):
             raise ValueError(f"{owner}: parallel_mode is {parallel_mode!r}, expected 'column' or 'row'")
+        check_expert_config(config, owner)
         pg_collection = process_groups(pg_collection)
-        check_expert_config(config, pg_collection, owner)
+        check_expert_groups(pg_collection, owner)
         add_bias_here = bias and not skip_bias_add
         super().__init__(
             num_gemms,

@@ -82,13 +82,17 @@ SHAPES = [
     Shape("E8 (Mixtral-8x7B-like)", E=8, H=4096, F=14336, k=2, S=4096),
     Shape("E128 (Qwen3-30B-A3B-like)", E=128, H=2048, F=768, k=8, S=4096),
 ]
-SMOKE_SHAPES = [Shape("E4 smoke", E=4, H=16, F=8, k=2, S=12), Shape("E16 smoke", E=16, H=8, F=4, k=4, S=8)]
+SMOKE_SHAPES = [
+    Shape("E4 smoke", E=4, H=16, F=8, k=2, S=12),
+    Shape("E16 smoke", E=16, H=8, F=4, k=4, S=8),
+]
 
 
 def load_cpu_shim() -> None:
     """Install the test-only CUDA shim (CPU smoke mode only)."""
     spec = importlib.util.spec_from_file_location("groupgrad_megatron_core_cpu_shim", SHIM)
-    assert spec is not None and spec.loader is not None, SHIM
+    assert spec is not None, SHIM
+    assert spec.loader is not None, SHIM
     shim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shim)
     shim.install()
@@ -159,7 +163,9 @@ def copy_from_sequential(sequential: Any, layer: Any) -> None:
         for e, mlp in enumerate(sequential.experts.local_experts):
             for fc in ("fc1", "fc2"):
                 owner = getattr(experts, "grouped_mlp", None)
-                target = getattr(owner, fc) if owner is not None else getattr(experts, f"linear_{fc}")
+                target = (
+                    getattr(owner, fc) if owner is not None else getattr(experts, f"linear_{fc}")
+                )
                 getattr(target, f"weight{e}").copy_(getattr(mlp, f"linear_{fc}").weight)
 
 
@@ -212,7 +218,9 @@ def make_runners(shape: Shape, device: torch.device) -> dict[str, Runner]:
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = [
         (
-            torch.randn(shape.S, 1, shape.H, device=device, dtype=dtype, generator=gen).requires_grad_(),
+            torch.randn(
+                shape.S, 1, shape.H, device=device, dtype=dtype, generator=gen
+            ).requires_grad_(),
             torch.randn(shape.S, 1, shape.H, device=device, dtype=dtype, generator=gen),
         )
         for _ in range(N_SETS)
@@ -242,7 +250,9 @@ def _median_ms_cpu(fn: Callable[[int], object], reps: int, warmup: int) -> float
     return statistics.median(samples)
 
 
-def timed(fns: dict[str, Callable[[int], object]], device: torch.device, rounds: int) -> dict[str, float]:
+def timed(
+    fns: dict[str, Callable[[int], object]], device: torch.device, rounds: int
+) -> dict[str, float]:
     """Median ms of each function: interleaved CUDA-event rounds on a GPU, perf_counter on CPU."""
     if device.type == "cuda":
         return kt.interleaved_ms(fns, N_SETS, rounds=rounds, per_round=3)
@@ -266,7 +276,7 @@ def bench_shape(shape: Shape, device: torch.device, rounds: int) -> dict:
     routed = int(sum(int(c) for c in runners["sequential"].expert_inputs[0][1]))
     flops = 18 * routed * shape.H * shape.F
     ref_out, ref_dx = outputs["sequential"]
-    row = {
+    return {
         **dataclasses.asdict(shape),
         "routed_tokens": routed,
         "layer_ms": layer_ms,
@@ -275,11 +285,13 @@ def bench_shape(shape: Shape, device: torch.device, rounds: int) -> dict:
         "speedup_layer": {b: layer_ms["sequential"] / layer_ms[b] for b in BACKENDS[1:]},
         "speedup_experts": {b: experts_ms["sequential"] / experts_ms[b] for b in BACKENDS[1:]},
         "rel_diff_vs_sequential": {
-            b: {"output": rel_diff(outputs[b][0], ref_out), "input_grad": rel_diff(outputs[b][1], ref_dx)}
+            b: {
+                "output": rel_diff(outputs[b][0], ref_out),
+                "input_grad": rel_diff(outputs[b][1], ref_dx),
+            }
             for b in BACKENDS[1:]
         },
     }
-    return row
 
 
 def one_line(row: dict) -> str:
@@ -302,7 +314,12 @@ def markdown_table(result: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        t, s, e, tf = row["layer_ms"], row["speedup_layer"], row["speedup_experts"], row["experts_tflops"]
+        t, s, e, tf = (
+            row["layer_ms"],
+            row["speedup_layer"],
+            row["speedup_experts"],
+            row["experts_tflops"],
+        )
         lines.append(
             f"| {row['E']}, {row['H']}, {row['F']}, {row['k']}, {row['S']} | {t['sequential']:.3f} | "
             f"{t['groupgrad_fused']:.3f} ({s['groupgrad_fused']:.2f}×) | {t['groupgrad']:.3f} "
@@ -324,15 +341,29 @@ def plot(result: dict, path: Path) -> None:
     xs = range(len(rows))
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.5 * len(rows), 4.2))
     width = 0.38
-    for ax, key, title in zip(axes, ("speedup_layer", "speedup_experts"), ("MoE layer step", "experts alone"), strict=True):
-        ax.bar([x - width / 2 for x in xs], [r[key]["groupgrad_fused"] for r in rows], width, label="groupgrad fused")
-        ax.bar([x + width / 2 for x in xs], [r[key]["groupgrad"] for r in rows], width, label="groupgrad grouped linears")
+    for ax, key, title in zip(
+        axes, ("speedup_layer", "speedup_experts"), ("MoE layer step", "experts alone"), strict=True
+    ):
+        ax.bar(
+            [x - width / 2 for x in xs],
+            [r[key]["groupgrad_fused"] for r in rows],
+            width,
+            label="groupgrad fused",
+        )
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [r[key]["groupgrad"] for r in rows],
+            width,
+            label="groupgrad grouped linears",
+        )
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"{title}: speed-up vs SequentialMLP")
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, fontsize=8)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Megatron-Core MoE layer, {result['gpu']}, megatron-core {result['megatron_core']}")
+    fig.suptitle(
+        f"Megatron-Core MoE layer, {result['gpu']}, megatron-core {result['megatron_core']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -42,7 +42,6 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,9 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 BACKENDS = ("sequential", "groupgrad-fused", "groupgrad")
-SHIM = Path(__file__).resolve().parents[1] / "integrations" / "megatron_core" / "tests" / "cpu_shim.py"
+SHIM = (
+    Path(__file__).resolve().parents[1] / "integrations" / "megatron_core" / "tests" / "cpu_shim.py"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=2, help="expert_model_parallel_size")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather")
-    parser.add_argument("--overlap-ep-comm", action="store_true", help="overlap_moe_expert_parallel_comm")
+    parser.add_argument(
+        "--overlap-ep-comm", action="store_true", help="overlap_moe_expert_parallel_comm"
+    )
     parser.add_argument("--delay-wgrad", action="store_true", help="delay_wgrad_compute")
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=32)
@@ -86,7 +89,8 @@ def setup_distributed(args: argparse.Namespace) -> torch.device:
         dist.init_process_group("nccl")
     else:
         spec = importlib.util.spec_from_file_location("groupgrad_megatron_core_cpu_shim", SHIM)
-        assert spec is not None and spec.loader is not None, SHIM
+        assert spec is not None, SHIM
+        assert spec.loader is not None, SHIM
         shim = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(shim)
         shim.install()
@@ -104,7 +108,7 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = args.dtype == "bf16"
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=2,
         hidden_size=args.hidden,
         ffn_hidden_size=2 * args.hidden,
@@ -128,7 +132,6 @@ def make_config(args: argparse.Namespace, device: torch.device) -> Any:
         overlap_moe_expert_parallel_comm=args.overlap_ep_comm,
         delay_wgrad_compute=args.delay_wgrad,
     )
-    return config
 
 
 def build_model(backend: str, config: Any, args: argparse.Namespace, device: torch.device) -> Any:
@@ -279,7 +282,9 @@ def cpu_forward_backward(ddp: Any, data: Iterator[Any], num_microbatches: int) -
     return reports
 
 
-def train(backend: str, reference: Any, args: argparse.Namespace, device: torch.device) -> list[float]:
+def train(
+    backend: str, reference: Any, args: argparse.Namespace, device: torch.device
+) -> list[float]:
     """Train one backend from ``reference``'s weights; its losses (mean over micro-batches, ranks)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -329,12 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     # every backend starts from the weights of one freshly seeded SequentialMLP model
     torch.manual_seed(args.seed)
     reference = build_model("sequential", make_config(args, device), args, device)
-    results = {backend: train(backend, reference, args, device) for backend in args.experts.split(",")}
+    results = {
+        backend: train(backend, reference, args, device) for backend in args.experts.split(",")
+    }
     if dist.get_rank() == 0:
         for backend, losses in results.items():
             print(f"{backend:16s} " + " ".join(f"{x:.7f}" for x in losses), flush=True)
         if args.out is not None:
-            args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "losses": results}))
+            args.out.write_text(
+                json.dumps({"args": {**vars(args), "out": str(args.out)}, "losses": results})
+            )
     dist.destroy_process_group()
     return 0
 

@@ -27,6 +27,7 @@ Kinds (``scenario["kind"]``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
@@ -40,7 +41,9 @@ from torch.nn import functional as F
 
 SEED = 1234
 SHAPE = {"experts": 4, "hidden": 16, "ffn": 8, "seq": 6, "batch": 2, "topk": 2}
-_EXPERT = re.compile(r"(.*\.?experts\.)(?:grouped_mlp\.(fc[12])|linear_(fc[12]))\.(weight|bias)(\d+)$")
+_EXPERT = re.compile(
+    r"(.*\.?experts\.)(?:grouped_mlp\.(fc[12])|linear_(fc[12]))\.(weight|bias)(\d+)$"
+)
 
 
 # ---------------------------------------------------------------- building
@@ -137,7 +140,9 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 def _data(sc: dict[str, Any], micro: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(SEED + 100 * dist.get_rank() + micro)
     shape = (SHAPE["seq"], SHAPE["batch"], SHAPE["hidden"])
-    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(
+        device
+    )
 
 
 def _train_layer(
@@ -155,7 +160,7 @@ def _train_layer(
     for micro in range(2):
         x, dy = _data(sc, micro, device)
         x = x.to(dtype).requires_grad_()
-        with ddp.no_sync() if micro == 0 else _nothing():
+        with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
             out, _ = ddp(x)
             out.backward(dy.to(dtype))
             if delay:
@@ -172,14 +177,6 @@ def _train_layer(
         if ".experts." in f".{n}"
     }
     return result
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def run_layer(sc: dict[str, Any]) -> dict[str, Any]:
@@ -376,7 +373,9 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
     for backend in ("fused", "unfused"):
         config = make_config({**sc, "ep": 1}, torch.float32)
         config.expert_tensor_parallel_size = 1
-        out[f"etp_groups/{backend}"] = _message(lambda c=config, b=backend: build_layer(b, c, "cpu"))
+        out[f"etp_groups/{backend}"] = _message(
+            lambda c=config, b=backend: build_layer(b, c, "cpu")
+        )
     # delayed wgrad under a DDP that does not hand its hooks to the layer
     setup_parallel(ep=2)
     for backend in ("fused", "unfused"):

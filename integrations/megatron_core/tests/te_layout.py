@@ -57,7 +57,13 @@ def _tensor(key: str, local: tuple, global_: tuple, offset: tuple, frag: tuple, 
 
 
 def _object(key: str, global_: tuple, offset: tuple, rid: tuple) -> dict:
-    return {"type": "object", "key": key, "global_shape": global_, "global_offset": offset, "replica_id": rid}
+    return {
+        "type": "object",
+        "key": key,
+        "global_shape": global_,
+        "global_offset": offset,
+        "replica_id": rid,
+    }
 
 
 def expected_te_layout(
@@ -85,15 +91,30 @@ def expected_te_layout(
                 for half in ("w", "v")
             ]
             fc2 = [_tensor(f"{base}linear_fc2.weight", (H, F), (H, F), (0, 0), (1, 1), rid)]
-            objects = {fc: _object(f"{base}linear_{fc}._extra_state", (1,), (0,), rid) for fc in ("fc1", "fc2")}
+            objects = {
+                fc: _object(f"{base}linear_{fc}._extra_state", (1,), (0,), rid)
+                for fc in ("fc1", "fc2")
+            }
         else:
             base = f"{prefix}experts."
             fc1 = [
-                _tensor(f"{base}linear_fc1.weight", (F, H), (E, 2 * F, H), (g, offset, 0), (E, 2, 1), rid)
+                _tensor(
+                    f"{base}linear_fc1.weight",
+                    (F, H),
+                    (E, 2 * F, H),
+                    (g, offset, 0),
+                    (E, 2, 1),
+                    rid,
+                )
                 for offset in (0, F)
             ]
-            fc2 = [_tensor(f"{base}linear_fc2.weight", (H, F), (E, H, F), (g, 0, 0), (E, 1, 1), rid)]
-            objects = {fc: _object(f"{base}linear_{fc}._extra_state", (E,), (g,), rid) for fc in ("fc1", "fc2")}
+            fc2 = [
+                _tensor(f"{base}linear_fc2.weight", (H, F), (E, H, F), (g, 0, 0), (E, 1, 1), rid)
+            ]
+            objects = {
+                fc: _object(f"{base}linear_{fc}._extra_state", (E,), (g,), rid)
+                for fc in ("fc1", "fc2")
+            }
         entries[f"{prefix}linear_fc1.weight{e}"] = fc1
         entries[f"{prefix}linear_fc2.weight{e}"] = fc2
         for fc in ("fc1", "fc2"):

@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn import functional as F
-
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional as F
 
 import groupgrad.integrations.megatron_core as megatron_core
 from groupgrad.integrations.megatron_core import (
@@ -76,7 +75,10 @@ def test_installed_release_is_supported() -> None:
 
 @pytest.mark.parametrize(("major", "minor"), [(0, 15), (0, 17), (0, 18), (0, 20), (1, 0)])
 def test_other_releases_are_refused_naming_both_versions(major: int, minor: int) -> None:
-    with pytest.raises(ImportError, match=rf"supports megatron-core 0\.16\.x .*0\.19\.x .*installed megatron-core is {major}\.{minor}\.3"):
+    with pytest.raises(
+        ImportError,
+        match=rf"supports megatron-core 0\.16\.x .*0\.19\.x .*installed megatron-core is {major}\.{minor}\.3",
+    ):
         check_supported(major, minor, f"{major}.{minor}.3")
 
 
@@ -129,7 +131,12 @@ def test_fused_must_be_a_bool() -> None:
 
 
 def _linear(cls: type, config: Any, **overrides: Any) -> Any:
-    options = {"config": config, "init_method": torch.nn.init.zeros_, "bias": False, "skip_bias_add": False}
+    options = {
+        "config": config,
+        "init_method": torch.nn.init.zeros_,
+        "bias": False,
+        "skip_bias_add": False,
+    }
     options.update(overrides)
     return cls(4, 8, 12, **options)
 
@@ -144,7 +151,9 @@ def _linear(cls: type, config: Any, **overrides: Any) -> Any:
     ids=["fused", "fc1", "fc2"],
 )
 def test_expert_tensor_parallelism_is_refused_at_construction(build: Any) -> None:
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size is 2; groupgrad experts do not implement"):
+    with pytest.raises(
+        ValueError, match="expert_tensor_parallel_size is 2; groupgrad experts do not implement"
+    ):
         build(_config(expert_tensor_parallel_size=2))
 
 
@@ -168,7 +177,9 @@ def test_fp8_and_fp4_are_refused(option: str, value: str) -> None:
         ({"glu_linear_offset": 1.0}, "glu_linear_offset is 1.0, expected 0.0"),
     ],
 )
-def test_fused_experts_refuse_what_the_fused_op_does_not_compute(overrides: dict, message: str) -> None:
+def test_fused_experts_refuse_what_the_fused_op_does_not_compute(
+    overrides: dict, message: str
+) -> None:
     config = _config(**overrides)
     with pytest.raises(ValueError, match=rf"GroupgradFusedExperts: {message}: the fused experts"):
         GroupgradFusedExperts(4, config)
@@ -201,7 +212,9 @@ def test_wgrad_hooks_refuse_main_grad_without_a_hook() -> None:
     weight = torch.nn.Parameter(torch.zeros(2))
     WgradHooks().fire("layer", [weight])  # no main_grad: a plain CPU test may call backward_dw()
     weight.main_grad = torch.zeros(2)  # type: ignore[attr-defined]
-    with pytest.raises(RuntimeError, match=r"layer\.backward_dw\(\): .*no wgrad hook was registered"):
+    with pytest.raises(
+        RuntimeError, match=r"layer\.backward_dw\(\): .*no wgrad hook was registered"
+    ):
         WgradHooks().fire("layer", [weight])
 
 
@@ -211,7 +224,8 @@ def test_wgrad_hooks_refuse_main_grad_without_a_hook() -> None:
 def test_cpu_shim_refuses_to_load_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     path = Path(__file__).with_name("cpu_shim.py")
     spec = importlib.util.spec_from_file_location("_groupgrad_megatron_core_tests_shim_probe", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     shim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shim)
     current_device = torch.cuda.current_device

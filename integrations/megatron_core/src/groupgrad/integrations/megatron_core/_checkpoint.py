@@ -204,9 +204,7 @@ def experts_sharded_state_dict(
     return entries
 
 
-def drop_extra_state_copies(
-    dict_prefixes: Sequence[str], keep_first: bool
-) -> Callable[..., None]:
+def drop_extra_state_copies(dict_prefixes: Sequence[str], keep_first: bool) -> Callable[..., None]:
     """A ``load_state_dict`` pre-hook removing the per-expert ``_extra_state`` entries.
 
     Args:

@@ -190,8 +190,12 @@ class GroupgradFusedExperts(MegatronModule):
         """
         fc1, fc2 = self.grouped_mlp.fc1, self.grouped_mlp.fc2
         layers = [
-            ExpertLayerEntries("linear_fc1", _FC1_PREFIX, *fc1.current_parameters(), COLUMN_PARALLEL_AXES),
-            ExpertLayerEntries("linear_fc2", _FC2_PREFIX, *fc2.current_parameters(), ROW_PARALLEL_AXES),
+            ExpertLayerEntries(
+                "linear_fc1", _FC1_PREFIX, *fc1.current_parameters(), COLUMN_PARALLEL_AXES
+            ),
+            ExpertLayerEntries(
+                "linear_fc2", _FC2_PREFIX, *fc2.current_parameters(), ROW_PARALLEL_AXES
+            ),
         ]
         return experts_sharded_state_dict(
             layers,

@@ -116,7 +116,9 @@ class GroupgradGroupedLinear(GroupedLinear):
                 "hold MoE experts only)"
             )
         if parallel_mode not in ("column", "row"):
-            raise ValueError(f"{owner}: parallel_mode is {parallel_mode!r}, expected 'column' or 'row'")
+            raise ValueError(
+                f"{owner}: parallel_mode is {parallel_mode!r}, expected 'column' or 'row'"
+            )
         check_expert_config(config, owner)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)
@@ -137,9 +139,14 @@ class GroupgradGroupedLinear(GroupedLinear):
         self.pg_collection = pg_collection
         self.returned_bias_names: tuple[str, ...] = ()
         if bias and skip_bias_add:  # kept here, returned by forward, never added by the GEMM op
-            factory: dict[str, Any] = {"dtype": config.params_dtype, "device": expert_device(config)}
+            factory: dict[str, Any] = {
+                "dtype": config.params_dtype,
+                "device": expert_device(config),
+            }
             for e in range(num_gemms):
-                self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(output_size, **factory)))
+                self.register_parameter(
+                    f"bias{e}", nn.Parameter(torch.empty(output_size, **factory))
+                )
             self.returned_bias_names = tuple(f"bias{e}" for e in range(num_gemms))
         weights, biases = self._all_parameters()
         setup_expert_parameters(
@@ -201,7 +208,6 @@ class GroupgradGroupedLinear(GroupedLinear):
 
     def get_extra_state(self) -> None:
         """No extra state (Megatron's own linears return ``None`` too, for TE compatibility)."""
-        return None
 
     def set_extra_state(self, state: Any) -> None:
         """Ignore a loaded extra state (Transformer Engine's FP8 metadata has no use here)."""

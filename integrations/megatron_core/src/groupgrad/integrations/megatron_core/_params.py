@@ -37,9 +37,14 @@ from torch import Tensor
 __all__ = ["expert_device", "setup_expert_parameters"]
 
 
-def expert_device(config: Any) -> torch.device | str | int:
-    """Where Megatron puts expert parameters: the CPU with ``use_cpu_initialization``, else the GPU."""
-    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+def expert_device(config: Any) -> torch.device:
+    """Where Megatron puts expert parameters: the CPU with ``use_cpu_initialization``, else the GPU.
+
+    The GPU is ``torch.cuda.current_device()``, as for Megatron's own layers.
+    """
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device(torch.cuda.current_device())
 
 
 def setup_expert_parameters(

@@ -23,6 +23,11 @@ Specs in Megatron's style: :func:`get_gpt_layer_groupgrad_spec` (a GPT layer),
 :func:`get_moe_module_groupgrad_spec` (an MoE layer),
 :func:`get_groupgrad_experts_spec` (the experts entry) and
 :class:`GroupgradSpecProvider` (a backend for Megatron's spec builders).
+
+``MEGATRON_CORE_VERSION`` is the installed release as ``(major, minor)``;
+``SUPPORTED_RELEASES`` maps the supported ones, ``(0, 16)`` and ``(0, 19)``,
+to the Python they need. Importing the package on another release raises
+``ImportError``.
 """
 
 from groupgrad.integrations.megatron_core._compat import MEGATRON_CORE_VERSION, SUPPORTED_RELEASES

@@ -77,7 +77,7 @@ def make_config(sc: dict[str, Any], dtype: torch.dtype, **overrides: Any) -> Any
         "moe_router_topk": SHAPE["topk"],
         "moe_router_dtype": "fp32",
         "moe_aux_loss_coeff": 0.0,
-        "moe_token_dispatcher_type": "allgather",
+        "moe_token_dispatcher_type": sc.get("dispatcher", "allgather"),
         "expert_model_parallel_size": sc["ep"],
         "gated_linear_unit": True,
         "activation_func": F.silu,

@@ -45,7 +45,9 @@ def assert_fp32_matches_sequential(result: dict[str, Any], where: str) -> dict[s
     """Outputs, input grads and every main_grad within :data:`FP32_REL` of SequentialMLP's."""
     diffs = relative_differences(result)
     for name, tensor in named_tensors(result["sequential"]).items():
-        assert tensor.abs().max() > 0, f"{where}: SequentialMLP's {name} is all zeros; the test could not fail"
+        assert tensor.abs().max() > 0, (
+            f"{where}: SequentialMLP's {name} is all zeros; the test could not fail"
+        )
     bad = {k: v for k, v in diffs.items() if not v <= FP32_REL}
     assert not bad, f"{where}: groupgrad differs from SequentialMLP (relative to max): {bad}"
     return diffs
@@ -63,7 +65,9 @@ def bf16_error_ratios(result: dict[str, Any], where: str) -> dict[str, float]:
     ratios = {}
     for name, exact in truth.items():
         exact = exact.double()
-        assert torch.isfinite(ours[name]).all(), f"{where}: groupgrad's {name} has non-finite values"
+        assert torch.isfinite(ours[name]).all(), (
+            f"{where}: groupgrad's {name} has non-finite values"
+        )
         scale = exact.abs().max().item()
         assert scale > 0, f"{where}: the fp64 {name} is all zeros; the test could not fail"
         err_ours = (ours[name].double() - exact).abs().max().item()

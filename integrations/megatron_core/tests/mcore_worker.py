@@ -233,24 +233,28 @@ def _load(layer: Any, path: Path) -> None:
 
 
 def run_checkpoint(sc: dict[str, Any]) -> dict[str, Any]:
-    """Save with each backend, load into the others; the weights each layer ends with."""
+    """Save with each backend, load into the others; the weights each layer ends with.
+
+    ``sc["backends"]`` (default: all three) are built with different weights
+    (one RNG stream); every pair is saved by one and loaded by a fresh other.
+    """
     setup_parallel(sc["ep"])
-    root = Path(sc["workdir"]) / f"ep{sc['ep']}"
+    backends = sc.get("backends", ["sequential", "fused", "unfused"])
+    root = Path(sc["workdir"]) / sc["name"]
     device = sc.get("device", "cpu")
     config = make_config(sc, torch.float32)
-    layers = {b: build_layer(b, config, device) for b in ("sequential", "fused", "unfused")}
+    layers = {b: build_layer(b, config, device) for b in backends}
     saved = {}
     for name, layer in layers.items():
         saved[name] = _expert_weights(layer)
         _save(layer, root / name)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
-    for target in layers:
-        for source in layers:
-            if source == target:
-                continue
-            fresh = build_layer(target, make_config(sc, torch.float32), device)
-            _load(fresh, root / source)
-            loaded[f"{source}->{target}"] = _expert_weights(fresh)
+    for target in backends:
+        for source in backends:
+            if source != target:
+                fresh = build_layer(target, make_config(sc, torch.float32), device)
+                _load(fresh, root / source)
+                loaded[f"{source}->{target}"] = _expert_weights(fresh)
     return {"saved": saved, "loaded": loaded}
 
 

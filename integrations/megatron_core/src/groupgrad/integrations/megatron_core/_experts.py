@@ -72,9 +72,11 @@ class GroupgradFusedExperts(MegatronModule):
         name: Accepted for Megatron's signature (0.19 passes it); unused.
 
     Raises:
-        ValueError: An unsupported setting (see :func:`check_fused_config`:
-            non-SwiGLU activation, biases, latent projection; and expert
-            tensor parallelism or FP8/FP4), named with its value.
+        ValueError: An unsupported setting, named with its value: anything
+            but SwiGLU (``gated_linear_unit`` with ``F.silu``, no clamp, no GLU
+            offset or interleaving), biases (Megatron scales fc2's bias by the
+            router probability, the fused op does not), a latent projection,
+            expert tensor parallelism, FP8/FP4.
     """
 
     def __init__(

@@ -64,8 +64,9 @@ class GroupgradGroupedLinear(GroupedLinear):
       :meth:`backward_dw` runs the wgrad GEMM and then the hooks Megatron's
       DDP registered through :meth:`register_wgrad_accumulation_and_reduce_hooks`.
     * ``init_method`` (the argument): applied to every expert's weight on its
-      own (see :func:`setup_expert_parameters`); ``perform_initialization``,
-      ``use_cpu_initialization``, ``params_dtype``.
+      own, as Megatron's own expert linears do — on an fp32 master copy with
+      ``use_cpu_initialization``, else under the expert-parallel RNG tracker —
+      when ``perform_initialization``; biases are zeroed; ``params_dtype``.
     * ``expert_model_parallel_size > 1``: every parameter gets
       ``allreduce = False`` (Megatron's expert data-parallel buffers).
 

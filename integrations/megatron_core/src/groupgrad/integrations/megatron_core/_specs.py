@@ -78,6 +78,7 @@ class GroupgradSpecProvider(LocalSpecProvider):
     """
 
     def __init__(self, fused: bool = True) -> None:
+        super().__init__()
         _experts_class_and_submodules(fused)  # type check
         self.fused = fused
 

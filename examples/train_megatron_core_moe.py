@@ -226,8 +226,22 @@ class MainGradAdam:
     def step(self) -> None:
         for param in self.params:
             param.grad = param.main_grad
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.adam.step()
+
+
+class CheckedOptimizer:
+    """Megatron's optimizer, refusing a skipped step (non-finite gradients) instead of hiding it."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        update_ok, _, _ = self.optimizer.step()
+        if not update_ok:
+            raise RuntimeError("the optimizer skipped a step (non-finite gradients)")
 
 
 def make_optimizer(ddp: Any, config: Any, args: argparse.Namespace, device: torch.device) -> Any:
@@ -245,21 +259,11 @@ def make_optimizer(ddp: Any, config: Any, args: argparse.Namespace, device: torc
             weight_decay=0.0,
             bf16=args.dtype == "bf16",
             params_dtype=config.params_dtype,
-            clip_grad=1.0,
+            clip_grad=0.0,
         ),
         [ddp],
     )
-
-    class _Checked:
-        zero_grad = optimizer.zero_grad
-
-        @staticmethod
-        def step() -> None:
-            update_ok, _, _ = optimizer.step()
-            if not update_ok:
-                raise RuntimeError("the optimizer skipped a step (non-finite gradients)")
-
-    return _Checked
+    return CheckedOptimizer(optimizer)
 
 
 def cpu_forward_backward(ddp: Any, data: Iterator[Any], num_microbatches: int) -> list[dict]:

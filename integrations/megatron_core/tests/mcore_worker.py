@@ -88,6 +88,7 @@ def make_config(sc: dict[str, Any], dtype: torch.dtype, **overrides: Any) -> Any
         "params_dtype": dtype,
         "bf16": dtype == torch.bfloat16,
         "use_cpu_initialization": sc.get("device", "cpu") == "cpu",
+        **sc.get("config", {}),
         **overrides,
     }
     config = TransformerConfig(**options)
@@ -244,6 +245,11 @@ def run_checkpoint(sc: dict[str, Any]) -> dict[str, Any]:
     device = sc.get("device", "cpu")
     config = make_config(sc, torch.float32)
     layers = {b: build_layer(b, config, device) for b in backends}
+    with torch.no_grad():  # biases start at zero: give them values a lost load would show
+        for layer in layers.values():
+            for name, param in layer.named_parameters():
+                if ".bias" in name:
+                    param.normal_()
     saved = {}
     for name, layer in layers.items():
         saved[name] = _expert_weights(layer)

@@ -6,7 +6,8 @@ the process group the launcher set up, with Megatron's parallel state for the
 scenario's expert-parallel size. Results are plain tensors and values (CPU),
 keyed by name; nothing here decides pass or fail.
 
-Kinds (``scenario["kind"]``):
+Run by ``groupgrad_testsupport.launch`` (one process per rank, gloo on CPU
+with the test-only ``cpu_shim``, NCCL on GPUs). Kinds (``scenario["kind"]``):
 
 * ``layer`` — the same MoE layer with Megatron's ``SequentialMLP`` and with
   groupgrad experts (``backend``: ``fused`` or ``unfused``), the same weights,
@@ -28,7 +29,6 @@ Kinds (``scenario["kind"]``):
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from collections.abc import Callable
 from functools import partial
@@ -160,10 +160,14 @@ def _train_layer(
     result: dict[str, Any] = {"out": [], "dx": []}
     for micro in range(2):
         x, dy = _data(sc, micro, device)
-        x = x.to(dtype).requires_grad_()
+        # every run starts from the same values: those of the scenario's dtype (the fp64 truth
+        # of a bf16 run computes from the bf16 inputs)
+        low = getattr(torch, sc.get("dtype", "float32"))
+        x, dy = x.to(low).to(dtype), dy.to(low).to(dtype)
+        x.requires_grad_()
         with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
             out, _ = ddp(x)
-            out.backward(dy.to(dtype))
+            out.backward(dy)
             if delay:
                 layer.backward_dw()
         result["out"].append(out.detach().cpu())
@@ -175,7 +179,7 @@ def _train_layer(
     result["grad_added"] = {
         sequential_name(n): bool(p.grad_added_to_main_grad)
         for n, p in layer.named_parameters()
-        if ".experts." in f".{n}"
+        if ".experts." in f".{n}" and sequential_name(n).endswith(".weight")  # biases: autograd
     }
     return result
 
@@ -343,7 +347,7 @@ def run_init(sc: dict[str, Any]) -> dict[str, Any]:
                 output_layer_init_method=recording("fc2", 200.0),
                 delay_wgrad_compute=sc.get("delay", False),
             )
-            layer = build_layer(backend, config, "cpu")
+            layer = build_layer(backend, config, sc["device"])
             params = {
                 sequential_name(n): {
                     "value": p.detach().cpu().clone(),
@@ -353,7 +357,8 @@ def run_init(sc: dict[str, Any]) -> dict[str, Any]:
                     "partition_dim": getattr(p, "partition_dim", None),
                     "dtype": str(p.dtype),
                 }
-                for n, p in layer.experts.named_parameters()
+                for n, p in layer.named_parameters()
+                if n.startswith("experts.")
             }
             results[f"{backend}/{'cpu' if cpu_init else 'device'}"] = {
                 "calls": list(calls),
@@ -384,17 +389,17 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
         config = make_config({**sc, "ep": 1}, torch.float32)
         config.expert_tensor_parallel_size = 1
         out[f"etp_groups/{backend}"] = _message(
-            lambda c=config, b=backend: build_layer(b, c, "cpu")
+            lambda c=config, b=backend: build_layer(b, c, sc["device"])
         )
     # delayed wgrad under a DDP that does not hand its hooks to the layer
     setup_parallel(ep=2)
     for backend in ("fused", "unfused"):
         config = make_config({**sc, "ep": 2}, torch.float32, delay_wgrad_compute=True)
-        layer = build_layer(backend, config, "cpu")
+        layer = build_layer(backend, config, sc["device"])
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer
         )
-        x, dy = _data(sc, 0, "cpu")
+        x, dy = _data(sc, 0, sc["device"])
         out_, _ = ddp(x.requires_grad_())
         out_.backward(dy)
         out[f"ddp_without_delay/{backend}"] = _message(layer.backward_dw)
@@ -410,7 +415,21 @@ RUNNERS = {
 }
 
 
-def run(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
-    """Run every scenario on this rank (after the CPU shim where there is no CUDA)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return {sc["name"]: RUNNERS[sc["kind"]](sc) for sc in scenarios}
+def run_scenario(scenario: dict[str, Any], rank: Any) -> dict[str, Any]:
+    """One scenario on this rank (``rank``: the launch's ``groupgrad_testsupport.Rank``)."""
+    where = {"device": rank.device.type, "workdir": str(rank.workdir / "checkpoints")}
+    return RUNNERS[scenario["kind"]]({**scenario, **where})
+
+
+def install_cpu_shim(rank: Any) -> None:
+    """On CPU launches, the test-only shim for Megatron-Core's hard-coded CUDA calls."""
+    if rank.device.type == "cpu":
+        import cpu_shim  # a sibling: the worker's folder is sys.path[0]
+
+        cpu_shim.install()
+
+
+if __name__ == "__main__":
+    from groupgrad_testsupport import run_worker
+
+    run_worker(run_scenario, setup=install_cpu_shim)

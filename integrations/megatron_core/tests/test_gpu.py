@@ -1,4 +1,4 @@
-"""On 2 GPUs with NCCL: the layer comparison with expert parallelism 2, Megatron's delayed-wgrad schedule, the README.
+"""On 2 GPUs with NCCL: the layer comparison with expert parallelism 2, Megatron's delayed-wgrad schedule.
 
 * The MoE layer (Megatron's alltoall dispatcher, EP = 2, fused and unfused
   experts, ``gradient_accumulation_fusion``, with and without
@@ -9,7 +9,8 @@
   1F1B schedule calls ``backward_dw()``; bf16, alltoall, EP = 2; megatron-core
   0.19, whose local attention linears have ``backward_dw``): losses track
   ``SequentialMLP``'s under the same schedule; and in fp32 without it, equal.
-* The README's example, as written, through torchrun.
+
+(The README's example runs through ``tests/test_readme_blocks.py`` on GPUs.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.gpu(2)
 WORKER = Path(__file__).with_name("mcore_worker.py")
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "train_megatron_core_moe.py"
-README = Path(__file__).resolve().parents[1] / "README.md"
 scenarios = load_sibling(__file__, "scenarios")
 checks = load_sibling(__file__, "checks")
 
@@ -116,14 +115,3 @@ def test_example_fp32_on_two_gpus_equals_sequential(tmp_path: Path) -> None:
     out = tmp_path / "losses.json"
     _torchrun(EXAMPLE, "--steps", "4", "--out", str(out))
     _assert_tracks(_losses(out), GPU_FP32_REL)
-
-
-def test_readme_example_runs_on_two_gpus(tmp_path: Path) -> None:
-    marker = "<!-- gpu: torchrun --nproc-per-node 2 -->"
-    match = re.search(re.escape(marker) + r"\n```python\n(.*?)```", README.read_text(), re.S)
-    assert match is not None, f"README has no python block after {marker}"
-    script = tmp_path / "readme_example.py"
-    script.write_text(match.group(1))
-    stdout = _torchrun(script, timeout=600)
-    for rank in (0, 1):
-        assert re.search(rf"rank {rank}: loss \d+\.\d+, GroupgradFusedExperts", stdout), stdout

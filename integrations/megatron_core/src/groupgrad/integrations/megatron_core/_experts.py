@@ -53,7 +53,7 @@ class GroupgradFusedExperts(MegatronModule):
     ``SequentialMLP`` and ``TEGroupedMLP`` for the same weights. SwiGLU ×
     probability and both GEMMs' gradients come from one backward.
 
-    Parameters live in :attr:`grouped_mlp` (``grouped_mlp.fc1.weight{e}``
+    Parameters live in the submodule ``grouped_mlp`` (``grouped_mlp.fc1.weight{e}``
     ``(2F, H)``, gate rows first, and ``grouped_mlp.fc2.weight{e}`` ``(H, F)``,
     in ``config.params_dtype``). Megatron's settings are honoured as by
     :class:`GroupgradGroupedLinear`: ``gradient_accumulation_fusion`` (wgrads

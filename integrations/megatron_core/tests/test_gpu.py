@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from groupgrad_testsupport import Launches, load_sibling
 
 pytestmark = pytest.mark.gpu(2)

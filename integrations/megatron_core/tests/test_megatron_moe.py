@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from groupgrad_testsupport import Launches, load_sibling
 
 WORKER = Path(__file__).with_name("mcore_worker.py")

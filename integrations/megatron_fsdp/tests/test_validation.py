@@ -218,3 +218,32 @@ def test_without_cuda_shard_model_says_megatron_fsdp_needs_it() -> None:
 def test_gathering_rejects_what_is_not_a_megatron_fsdp_model(gather: Any) -> None:
     with pytest.raises(TypeError, match=r"model is a Block, expected the megatron_fsdp"):
         gather(Block())
+
+
+def test_a_megatron_core_that_does_not_fit_megatron_fsdp_is_named_before_sharding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # megatron-fsdp takes megatron.core's config class whenever megatron-core is importable;
+    # stand in for an older megatron-core (0.16.x) whose class lacks a field megatron-fsdp sets
+    import dataclasses
+    import importlib
+
+    own = importlib.import_module("megatron_fsdp.distributed_data_parallel_config")
+    fields = list(dataclasses.fields(own.DistributedDataParallelConfig))
+    older = dataclasses.make_dataclass(
+        "DistributedDataParallelConfig",
+        [(f.name, f.type, f) for f in fields if f.name != "fsdp_db_use_persist_buf_on_alloc_fail"],
+    )
+    chosen = importlib.import_module("megatron_fsdp.fully_shard")
+    monkeypatch.setattr(chosen, "DistributedDataParallelConfig", older)
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: {"megatron-fsdp": "0.6.1"}.get(name, "0.16.1")
+    )
+    module = GroupedMLP(2, 8, 8, accumulate_into_main_grad=True)
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(
+        RuntimeError,
+        match=r"megatron-fsdp 0\.6\.1 uses megatron-core 0\.16\.1's .*fsdp_db_use_persist_buf_on_alloc_fail",
+    ):
+        shard_model(module)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

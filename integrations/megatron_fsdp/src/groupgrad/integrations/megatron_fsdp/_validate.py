@@ -16,6 +16,7 @@ from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol import is_distributed_weight
 
 __all__ = [
+    "check_config_class",
     "check_cuda",
     "check_expert_mesh",
     "check_fsdp_units",
@@ -57,6 +58,43 @@ def check_cuda() -> None:
             f"{torch.__version__}, torch.cuda.is_available() is False); run it on GPUs with "
             "NCCL, e.g. torchrun --nproc-per-node gpu train.py"
         ) from None
+
+
+def check_config_class() -> None:
+    """Require that the config class Megatron-FSDP will use knows every field it passes.
+
+    ``megatron_fsdp`` takes ``megatron.core``'s ``DistributedDataParallelConfig``
+    whenever ``megatron-core`` is importable; an older ``megatron-core`` (0.16.x,
+    the newest for Python 3.11) lacks fields ``megatron-fsdp`` 0.6 sets, and
+    ``fully_shard_model`` would fail with a ``TypeError`` deep in its setup.
+
+    Raises:
+        RuntimeError: The two installed packages do not fit; names both versions.
+    """
+    import dataclasses
+    import importlib
+    import importlib.metadata
+
+    # the modules by their full names: the package re-exports a function named fully_shard
+    own = importlib.import_module("megatron_fsdp.distributed_data_parallel_config")
+    used = importlib.import_module("megatron_fsdp.fully_shard").DistributedDataParallelConfig
+    if used is own.DistributedDataParallelConfig:
+        return
+    missing = sorted(
+        {f.name for f in dataclasses.fields(own.DistributedDataParallelConfig)}
+        - {f.name for f in dataclasses.fields(used)}
+    )
+    if missing:
+        versions = {
+            name: importlib.metadata.version(name) for name in ("megatron-fsdp", "megatron-core")
+        }
+        raise RuntimeError(
+            f"megatron-fsdp {versions['megatron-fsdp']} uses megatron-core "
+            f"{versions['megatron-core']}'s DistributedDataParallelConfig because megatron-core "
+            f"is installed, and that class lacks fields megatron-fsdp passes ({', '.join(missing)}); "
+            "shard_model would fail inside Megatron-FSDP. Use a megatron-core that matches "
+            "megatron-fsdp (0.19 or newer on Python 3.12), or an environment without megatron-core"
+        )
 
 
 def check_no_distributed_weights(module: nn.Module) -> None:

@@ -80,12 +80,28 @@ def _rows(group: ExpertShardGroup, full: Tensor) -> Tensor:
     return full.narrow(-2, group.rank * rows, rows)
 
 
-def _is_our_sharding(group: ExpertShardGroup, value: DTensor) -> bool:
-    mesh = value.device_mesh
-    if mesh.ndim != 1 or value.placements != (Shard(len(group.full_shape) - 2),):
-        return False
+def _dtensor_rows(group: ExpertShardGroup, key: str, value: DTensor) -> Tensor:
+    """This rank's rows of a full-shape ``DTensor``, after checking whose rows it holds here."""
     ranks = dist.get_process_group_ranks(_process_group(group))
-    return mesh.mesh.tolist() == ranks
+    mesh = value.device_mesh
+    mesh_ranks = mesh.mesh.flatten().tolist()
+    if mesh_ranks != ranks:
+        raise RuntimeError(
+            f"state_dict[{key!r}] is a DTensor over ranks {mesh_ranks}, but the weight is sharded "
+            f"over ranks {ranks}; load a checkpoint saved on another world size through "
+            "torch.distributed.checkpoint (it reshards), or with load_full_state_dict"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or list(coordinate) != [group.rank]:
+        raise RuntimeError(
+            f"state_dict[{key!r}] is a DTensor whose local tensor belongs to mesh coordinate "
+            f"{coordinate}, but this is rank {group.rank}: it holds another rank's rows (e.g. "
+            "rank 0's torch.save file loaded on every rank). Each rank must load the file it "
+            "saved, or save with torch.distributed.checkpoint or full_state_dict(module)"
+        )
+    if value.placements == (Shard(len(group.full_shape) - 2),):
+        return value.to_local()
+    return _rows(group, value.full_tensor())  # another placement: collective over the mesh
 
 
 def local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
@@ -94,13 +110,15 @@ def local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
     Args:
         group: The member's group.
         key: The entry's key, for messages.
-        value: A ``DTensor`` of the full shape (resharded when its placement
-            differs from ours; a collective over its mesh then), or a plain
-            full-shape tensor.
+        value: A ``DTensor`` of the full shape over the group's ranks whose
+            local tensor is this rank's (gathered and re-split when its
+            placement differs from ours: a collective over its mesh), or a
+            plain full-shape tensor.
 
     Raises:
-        RuntimeError: Anything else; the message names ``key``, the value's
-            shape and the expected full shape.
+        RuntimeError: Anything else (another shape, a plain shard-shaped
+            tensor, a ``DTensor`` over other ranks or holding another rank's
+            local tensor); the message names ``key`` and the value.
     """
     full_shape = group.full_shape
     if not isinstance(value, Tensor):
@@ -122,9 +140,7 @@ def local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
             f"{group.world_size} ranks){shard_hint}"
         )
     if isinstance(value, DTensor):
-        if _is_our_sharding(group, value):
-            return value.to_local()
-        return _rows(group, value.full_tensor())
+        return _dtensor_rows(group, key, value)
     return _rows(group, value)
 
 

@@ -144,6 +144,13 @@ class ExpertShardGroup:
         :meth:`gather` compares the gathered blocks (once) and raises if a
         member that differed now has identical blocks on every rank.
 
+        A ``DTensor`` or DCP load does not re-arm it (this rank sees its own
+        rows only); the flags from sharding stay until the first gather. A
+        checkpoint whose rows are the same on every rank (e.g. all-zero
+        experts) loaded that way before the first forward would trip it:
+        load such a checkpoint with ``load_full_state_dict``, which re-arms
+        it from the loaded full weights.
+
         Args:
             full_weights: One full-shape weight per member, as every rank
                 holds it (e.g. at sharding, or a loaded full checkpoint).

@@ -193,7 +193,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the custom op's wgrad (the path torch.compile takes) writes zeros",
         _OPS,
         '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
-        "    _wgrad_reference(dy, x, splits, out, accumulate)",
+        "    _reference.wgrad(dy, x, splits, out, accumulate)",
         '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
         "    for dw in out:\n"
         "        dw.zero_()",

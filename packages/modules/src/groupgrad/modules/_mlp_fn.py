@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop
+from groupgrad.kernels import grouped_dgrad, grouped_fprop, swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._group import (
     DeferredWgrad,
     Splits,
@@ -64,7 +64,6 @@ from groupgrad.modules._group import (
     wgrad_step,
 )
 from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
-from groupgrad.modules._swiglu import swiglu_probs, swiglu_probs_backward
 from groupgrad.protocol import (
     WeightGradPlan,
     is_distributed_weight,

@@ -51,12 +51,14 @@ def _process_group(group: ExpertShardGroup) -> dist.ProcessGroup:
 
 
 def _mesh(group: ExpertShardGroup, device: torch.device) -> DeviceMesh:
-    """The 1-D mesh of ``group``'s process group (built once, without communication)."""
-    mesh = getattr(group, "_device_mesh", None)
-    if mesh is None:
-        mesh = DeviceMesh.from_group(_process_group(group), device.type)
-        group._device_mesh = mesh  # type: ignore[attr-defined]
-    return mesh
+    """A 1-D mesh of ``group``'s process group (no communication).
+
+    Built per ``state_dict()`` call and not cached: only the ``DTensor``
+    entries hold it (and through it the process group), so a script that
+    drops its state dicts before ``destroy_process_group()`` leaves nothing
+    that keeps the group's threads alive at exit.
+    """
+    return DeviceMesh.from_group(_process_group(group), device.type)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

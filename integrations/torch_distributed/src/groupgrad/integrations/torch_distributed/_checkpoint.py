@@ -280,5 +280,6 @@ def load_full_state_dict(
     module.load_state_dict(dict(state), strict=strict)
     for found in layers:
         values = [state.get(name) for name in found.names]
-        if all(isinstance(v, Tensor) and not isinstance(v, DTensor) for v in values):
-            found.group.arm_broadcast_check(values)  # type: ignore[arg-type]
+        fulls = [v for v in values if isinstance(v, Tensor) and not isinstance(v, DTensor)]
+        if len(fulls) == len(values):  # every member loaded from a full tensor
+            found.group.arm_broadcast_check(fulls)

@@ -24,8 +24,10 @@ the shard's shape is refused: it carries no record of whose rows it holds.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +40,18 @@ from groupgrad.integrations.torch_distributed._find import check_module, sharded
 from groupgrad.integrations.torch_distributed._shard_group import ExpertShardGroup
 
 __all__ = ["attach_state_dict_hooks", "full_state_dict", "load_full_state_dict"]
+
+_plain = threading.local()  # .depth > 0: state_dict() leaves shards as they are (plain tensors)
+
+
+@contextlib.contextmanager
+def _plain_shards() -> Iterator[None]:
+    """Within: ``state_dict()`` gives the shards as plain tensors (no mesh, no DTensor)."""
+    _plain.depth = getattr(_plain, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _plain.depth -= 1
 
 
 def _process_group(group: ExpertShardGroup) -> dist.ProcessGroup:
@@ -173,6 +187,8 @@ def attach_state_dict_hooks(module: nn.Module, groups: list[ExpertShardGroup]) -
     def present(
         module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
+        if getattr(_plain, "depth", 0):
+            return
         for key, group, _ in _member_entries(module, groups, prefix):
             if key in state_dict and not isinstance(state_dict[key], DTensor):
                 state_dict[key] = _as_dtensor(group, state_dict[key].detach())
@@ -222,7 +238,8 @@ def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
         TypeError: ``module`` is not an ``nn.Module``.
     """
     check_module(module)
-    state = module.state_dict()
+    with _plain_shards():
+        state = module.state_dict()
     for found in sharded_layers(module):
         for name, full in zip(found.names, found.group.gather(), strict=True):
             if name in state:
@@ -260,7 +277,9 @@ def load_full_state_dict(
     if not isinstance(state, Mapping):
         raise TypeError(f"state is a {type(state).__name__}, expected a mapping of name to tensor")
     layers = sharded_layers(module)
-    expected = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    with _plain_shards():
+        expected = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    expected.update((name, f.group.full_shape) for f in layers for name in f.names)
     for key, value in state.items():
         if key in expected and not isinstance(value, Tensor):
             raise TypeError(f"state[{key!r}] is a {type(value).__name__}, expected a tensor")

@@ -213,6 +213,8 @@ def _install_project_gpu(session: nox.Session) -> None:
     # --no-deps: their needs are the machine's (torch, einops) or unused (nvidia-cutlass only
     # lends its C++ headers; its Python tooling and cuda-python are not needed)
     session.install("--no-deps", *GPU_EXTRAS, silent=False)
+    # --no-build-isolation builds with this environment's setuptools: PEP 639 metadata needs 77+
+    session.install("--no-deps", "setuptools>=77", silent=False)
     session.install("--no-deps", "--no-build-isolation", *PACKAGES, silent=False)
 
 
@@ -250,6 +252,13 @@ def bench(session: nox.Session) -> None:
         chosen, options = [options[0]], options[1:]
     for name in chosen:
         session.run("python", scripts[name], "--out", "benchmarks/results", *options)
+
+
+@nox.session(python=PYTHON_VERSIONS)
+def mutants(session: nox.Session) -> None:
+    """Deliberate breaks (tests/mutants/catalog.py), each on a copy of the tree: every one must fail a test."""
+    _install_project_cpu(session, "pytest>=8", "pytest-timeout")
+    session.run("python", "tests/mutants/run.py", *session.posargs)
 
 
 @nox.session(python=PYTHON_VERSIONS)

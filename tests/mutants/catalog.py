@@ -38,6 +38,7 @@ class Mutant:
 
 
 _GROUP = "packages/modules/src/groupgrad/modules/_group.py"
+_WGRAD = "packages/modules/src/groupgrad/modules/_wgrad.py"
 _PLAN = "packages/protocol/src/groupgrad/protocol/_plan.py"
 _ATTRS = "packages/protocol/src/groupgrad/protocol/_attrs.py"
 _BUFFERS = "packages/protocol/src/groupgrad/protocol/_buffers.py"
@@ -92,7 +93,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "deferred-inputs-unchecked",
         "backward_dw() reads x and dy without checking they are unchanged since backward",
-        _GROUP,
+        _WGRAD,
         "            if tensor._version != version:",
         "            if False:",
         (MODULES,),
@@ -224,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "backward-dw-runs-without-delay",
         "backward_dw() acts on a module without delay_wgrad_compute",
-        "packages/modules/src/groupgrad/modules/_linear.py",
+        "packages/modules/src/groupgrad/modules/_base.py",
         "        if self.delay_wgrad_compute:\n            self._wgrad_queue.pop_and_run(",
         "        if True:\n            self._wgrad_queue.pop_and_run(",
         (f"{MODULES}/test_linear.py",),

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from groupgrad.modules._group import Splits, WeightGroupSpec, WgradQueue
+from groupgrad.modules._base import GroupedModule
+from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._linear_fn import apply_grouped_linear
 
 __all__ = ["GroupedLinear", "check_sizes"]
@@ -24,7 +25,7 @@ def check_sizes(**sizes: object) -> None:
             raise ValueError(f"{name} is {value!r}, expected a positive int")
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(GroupedModule):
     """``E`` linear layers applied to consecutive row groups of one input.
 
     Expert ``e`` computes ``y_e = x_e @ w_e.T + b_e`` on its ``splits[e]``
@@ -61,6 +62,16 @@ class GroupedLinear(nn.Module):
             gradients; the weight-gradient GEMMs run at :meth:`backward_dw`.
     """
 
+    _repr_fields = (
+        ("num_groups", "num_groups"),
+        ("in_features", "in_features"),
+        ("out_features", "out_features"),
+        ("bias", "use_bias"),
+        ("single_grouped_weight", "single_grouped_weight"),
+        ("accumulate_into_main_grad", "accumulate_into_main_grad"),
+        ("delay_wgrad_compute", "delay_wgrad_compute"),
+    )
+
     def __init__(
         self,
         num_groups: int,
@@ -74,7 +85,7 @@ class GroupedLinear(nn.Module):
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(delay_wgrad_compute)
         check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
         self.num_groups = num_groups
         self.in_features = in_features
@@ -82,8 +93,6 @@ class GroupedLinear(nn.Module):
         self.use_bias = bias
         self.single_grouped_weight = single_grouped_weight
         self.accumulate_into_main_grad = accumulate_into_main_grad
-        self.delay_wgrad_compute = delay_wgrad_compute
-        self._wgrad_queue = WgradQueue()
 
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         if single_grouped_weight:
@@ -160,31 +169,6 @@ class GroupedLinear(nn.Module):
                 f"{self.in_features}"
             )
         weights, biases = self.current_parameters()
-        queue = self._wgrad_queue if self.delay_wgrad_compute else None
         return apply_grouped_linear(
-            x, splits, self.group_spec(), queue, [*weights, *biases], len(biases)
-        )
-
-    def backward_dw(self) -> None:
-        """Run the weight-gradient GEMMs one backward deferred (oldest first).
-
-        Only with ``delay_wgrad_compute=True``; a no-op otherwise. With
-        ``main_grad`` the GEMM writes it now (the flag and dummy went to
-        autograd at backward); without, the gradient is added into ``.grad``
-        as autograd would have; a distributed group is finalized now, right
-        after its gradient exists.
-
-        Raises:
-            RuntimeError: No backward has queued a weight gradient.
-        """
-        if self.delay_wgrad_compute:
-            self._wgrad_queue.pop_and_run(type(self).__name__)
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_groups={self.num_groups}, in_features={self.in_features}, "
-            f"out_features={self.out_features}, bias={self.use_bias}, "
-            f"single_grouped_weight={self.single_grouped_weight}, "
-            f"accumulate_into_main_grad={self.accumulate_into_main_grad}, "
-            f"delay_wgrad_compute={self.delay_wgrad_compute}"
+            x, splits, self.group_spec(), self._forward_queue(), [*weights, *biases], len(biases)
         )

@@ -25,17 +25,15 @@ from torch import Tensor
 
 from groupgrad.kernels import grouped_dgrad, grouped_fprop
 from groupgrad.modules._group import (
-    DeferredWgrad,
     Splits,
     WeightGroupSpec,
-    WgradQueue,
     as_gemm_dtype,
-    autocast_dtype,
+    autocast_input,
     expert_index,
     no_autocast,
     snapshot_splits,
-    wgrad_step,
 )
+from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
 from groupgrad.protocol import (
     autograd_grad_dtype,
     is_distributed_weight,
@@ -117,7 +115,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         splits = snapshot_splits(splits)
         with no_autocast(x_TK.device):
             materialized = materialize_weight_for_forward(list(weights))
-            ctx.wgrad_shape = tuple(materialized[0].shape)
+            ctx.target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
             materialized = as_gemm_dtype(materialized, cast_dtype)
             y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
             num_groups = spec.num_groups(materialized)
@@ -152,7 +150,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 del materialized
 
             deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
-            wgrads = wgrad_step(spec, ctx.wgrad_shape, weights, dy_TN, x_TK, ctx.splits, deferred)
+            wgrads = ctx.target.step(dy_TN, x_TK, ctx.splits, deferred)
             if deferred is not None:
                 ctx.queue.push(deferred)
             bgrads = bias_grads(dy_TN, ctx.biases, expert_T, spec.packed)
@@ -168,9 +166,7 @@ def apply_grouped_linear(
     num_biases: int,
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
-    cast_dtype = autocast_dtype(x_TK)
-    if cast_dtype is not None:
-        x_TK = x_TK.to(cast_dtype)
+    x_TK, cast_dtype = autocast_input(x_TK)
     return GroupedLinearFunction.apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *params)
 
 

@@ -6,9 +6,10 @@ Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from groupgrad.modules._group import Splits, WgradQueue
+from groupgrad.modules._base import GroupedModule
+from groupgrad.modules._group import Splits
 from groupgrad.modules._linear import GroupedLinear, check_sizes
 from groupgrad.modules._mlp_fn import (
     MLPLayout,
@@ -21,7 +22,7 @@ from groupgrad.modules._mlp_fn import (
 __all__ = ["GroupedMLP"]
 
 
-class GroupedMLP(nn.Module):
+class GroupedMLP(GroupedModule):
     """``E`` SwiGLU MLPs applied to consecutive row groups of one input, as one fused op.
 
     Expert ``e`` computes, on its ``splits[e]`` rows::
@@ -78,6 +79,17 @@ class GroupedMLP(nn.Module):
             ``"swiglu"``.
     """
 
+    _repr_fields = (
+        ("num_groups", "num_groups"),
+        ("hidden_size", "hidden_size"),
+        ("ffn_hidden_size", "ffn_hidden_size"),
+        ("activation", "activation"),
+        ("bias", "use_bias"),
+        ("single_grouped_weight", "single_grouped_weight"),
+        ("accumulate_into_main_grad", "accumulate_into_main_grad"),
+        ("delay_wgrad_compute", "delay_wgrad_compute"),
+    )
+
     def __init__(
         self,
         num_groups: int,
@@ -92,7 +104,7 @@ class GroupedMLP(nn.Module):
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(delay_wgrad_compute)
         check_sizes(num_groups=num_groups, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation, "GroupedMLP")
         self.num_groups = num_groups
@@ -101,8 +113,6 @@ class GroupedMLP(nn.Module):
         self.activation = activation
         self.use_bias = bias
         self.single_grouped_weight = single_grouped_weight
-        self.delay_wgrad_compute = delay_wgrad_compute
-        self._wgrad_queue = WgradQueue()
 
         def layer(in_features: int, out_features: int) -> GroupedLinear:
             return GroupedLinear(
@@ -169,30 +179,5 @@ class GroupedMLP(nn.Module):
             fc1_weights[0], fc1.names[0], fc2_weights[0], fc2.names[0], "GroupedMLP"
         )
         layout = MLPLayout(fc1, fc2, num_weights=len(fc1_weights), num_biases=len(fc1_biases))
-        queue = self._wgrad_queue if self.delay_wgrad_compute else None
         params = [*fc1_weights, *fc1_biases, *fc2_weights, *fc2_biases]
-        return apply_grouped_mlp(x, splits, probs, layout, queue, params)
-
-    def backward_dw(self) -> None:
-        """Run the fc2 and fc1 weight-gradient GEMMs one backward deferred (oldest first).
-
-        Only with ``delay_wgrad_compute=True``; a no-op otherwise. With
-        ``main_grad`` each GEMM writes it now (the flag and dummy went to
-        autograd at backward); without, the gradient is added into ``.grad``
-        as autograd would have; distributed groups are finalized now, right
-        after their gradient exists.
-
-        Raises:
-            RuntimeError: No backward has queued a weight gradient.
-        """
-        if self.delay_wgrad_compute:
-            self._wgrad_queue.pop_and_run(type(self).__name__)
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_groups={self.num_groups}, hidden_size={self.hidden_size}, "
-            f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}, "
-            f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
-            f"accumulate_into_main_grad={self.accumulate_into_main_grad}, "
-            f"delay_wgrad_compute={self.delay_wgrad_compute}"
-        )
+        return apply_grouped_mlp(x, splits, probs, layout, self._forward_queue(), params)

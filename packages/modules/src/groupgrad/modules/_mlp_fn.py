@@ -25,9 +25,9 @@ Backward, one pass for every variant::
 
     da          = fc2 dgrad(dy)                 re-materialized fc2 weights
     dh, dprobs, a = SwiGLU backward(da, h, probs)
-    fc2 wgrad   dy.T @ a   → wgrad_step (main_grad / distributed / autograd / deferred)
+    fc2 wgrad   dy.T @ a   → WgradTarget.step (main_grad / distributed / autograd / deferred)
     dx          = fc1 dgrad(dh)                 re-materialized fc1 weights
-    fc1 wgrad   dh.T @ x   → wgrad_step
+    fc1 wgrad   dh.T @ x   → WgradTarget.step
 
 With ``delay_wgrad_compute`` both wgrads go into one job of the module's
 :class:`~groupgrad.modules._group.WgradQueue`; ``backward_dw()`` runs them
@@ -51,19 +51,16 @@ from torch import Tensor
 
 from groupgrad.kernels import grouped_dgrad, grouped_fprop, swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._group import (
-    DeferredWgrad,
     Splits,
     WeightGroupSpec,
-    WgradQueue,
     as_gemm_dtype,
-    autocast_dtype,
-    early_plan,
+    autocast_input,
     expert_index,
     no_autocast,
     snapshot_splits,
-    wgrad_step,
 )
 from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
+from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
 from groupgrad.protocol import (
     WeightGradPlan,
     is_distributed_weight,
@@ -140,7 +137,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         splits = snapshot_splits(splits)
         with no_autocast(x_TH.device):
             fc1_weights = materialize_weight_for_forward(list(w1))
-            ctx.fc1_shape = tuple(fc1_weights[0].shape)
+            ctx.fc1 = WgradTarget(layout.fc1, tuple(fc1_weights[0].shape), tuple(w1))
             fc1_weights = as_gemm_dtype(fc1_weights, cast_dtype)
             h_T2F = grouped_fprop(x_TH, layout.fc1.gemm_weights(fc1_weights), splits)
             num_groups = layout.fc1.num_groups(fc1_weights)
@@ -153,7 +150,7 @@ class GroupedMLPFunction(torch.autograd.Function):
             a_TF = swiglu_probs(h_T2F, probs_T)
 
             fc2_weights = materialize_weight_for_forward(list(w2))
-            ctx.fc2_shape = tuple(fc2_weights[0].shape)
+            ctx.fc2 = WgradTarget(layout.fc2, tuple(fc2_weights[0].shape), tuple(w2))
             fc2_weights = as_gemm_dtype(fc2_weights, cast_dtype)
             y_TH = grouped_fprop(a_TF, layout.fc2.gemm_weights(fc2_weights), splits)
             del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
@@ -188,29 +185,18 @@ def _mlp_backward(
         expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
     deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
     # the main_grad groups of both layers are checked before any GEMM writes
+    fc1: WgradTarget = ctx.fc1
+    fc2: WgradTarget = ctx.fc2
     plans: list[WeightGradPlan | None] = [None, None]
     if deferred is None:
-        plans = [
-            early_plan(layout.fc1, ctx.fc1_shape, w1, dtype, dy_TH.device),
-            early_plan(layout.fc2, ctx.fc2_shape, w2, dtype, dy_TH.device),
-        ]
+        plans = [fc1.early_plan(dtype, dy_TH.device), fc2.early_plan(dtype, dy_TH.device)]
 
     fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), ctx.cast_dtype)
     da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
     del fc2_weights
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
     del da_TF
-    fc2_wgrads = wgrad_step(
-        layout.fc2,
-        ctx.fc2_shape,
-        w2,
-        dy_TH,
-        a_TF,
-        splits,
-        deferred,
-        ("dy", "fc2's input"),
-        plans[1],
-    )
+    fc2_wgrads = fc2.step(dy_TH, a_TF, splits, deferred, ("dy", "fc2's input"), plans[1])
     del a_TF
     fc2_bgrads = bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
 
@@ -219,17 +205,7 @@ def _mlp_backward(
         fc1_weights = as_gemm_dtype(materialize_weight_for_backward(list(w1)), ctx.cast_dtype)
         dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
         del fc1_weights
-    fc1_wgrads = wgrad_step(
-        layout.fc1,
-        ctx.fc1_shape,
-        w1,
-        dh_T2F,
-        x_TH,
-        splits,
-        deferred,
-        ("fc1's output grad", "x"),
-        plans[0],
-    )
+    fc1_wgrads = fc1.step(dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x"), plans[0])
     fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
 
     if deferred is not None:
@@ -319,9 +295,7 @@ def apply_grouped_mlp(
     params: Sequence[Tensor],
 ) -> Tensor:
     """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on."""
-    cast_dtype = autocast_dtype(x_TH)
-    if cast_dtype is not None:
-        x_TH = x_TH.to(cast_dtype)
+    x_TH, cast_dtype = autocast_input(x_TH)
     return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)
 
 

@@ -1,0 +1,238 @@
+"""A layer's weight-gradient GEMM: planned by the protocol, run now or deferred.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+
+:class:`WgradTarget` is what one layer's wgrad GEMM writes for: its weight
+layout, the full wgrad shape and the parameters. Its :meth:`~WgradTarget.step`
+is backward's wgrad step: it resolves the ``main_grad`` contract into a plan
+(``groupgrad.protocol``) and runs the GEMM into it, or queues a
+:class:`DeferredWgrad` for ``backward_dw()``. A deferred job checks, as
+autograd checks saved tensors, that its operands were not changed in place
+before it runs; the :class:`WgradQueue` plans every ``main_grad`` group of a
+job before the first GEMM writes, so a rejected job writes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import grouped_wgrad
+from groupgrad.modules._group import Splits, WeightGroupSpec, no_autocast
+from groupgrad.protocol import (
+    WeightGradPlan,
+    WgradRoute,
+    accumulate_grads_like_autograd,
+    defer_weight_grads,
+    plan_weight_grads,
+    wgrad_route,
+)
+
+__all__ = ["DeferredWgrad", "WgradQueue", "WgradTarget"]
+
+
+@dataclass(frozen=True)
+class WgradTarget:
+    """What one layer's wgrad GEMM writes for.
+
+    Attributes:
+        spec: The layer's weight layout and ``main_grad`` option.
+        shape: One parameter's full wgrad shape: the materialized weight's
+            shape, ``(N, K)`` or packed ``(E, N, K)``.
+        params: The layer's parameters (not materialized copies), leader first.
+    """
+
+    spec: WeightGroupSpec
+    shape: tuple[int, ...]
+    params: tuple[Tensor, ...]
+
+    def trainable(self) -> bool:
+        """Whether any parameter requires grad (else there is no GEMM to run)."""
+        return any(param.requires_grad for param in self.params)
+
+    def plan(self, dtype: torch.dtype, device: torch.device, deferred: bool) -> WeightGradPlan:
+        """The protocol's plan, made now (``overwrite_main_grad`` and ``get_main_grad()`` read now)."""
+        return plan_weight_grads(
+            self.params,
+            shape=self.shape,
+            compute_dtype=dtype,
+            device=device,
+            wgrad_into_main_grad=self.spec.wgrad_into_main_grad,
+            deferred=deferred,
+            names=self.spec.names,
+        )
+
+    def early_plan(
+        self, dtype: torch.dtype, device: torch.device, deferred: bool = False
+    ) -> WeightGradPlan | None:
+        """The plan made now where making it allocates nothing (the ``main_grad`` route), else ``None``.
+
+        An op with several wgrad GEMMs (the fused MLP) plans every ``main_grad``
+        group before its first GEMM writes, so a malformed ``main_grad`` of any
+        layer is rejected before any ``main_grad`` is written. Other routes
+        allocate their buffers when planned and are planned at their turn, so
+        peak memory stays as it was.
+        """
+        if not self.trainable():
+            return None
+        route = wgrad_route(
+            self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
+        )
+        return self.plan(dtype, device, deferred) if route is WgradRoute.MAIN_GRAD else None
+
+    def run(
+        self,
+        dy_TN: Tensor,
+        x_TK: Tensor,
+        splits: Splits,
+        *,
+        deferred: bool = False,
+        plan: WeightGradPlan | None = None,
+    ) -> list[Tensor | None]:
+        """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
+
+        Args:
+            dy_TN: ``(T, N)`` output gradient.
+            x_TK: ``(T, K)`` input.
+            splits: ``E`` token counts.
+            deferred: Running in ``backward_dw()``: the result is delivered to
+                ``.grad`` here (as autograd would) instead of being returned.
+            plan: A plan :meth:`early_plan` made for this GEMM, or ``None``.
+
+        Returns:
+            What autograd receives for each parameter (all ``None`` when deferred).
+        """
+        if plan is None:
+            plan = self.plan(dy_TN.dtype, dy_TN.device, deferred)
+        grouped_wgrad(dy_TN, x_TK, splits, out=plan.gemm_out, accumulate=plan.accumulate)
+        grads = plan.finish()
+        if not deferred:
+            return grads
+        accumulate_grads_like_autograd(self.params, grads)
+        return [None] * len(self.params)
+
+    def step(
+        self,
+        dy_TN: Tensor,
+        x_TK: Tensor,
+        splits: Splits,
+        deferred: list[DeferredWgrad] | None,
+        operands: tuple[str, str] = ("dy", "x"),
+        plan: WeightGradPlan | None = None,
+    ) -> list[Tensor | None]:
+        """Backward's wgrad step: what autograd receives for the parameters.
+
+        Trainability is read from the parameters: when none requires grad
+        nothing runs, and a frozen member of a group is never written (the
+        plan gives it ``None``). With ``deferred`` (a list), the GEMM is
+        appended there for ``backward_dw()`` (``operands`` names ``dy_TN`` and
+        ``x_TK`` if it finds them changed) and autograd receives
+        :func:`~groupgrad.protocol.defer_weight_grads`; otherwise it runs now
+        (into ``plan`` when :meth:`early_plan` made one).
+        """
+        if not self.trainable():
+            return [None] * len(self.params)
+        if deferred is None:
+            return self.run(dy_TN, x_TK, splits, plan=plan)
+        deferred.append(DeferredWgrad.queue(self, dy_TN, x_TK, splits, operands))
+        return defer_weight_grads(
+            self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
+        )
+
+
+@dataclass(frozen=True)
+class DeferredWgrad:
+    """One layer's wgrad GEMM, queued by backward for ``backward_dw()``.
+
+    ``operands`` names ``dy_TN`` and ``x_TK`` for messages; ``versions`` are
+    their version counters when the job was queued, checked when it runs.
+    """
+
+    target: WgradTarget
+    dy_TN: Tensor
+    x_TK: Tensor
+    splits: Splits
+    operands: tuple[str, str]
+    versions: tuple[int, int]
+
+    @classmethod
+    def queue(
+        cls,
+        target: WgradTarget,
+        dy_TN: Tensor,
+        x_TK: Tensor,
+        splits: Splits,
+        operands: tuple[str, str],
+    ) -> DeferredWgrad:
+        """A job whose operands' versions are those they have now."""
+        return cls(target, dy_TN, x_TK, splits, operands, (dy_TN._version, x_TK._version))
+
+    def check_unchanged(self, owner: str) -> None:
+        """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued."""
+        for name, tensor, version in zip(
+            self.operands, (self.dy_TN, self.x_TK), self.versions, strict=True
+        ):
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"{owner}.backward_dw(): {name}, which the deferred weight gradient of "
+                    f"{self.target.spec.names[0]!r} reads, was modified in place since backward "
+                    f"(its version is {tensor._version}, expected {version}); the gradient would "
+                    "not match the values the forward saw. Do not modify it before backward_dw(), "
+                    "or pass a copy"
+                )
+
+    def early_plan(self) -> WeightGradPlan | None:
+        """:meth:`WgradTarget.early_plan` for this job."""
+        return self.target.early_plan(self.dy_TN.dtype, self.dy_TN.device, deferred=True)
+
+    def run(self, plan: WeightGradPlan | None = None) -> None:
+        """Run the GEMM now, finalize distributed weights and deliver to ``.grad``."""
+        self.target.run(self.dy_TN, self.x_TK, self.splits, deferred=True, plan=plan)
+
+
+class WgradQueue:
+    """FIFO of deferred wgrad GEMMs (``delay_wgrad_compute=True``), one job per backward.
+
+    Each backward pushes one job (the wgrads of every weight group it
+    deferred); each ``backward_dw()`` runs the oldest job.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def push(self, job: list[DeferredWgrad]) -> None:
+        """Queue the deferred wgrads of one backward (nothing for an empty job)."""
+        if job:
+            self._jobs.append(job)
+
+    def pop_and_run(self, owner: str) -> None:
+        """Run the oldest backward's deferred wgrads.
+
+        Every operand of the job is checked first: when one was changed in
+        place since backward, the job is dropped (its gradient can no longer be
+        computed from the values the forward saw) and nothing is written.
+        Every ``main_grad`` group of the job is then planned (checked) before
+        the first GEMM writes.
+
+        Raises:
+            RuntimeError: No backward has queued anything, or an operand of
+                the oldest job was modified in place since its backward.
+        """
+        if not self._jobs:
+            raise RuntimeError(
+                f"{owner}.backward_dw() was called but no backward has queued a weight "
+                "gradient; call it once after each backward"
+            )
+        job = self._jobs.popleft()
+        for entry in job:
+            entry.check_unchanged(owner)
+        with no_autocast(job[0].dy_TN.device):
+            plans = [entry.early_plan() for entry in job]
+            for entry, plan in zip(job, plans, strict=True):
+                entry.run(plan)

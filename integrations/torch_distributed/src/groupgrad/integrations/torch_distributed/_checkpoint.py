@@ -17,9 +17,13 @@ Two formats, both lossless:
   full tensors on every rank, e.g. one ``torch.save`` on rank 0.
 
 Loading (the load pre-hook, so ``module.load_state_dict`` too) accepts for a
-sharded weight a ``DTensor`` of its full shape (any placement: resharded) or a
-plain tensor of its full shape (this rank keeps its rows). A plain tensor of
-the shard's shape is refused: it carries no record of whose rows it holds.
+sharded weight a ``DTensor`` of its full shape over the group's ranks whose
+local tensor is this rank's (another placement is gathered and re-split), or
+a plain tensor of its full shape (this rank keeps its rows). Refused, with a
+``RuntimeError`` before anything is copied: a plain tensor of the shard's
+shape (it carries no record of whose rows it holds), a ``DTensor`` over other
+ranks (DCP reshards those), and one holding another rank's local tensor
+(rank 0's ``torch.save`` file loaded on rank 1).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def _dtensor_rows(group: ExpertShardGroup, key: str, value: DTensor) -> Tensor:
     return _rows(group, value.full_tensor())  # another placement: collective over the mesh
 
 
-def local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
+def _local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
     """This rank's rows of a checkpoint entry for a member of ``group``.
 
     Args:
@@ -204,7 +208,7 @@ def attach_state_dict_hooks(module: nn.Module, groups: list[ExpertShardGroup]) -
         error_msgs: list[str],
     ) -> None:
         converted = {
-            key: local_rows(group, key, state_dict[key])
+            key: _local_rows(group, key, state_dict[key])
             for key, group, _ in _member_entries(module, groups, prefix)
             if key in state_dict
         }

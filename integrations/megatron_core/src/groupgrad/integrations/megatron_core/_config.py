@@ -1,0 +1,97 @@
+"""Which Megatron ``TransformerConfig`` settings groupgrad experts support, checked at construction.
+
+Every check raises ``ValueError`` naming the setting, its value and what is
+expected, so an unsupported setup fails when the model is built, not at the
+first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+
+__all__ = ["check_expert_config", "check_expert_groups", "check_fused_config", "process_groups"]
+
+
+def process_groups(pg_collection: Any) -> Any:
+    """``pg_collection``, or Megatron's default MoE process groups when it is ``None``."""
+    if pg_collection is not None:
+        return pg_collection
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def check_expert_config(config: Any, owner: str) -> None:
+    """Check the settings every groupgrad expert layer needs (before any process group is read).
+
+    Raises:
+        ValueError: Expert tensor parallelism (``expert_tensor_parallel_size``
+            larger than 1), or FP8 / FP4 training.
+    """
+    etp = config.expert_tensor_parallel_size
+    if etp is not None and etp > 1:
+        raise ValueError(
+            f"{owner}: expert_tensor_parallel_size is {etp}; groupgrad experts do not implement "
+            "expert tensor parallelism, expected 1 (use expert_model_parallel_size to spread "
+            "experts over ranks)"
+        )
+    for option in ("fp8", "fp4"):
+        value = getattr(config, option, None)
+        if value:
+            raise ValueError(
+                f"{owner}: {option} is {value!r}; groupgrad experts compute in the parameters' "
+                f"dtype (bf16, fp16 or fp32), expected {option}=None"
+            )
+
+
+def check_expert_groups(pg_collection: Any, owner: str) -> None:
+    """Check the process groups: no expert tensor parallelism.
+
+    Raises:
+        ValueError: The expert tensor-parallel group (``pg_collection.expt_tp``)
+            has more than one rank.
+    """
+    group_size = pg_collection.expt_tp.size()
+    if group_size > 1:
+        raise ValueError(
+            f"{owner}: the expert tensor-parallel group (pg_collection.expt_tp) has {group_size} "
+            "ranks; groupgrad experts do not implement expert tensor parallelism, expected 1"
+        )
+
+
+def check_fused_config(config: Any, owner: str) -> None:
+    """Check the settings the fused SwiGLU experts need (on top of :func:`check_expert_config`).
+
+    The fused op computes ``fc2(silu(h[:, :F]) * h[:, F:] * probs)`` with
+    ``h = fc1(x)`` and no biases: Megatron's SwiGLU with the router
+    probability applied after the activation.
+
+    Raises:
+        ValueError: Another activation (``gated_linear_unit`` off, an
+            ``activation_func`` other than ``F.silu``, a clamp value, a GLU
+            linear offset, interleaved GLU weights), biases
+            (``add_bias_linear``: Megatron scales fc2's bias by the router
+            probability, the fused op does not), or an MoE latent projection.
+    """
+    expected = [
+        ("gated_linear_unit", config.gated_linear_unit, True),
+        ("activation_func", config.activation_func, F.silu),
+        ("add_bias_linear", config.add_bias_linear, False),
+        ("activation_func_clamp_value", getattr(config, "activation_func_clamp_value", None), None),
+        ("glu_linear_offset", getattr(config, "glu_linear_offset", 0.0), 0.0),
+        # 0.19 only (absent, i.e. None, on 0.16)
+        ("moe_mlp_glu_interleave_size", getattr(config, "moe_mlp_glu_interleave_size", None), None),
+        ("moe_latent_size", getattr(config, "moe_latent_size", None), None),
+    ]
+    for name, value, wanted in expected:
+        if value is not wanted and value != wanted:
+            shown = getattr(value, "__name__", repr(value))
+            wanted_shown = getattr(wanted, "__name__", repr(wanted))
+            raise ValueError(
+                f"{owner}: {name} is {shown}, expected {wanted_shown}: the fused experts compute "
+                "SwiGLU (silu(gate) * up) times the router probability, without biases; use the "
+                "unfused groupgrad experts (fused=False) for other activations, biases or a "
+                "latent projection"
+            )

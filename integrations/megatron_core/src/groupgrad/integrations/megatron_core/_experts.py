@@ -1,0 +1,209 @@
+"""Fused SwiGLU experts for Megatron's MoE layer: one groupgrad ``GroupedMLP`` for all local experts.
+
+Legend: ``T`` tokens routed to this rank's experts, ``E`` local experts,
+``H`` hidden size, ``F`` ``moe_ffn_hidden_size``.
+
+Megatron's ``MoELayer`` calls its experts as
+``experts(x_TH, tokens_per_expert, probs_T) -> (y_TH, None)`` and
+``experts.backward_dw()``. :class:`GroupgradFusedExperts` runs fc1 → SwiGLU ×
+router probability → fc2 as groupgrad's fused op (one autograd Function, one
+backward, both wgrads through the ``main_grad`` contract), where Megatron's
+``SequentialMLP`` runs one MLP per expert and ``TEGroupedMLP`` two grouped
+GEMMs with Megatron's activation between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from groupgrad.integrations.megatron_core._checkpoint import (
+    COLUMN_PARALLEL_AXES,
+    ROW_PARALLEL_AXES,
+    ExpertLayerEntries,
+    drop_extra_state_copies,
+    experts_sharded_state_dict,
+)
+from groupgrad.integrations.megatron_core._config import (
+    check_expert_config,
+    check_expert_groups,
+    check_fused_config,
+    process_groups,
+)
+from groupgrad.integrations.megatron_core._hooks import WgradHooks
+from groupgrad.integrations.megatron_core._params import expert_device, setup_expert_parameters
+from groupgrad.modules import GroupedMLP
+
+__all__ = ["GroupgradFusedExperts"]
+
+_FC1_PREFIX = "grouped_mlp.fc1."
+_FC2_PREFIX = "grouped_mlp.fc2."
+
+
+class GroupgradFusedExperts(MegatronModule):
+    """Megatron MoE experts as one fused groupgrad :class:`~groupgrad.modules.GroupedMLP`.
+
+    Each local expert ``e`` computes, on its rows of the dispatched tokens,
+    ``y = (silu(h[:, :F]) * h[:, F:] * probs[:, None]) @ fc2_e.T`` with
+    ``h = x @ fc1_e.T`` — Megatron's SwiGLU experts with the router
+    probability applied after the activation, the result of Megatron's
+    ``SequentialMLP`` and ``TEGroupedMLP`` for the same weights. SwiGLU ×
+    probability and both GEMMs' gradients come from one backward.
+
+    Parameters live in the submodule ``grouped_mlp`` (``grouped_mlp.fc1.weight{e}``
+    ``(2F, H)``, gate rows first, and ``grouped_mlp.fc2.weight{e}`` ``(H, F)``,
+    in ``config.params_dtype``). Megatron's settings are honoured as by
+    :class:`GroupgradGroupedLinear`: ``gradient_accumulation_fusion`` (wgrads
+    straight into ``main_grad``), ``delay_wgrad_compute`` (both wgrads at
+    :meth:`backward_dw`, then Megatron DDP's hooks), ``init_method`` /
+    ``output_layer_init_method`` per expert, ``allreduce = False`` under
+    expert parallelism. :meth:`sharded_state_dict` writes the checkpoint
+    layout of ``SequentialMLP`` and ``TEGroupedMLP`` (interchangeable).
+
+    Args:
+        num_local_experts: ``E``.
+        config: Megatron's ``TransformerConfig`` (``hidden_size``,
+            ``moe_ffn_hidden_size``, ``params_dtype`` …).
+        submodules: Accepted for Megatron's experts signature; must be ``None``.
+        pg_collection: Megatron's process groups; default: its MoE defaults.
+        name: Accepted for Megatron's signature (0.19 passes it); unused.
+
+    Raises:
+        ValueError: An unsupported setting, named with its value: anything
+            but SwiGLU (``gated_linear_unit`` with ``F.silu``, no clamp, no GLU
+            offset or interleaving), biases (Megatron scales fc2's bias by the
+            router probability, the fused op does not), a latent projection,
+            expert tensor parallelism, FP8/FP4.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        name: str | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        if submodules is not None:
+            raise ValueError(
+                f"{owner}: submodules is {submodules!r}, expected None (the fused experts build "
+                "their own layers)"
+            )
+        check_expert_config(config, owner)
+        check_fused_config(config, owner)
+        super().__init__(config=config)
+        pg_collection = process_groups(pg_collection)
+        check_expert_groups(pg_collection, owner)
+        self.num_local_experts = num_local_experts
+        self.pg_collection = pg_collection
+        self.grouped_mlp = GroupedMLP(
+            num_local_experts,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            dtype=config.params_dtype,
+            device=expert_device(config),
+            accumulate_into_main_grad=config.gradient_accumulation_fusion,
+            delay_wgrad_compute=config.delay_wgrad_compute,
+        )
+        for layer, init_method, partition_dim in (
+            (self.grouped_mlp.fc1, config.init_method, 0),
+            (self.grouped_mlp.fc2, config.output_layer_init_method, 1),
+        ):
+            weights, biases = layer.current_parameters()
+            setup_expert_parameters(
+                weights,
+                biases,
+                config=config,
+                init_method=init_method,
+                partition_dim=partition_dim,
+            )
+        self._wgrad_hooks = WgradHooks()
+        self._register_load_state_dict_pre_hook(
+            drop_extra_state_copies([_FC1_PREFIX, _FC2_PREFIX], keep_first=False), with_module=True
+        )
+
+    def _weights(self) -> list[Tensor]:
+        return [
+            *self.grouped_mlp.fc1.current_parameters()[0],
+            *self.grouped_mlp.fc2.current_parameters()[0],
+        ]
+
+    def forward(
+        self, permuted_local_hidden_states: Tensor, tokens_per_expert: Any, permuted_probs: Tensor
+    ) -> tuple[Tensor, None]:
+        """Run every local expert on its rows, scaled by the router probabilities.
+
+        Args:
+            permuted_local_hidden_states: ``(T, H)`` tokens grouped by local
+                expert in order, in ``params_dtype``.
+            tokens_per_expert: ``E`` token counts summing to ``T`` (a CPU or
+                device tensor, or a list).
+            permuted_probs: ``(T,)`` router probability of each row.
+
+        Returns:
+            ``(y, None)``: ``y`` ``(T, H)``; experts have no bias.
+        """
+        x_TH, probs_T = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # Megatron's option: scale x, not the output
+            if self.config.moe_router_topk != 1:
+                raise ValueError(
+                    f"moe_apply_probs_on_input needs moe_router_topk=1, got "
+                    f"{self.config.moe_router_topk}"
+                )
+            x_TH = (probs_T.unsqueeze(-1) * x_TH).to(x_TH.dtype)
+            return self.grouped_mlp(x_TH, tokens_per_expert, None), None
+        return self.grouped_mlp(x_TH, tokens_per_expert, probs_T), None
+
+    def backward_dw(self) -> None:
+        """Run the deferred fc2 and fc1 weight-gradient GEMMs, then Megatron DDP's wgrad hooks.
+
+        Only with ``config.delay_wgrad_compute``; a no-op otherwise.
+
+        Raises:
+            RuntimeError: No backward has queued a weight gradient, or the
+                weights have ``main_grad`` but no DDP hook was registered.
+        """
+        if not self.grouped_mlp.delay_wgrad_compute:
+            return
+        self.grouped_mlp.backward_dw()
+        self._wgrad_hooks.fire(type(self).__name__, self._weights())
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
+        """Megatron DDP's entry point: ``hook`` runs after every :meth:`backward_dw`."""
+        self._wgrad_hooks.register(hook)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[Any, ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Megatron distributed-checkpoint entries in ``SequentialMLP``'s / ``TEGroupedMLP``'s layout.
+
+        Checkpoint keys ``{prefix}experts.linear_fc1.weight`` (gate and up
+        halves, each expert a slice along the expert axis) and
+        ``{prefix}experts.linear_fc2.weight``, plus empty ``_extra_state``
+        objects; state-dict keys are this module's own
+        (``{prefix}grouped_mlp.fc1.weight{e}`` …).
+        """
+        fc1, fc2 = self.grouped_mlp.fc1, self.grouped_mlp.fc2
+        layers = [
+            ExpertLayerEntries(
+                "linear_fc1", _FC1_PREFIX, *fc1.current_parameters(), COLUMN_PARALLEL_AXES
+            ),
+            ExpertLayerEntries(
+                "linear_fc2", _FC2_PREFIX, *fc2.current_parameters(), ROW_PARALLEL_AXES
+            ),
+        ]
+        return experts_sharded_state_dict(
+            layers,
+            gated=True,
+            prefix=prefix,
+            sharded_offsets=sharded_offsets,
+            metadata=metadata,
+            pg_collection=self.pg_collection,
+        )

@@ -1,0 +1,236 @@
+"""In-process checks: the spec helpers build what they say, unsupported setups fail at construction.
+
+No process group is needed: the configuration is checked before any process
+group is read (the process-group checks run in the multi-rank suite).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional as F
+
+import groupgrad.integrations.megatron_core as megatron_core
+from groupgrad.integrations.megatron_core import (
+    GroupgradColumnParallelGroupedLinear,
+    GroupgradFusedExperts,
+    GroupgradRowParallelGroupedLinear,
+    GroupgradSpecProvider,
+    get_gpt_layer_groupgrad_spec,
+    get_groupgrad_experts_spec,
+    get_moe_module_groupgrad_spec,
+)
+from groupgrad.integrations.megatron_core._compat import check_supported
+from groupgrad.integrations.megatron_core._hooks import WgradHooks
+
+
+def _config(**overrides: Any) -> Any:
+    options: dict[str, Any] = {
+        "num_layers": 1,
+        "hidden_size": 8,
+        "ffn_hidden_size": 6,
+        "num_attention_heads": 2,
+        "num_moe_experts": 4,
+        "moe_ffn_hidden_size": 6,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "use_cpu_initialization": True,
+    }
+    options.update(overrides)
+    return TransformerConfig(**options)
+
+
+def _module_and_submodules(entry: Any) -> tuple[type, Any]:
+    """(class, submodules) of a spec entry: a ModuleSpec (0.16), a partial or a class (0.19)."""
+    if isinstance(entry, ModuleSpec):
+        return entry.module, entry.submodules
+    if isinstance(entry, partial):
+        return entry.func, entry.keywords.get("submodules")
+    return entry, None
+
+
+def _moe_experts(moe_spec: Any) -> tuple[type, Any]:
+    module, submodules = _module_and_submodules(moe_spec)
+    assert module is MoELayer
+    return _module_and_submodules(submodules.experts)
+
+
+# ---------------------------------------------------------------- versions
+
+
+def test_installed_release_is_supported() -> None:
+    assert megatron_core.MEGATRON_CORE_VERSION in megatron_core.SUPPORTED_RELEASES
+
+
+@pytest.mark.parametrize(("major", "minor"), [(0, 15), (0, 17), (0, 18), (0, 20), (1, 0)])
+def test_other_releases_are_refused_naming_both_versions(major: int, minor: int) -> None:
+    with pytest.raises(
+        ImportError,
+        match=rf"supports megatron-core 0\.16\.x .*0\.19\.x .*installed megatron-core is {major}\.{minor}\.3",
+    ):
+        check_supported(major, minor, f"{major}.{minor}.3")
+
+
+# ---------------------------------------------------------------- specs
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpt_layer_spec_puts_groupgrad_experts_in_megatrons_moe_layer(fused: bool) -> None:
+    spec = get_gpt_layer_groupgrad_spec(8, fused=fused)
+    module, submodules = _moe_experts(spec.submodules.mlp)
+    if fused:
+        assert module is GroupgradFusedExperts
+        assert submodules is None
+    else:
+        assert module is TEGroupedMLP
+        assert submodules.linear_fc1 is GroupgradColumnParallelGroupedLinear
+        assert submodules.linear_fc2 is GroupgradRowParallelGroupedLinear
+    # the rest of the layer is Megatron's local spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    local = get_gpt_layer_local_spec(num_experts=8)
+    assert spec.module is local.module
+    assert _module_and_submodules(spec.submodules.self_attention) == _module_and_submodules(
+        local.submodules.self_attention
+    )
+
+
+def test_spec_helpers_agree() -> None:
+    assert _moe_experts(get_moe_module_groupgrad_spec(4)) == _module_and_submodules(
+        get_groupgrad_experts_spec()
+    )
+    entry = GroupgradSpecProvider(fused=False).grouped_mlp_modules(True)
+    # 0.16: (module, submodules); 0.19: the builder
+    module = entry[0] if isinstance(entry, tuple) else _module_and_submodules(entry)[0]
+    assert module is TEGroupedMLP
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, "4", None])
+def test_spec_needs_a_positive_number_of_experts(bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"num_experts is {bad!r}, expected a positive int"):
+        get_gpt_layer_groupgrad_spec(bad)  # type: ignore[arg-type]
+
+
+def test_fused_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="fused is a str, expected a bool"):
+        get_groupgrad_experts_spec(fused="yes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- refused setups
+
+
+def _linear(cls: type, config: Any, **overrides: Any) -> Any:
+    options = {
+        "config": config,
+        "init_method": torch.nn.init.zeros_,
+        "bias": False,
+        "skip_bias_add": False,
+    }
+    options.update(overrides)
+    return cls(4, 8, 12, **options)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda c: GroupgradFusedExperts(4, c),
+        lambda c: _linear(GroupgradColumnParallelGroupedLinear, c),
+        lambda c: _linear(GroupgradRowParallelGroupedLinear, c),
+    ],
+    ids=["fused", "fc1", "fc2"],
+)
+def test_expert_tensor_parallelism_is_refused_at_construction(build: Any) -> None:
+    with pytest.raises(
+        ValueError, match="expert_tensor_parallel_size is 2; groupgrad experts do not implement"
+    ):
+        build(_config(expert_tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize(("option", "value"), [("fp8", "hybrid"), ("fp4", "nvfp4")])
+def test_fp8_and_fp4_are_refused(option: str, value: str) -> None:
+    config = _config()
+    setattr(config, option, value)  # Megatron's own check needs Transformer Engine for fp8
+    with pytest.raises(ValueError, match=rf"{option} is '{value}'; groupgrad experts compute"):
+        GroupgradFusedExperts(4, config)
+    with pytest.raises(ValueError, match=rf"{option} is '{value}'"):
+        _linear(GroupgradColumnParallelGroupedLinear, config)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"gated_linear_unit": False}, "gated_linear_unit is False, expected True"),
+        ({"activation_func": F.gelu}, "activation_func is gelu, expected silu"),
+        ({"add_bias_linear": True}, "add_bias_linear is True, expected False"),
+        ({"activation_func_clamp_value": 7.0}, "activation_func_clamp_value is 7.0, expected None"),
+        ({"glu_linear_offset": 1.0}, "glu_linear_offset is 1.0, expected 0.0"),
+    ],
+)
+def test_fused_experts_refuse_what_the_fused_op_does_not_compute(
+    overrides: dict, message: str
+) -> None:
+    config = _config(**overrides)
+    with pytest.raises(ValueError, match=rf"GroupgradFusedExperts: {message}: the fused experts"):
+        GroupgradFusedExperts(4, config)
+
+
+def test_fused_experts_take_no_submodules() -> None:
+    with pytest.raises(ValueError, match="submodules is 'x', expected None"):
+        GroupgradFusedExperts(4, _config(), submodules="x")
+
+
+def test_grouped_linear_is_for_experts_only() -> None:
+    with pytest.raises(ValueError, match="is_expert is False, expected True"):
+        _linear(GroupgradColumnParallelGroupedLinear, _config(), is_expert=False)
+
+
+# ---------------------------------------------------------------- wgrad hooks
+
+
+def test_wgrad_hooks_run_in_order_and_refuse_non_callables() -> None:
+    hooks, order = WgradHooks(), []
+    hooks.register(lambda: order.append("a"))
+    hooks.register(lambda: order.append("b"))
+    hooks.fire("layer", [torch.zeros(2)])
+    assert order == ["a", "b"]
+    with pytest.raises(TypeError, match="hook is a int, expected a callable"):
+        hooks.register(3)  # type: ignore[arg-type]
+
+
+def test_wgrad_hooks_refuse_main_grad_without_a_hook() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    WgradHooks().fire("layer", [weight])  # no main_grad: a plain CPU test may call backward_dw()
+    weight.main_grad = torch.zeros(2)  # type: ignore[attr-defined]
+    with pytest.raises(
+        RuntimeError, match=r"layer\.backward_dw\(\): .*no wgrad hook was registered"
+    ):
+        WgradHooks().fire("layer", [weight])
+
+
+# ---------------------------------------------------------------- the CPU shim
+
+
+def test_cpu_shim_refuses_to_load_where_cuda_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = Path(__file__).with_name("cpu_shim.py")
+    spec = importlib.util.spec_from_file_location("_groupgrad_megatron_core_tests_shim_probe", path)
+    assert spec is not None
+    assert spec.loader is not None
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    current_device = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="cpu_shim is for CPU-only processes; CUDA is available"):
+        shim.install()
+    assert torch.cuda.current_device is current_device  # nothing was patched
+    sys.modules.pop("_groupgrad_megatron_core_tests_shim_probe", None)

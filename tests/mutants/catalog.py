@@ -14,6 +14,7 @@ from dataclasses import dataclass
 MODULES = "packages/modules/tests"
 PROTOCOL = "packages/protocol/tests"
 KERNELS = "kernels/tests"
+TORCH_DISTRIBUTED = "integrations/torch_distributed/tests"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
+_TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the founding bugs (DESIGN.md)
@@ -229,5 +231,72 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if self.delay_wgrad_compute:\n            self._wgrad_queue.pop_and_run(",
         "        if True:\n            self._wgrad_queue.pop_and_run(",
         (f"{MODULES}/test_linear.py",),
+    ),
+    # --- torch_distributed: a training loop around sharded experts corrupts and loses nothing
+    Mutant(
+        "ddp-broadcasts-shards",
+        "shard_expert_weights leaves DDP's ignore list alone: DDP copies rank 0's shards everywhere",
+        f"{_TD}/_shard.py",
+        "    register_ddp_ignore(module, [name for group in groups for name in group.names])",
+        "    pass",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "ddp-reduces-root-shards",
+        "root-level sharded weights listed under one name only: DDP's reducer all-reduces them",
+        f"{_TD}/_ddp.py",
+        'for spelling in (name,) if "." in name else (name, f".{name}"):',
+        "for spelling in (name,):",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "ddp-overwrite-unnoticed",
+        "DDP around a parent overwrites the shards with rank 0's and the first forward says nothing",
+        f"{_TD}/_shard_group.py",
+        "            if differed is not None:  #",
+        "            if False:  #",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "sharded-frozen-member-written",
+        "the reduce-scatter writes a frozen member's main_grad and sets its flag",
+        f"{_TD}/_shard_group.py",
+        "                deliver_to_main_grad(member, shard_grad, name)",
+        "                if member.main_grad is not None:\n"
+        "                    member.main_grad.add_(shard_grad)\n"
+        "                member.grad_added_to_main_grad = True",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "state-dict-plain-shards",
+        "state_dict() gives each rank's rows under the full name, without sharding metadata",
+        f"{_TD}/_checkpoint.py",
+        "            if key in state_dict and not isinstance(state_dict[key], DTensor):",
+        "            if False:",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "another-ranks-rows-loaded",
+        "a per-rank file loaded on another rank gives that rank the saver's rows",
+        f"{_TD}/_checkpoint.py",
+        "    if coordinate is None or list(coordinate) != [group.rank]:",
+        "    if False:",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "full-load-writes-before-checking",
+        "load_full_state_dict loads some weights, then rejects a wrong shape",
+        f"{_TD}/_checkpoint.py",
+        "        if key in expected and tuple(value.shape) != expected[key]:",
+        "        if False:",
+        (f"{TORCH_DISTRIBUTED}/test_bad_inputs.py",),
+    ),
+    Mutant(
+        "master-weights-not-copied-back",
+        "MasterWeights steps the fp32 masters but never copies them into the bf16 shards",
+        f"{_TD}/_master.py",
+        "            param.copy_(master)",
+        "            pass",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
     ),
 )

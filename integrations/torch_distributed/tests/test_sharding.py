@@ -1,13 +1,12 @@
-"""shard_expert_weights in one process: which rows each rank keeps, the attributes, the errors.
+"""shard_expert_weights in one process: which rows each rank keeps, and the attributes.
 
 Sharding itself communicates nothing, so these tests pretend to be rank 1 of
 2 (``torch.distributed``'s rank queries patched); everything that runs a
-collective is tested with real processes in ``test_sharded_training.py``.
+collective is tested with real processes in ``test_sharded_training.py`` and
+``test_training_loop.py``; bad inputs in ``test_bad_inputs.py``.
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch import nn
 from groupgrad.integrations.torch_distributed import (
     ExpertShardGroup,
     ShardedExpertWeight,
-    gather_full_weights,
     shard_expert_weights,
 )
 from groupgrad.modules import GroupedLinear, GroupedMLP
@@ -97,56 +95,14 @@ def test_mlp_fc1_and_fc2_each_become_a_group_and_leader_only_followers_are_plain
 
 
 @pytest.mark.usefixtures("rank_1_of_2")
-def test_grad_buffer_is_fresh_full_size_and_typed_like_main_grad() -> None:
+def test_grad_buffer_is_fresh_full_size_and_typed_like_the_groups_main_grad() -> None:
     layer = GroupedLinear(E, K, N, bias=False, dtype=torch.bfloat16)
-    shard_expert_weights(layer)
+    (group,) = shard_expert_weights(layer, main_grad_dtype=torch.float16)
     leader = layer.weight0
     assert isinstance(leader, ShardedExpertWeight)
     first, second = leader.grad_buffer(), leader.grad_buffer()
     assert first.shape == (N, K)
-    assert first.dtype == torch.float32
+    assert first.dtype == group.main_grad_dtype == torch.float16
     assert first.data_ptr() != second.data_ptr()
-    leader.main_grad = None
-    assert leader.grad_buffer().dtype == torch.bfloat16
-
-
-@pytest.mark.usefixtures("rank_1_of_2")
-def test_errors_name_the_parameter_and_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"'fc2.weight0' has 5 rows .* world size 2"):
-        shard_expert_weights(GroupedMLP(E, hidden_size=5, ffn_hidden_size=2))
-    layer = GroupedLinear(E, K, N, bias=False)
-    layer.weight2 = nn.Parameter(torch.zeros(N, K + 1))
-    with pytest.raises(
-        ValueError, match=r"'weight2' is \(6, 5\) torch.float32 on cpu, expected \(6, 4\)"
-    ):
-        shard_expert_weights(layer)
-    fsdp = GroupedLinear(E, K, N, bias=False)
-    vars(fsdp.weight1)["__fsdp_param__"] = True
-    with pytest.raises(ValueError, match=r"'weight1' is a Megatron-FSDP parameter"):
-        shard_expert_weights(fsdp)
-    sharded = GroupedLinear(E, K, N, bias=False)
-    shard_expert_weights(sharded)
-    with pytest.raises(ValueError, match=r"'weight0' is already a DistributedWeight"):
-        shard_expert_weights(sharded)
-    with pytest.raises(RuntimeError, match=r"ShardedExpertWeight cannot be deep-copied"):
-        copy.deepcopy(sharded)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: -1)
-    with pytest.raises(ValueError, match=r"not a member of process_group"):
-        shard_expert_weights(GroupedLinear(E, K, N, bias=False), object())  # type: ignore[arg-type]
-
-
-def test_arguments_are_checked_before_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = GroupedLinear(2, 4, 4, bias=False)
-    with pytest.raises(TypeError, match=r"module is a list, expected a torch.nn.Module"):
-        shard_expert_weights([layer])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"grad_reduction is 'avg', expected 'sum' or 'mean'"):
-        shard_expert_weights(layer, grad_reduction="avg")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"main_grad_dtype is torch.int32, expected one of"):
-        shard_expert_weights(layer, main_grad_dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"module \(Linear\) contains no GroupedLinear"):
-        shard_expert_weights(nn.Linear(4, 4))
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
-        shard_expert_weights(layer)
-    assert type(layer.weight0) is nn.Parameter  # nothing was replaced
-    assert gather_full_weights(layer) == {}  # nothing sharded: no collective
+    leader.main_grad = None  # e.g. a frozen leader that needs none: one dtype across the group
+    assert leader.grad_buffer().dtype == layer.weight1.grad_buffer().dtype == torch.float16

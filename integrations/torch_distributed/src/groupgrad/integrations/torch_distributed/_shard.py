@@ -10,26 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from groupgrad.integrations.torch_distributed._checkpoint import attach_state_dict_hooks
+from groupgrad.integrations.torch_distributed._ddp import register_ddp_ignore
+from groupgrad.integrations.torch_distributed._find import grouped_layers, qualified, sharded_layers
 from groupgrad.integrations.torch_distributed._shard_group import ExpertShardGroup, GradReduction
 from groupgrad.integrations.torch_distributed._weight import ShardedExpertWeight
-from groupgrad.modules import GroupedLinear
-from groupgrad.protocol import is_distributed_weight, is_fsdp_param
+from groupgrad.protocol import MAIN_GRAD_DTYPES, is_distributed_weight, is_fsdp_param
 
 __all__ = ["gather_full_weights", "shard_expert_weights"]
 
 _GRAD_REDUCTIONS = ("sum", "mean")
-_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grouped_layers(module: nn.Module) -> list[tuple[str, GroupedLinear]]:
-    """Every ``GroupedLinear`` in ``module`` (itself included), with its qualified name."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module is a {type(module).__name__}, expected a torch.nn.Module")
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, GroupedLinear)]
-
-
-def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -> None:
@@ -107,6 +97,24 @@ def shard_expert_weights(
     structure, holding the same full weights (e.g. built from the same seed);
     each keeps its own rows (no communication happens here). Move the module
     to its device and dtype first: ``main_grad`` shards are allocated now.
+    Every layer is checked before any is replaced: on an error, nothing is.
+
+    On ``module`` itself it also sets up what the rest of a training loop
+    needs, so that nothing loses or corrupts rows:
+
+    * ``DistributedDataParallel(module)`` leaves the sharded weights alone:
+      their names are merged into ``module._ddp_params_and_buffers_to_ignore``
+      (DDP neither broadcasts rank 0's shards over the others nor
+      all-reduces their ``.grad``). When DDP wraps a *parent* of ``module``,
+      call :func:`ddp_ignore_sharded` on that parent before wrapping; if you
+      do not, the first forward raises a ``RuntimeError`` (see
+      :meth:`ExpertShardGroup.arm_broadcast_check`).
+    * ``module.state_dict()`` presents each sharded weight as a ``DTensor``
+      of its full shape, ``Shard(-2)`` over the process group, for
+      ``torch.distributed.checkpoint``; ``module.load_state_dict`` accepts
+      such ``DTensor`` entries (resharded as needed) or full plain tensors.
+      :func:`full_state_dict` / :func:`load_full_state_dict` give and take
+      full tensors.
 
     Args:
         module: A ``GroupedLinear``, or any module containing them.
@@ -138,12 +146,12 @@ def shard_expert_weights(
     """
     if grad_reduction not in _GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction is {grad_reduction!r}, expected 'sum' or 'mean'")
-    if main_grad_dtype not in _MAIN_GRAD_DTYPES:
+    if main_grad_dtype not in MAIN_GRAD_DTYPES:
         raise ValueError(
             f"main_grad_dtype is {main_grad_dtype}, expected one of "
-            + ", ".join(str(d) for d in _MAIN_GRAD_DTYPES)
+            + ", ".join(str(d) for d in MAIN_GRAD_DTYPES)
         )
-    layers = _grouped_layers(module)
+    layers = grouped_layers(module)
     if not layers:
         raise ValueError(
             f"module ({type(module).__name__}) contains no GroupedLinear; nothing to shard"
@@ -159,12 +167,18 @@ def shard_expert_weights(
             f"this process (global rank {dist.get_rank()}) is not a member of process_group; "
             "call shard_expert_weights on the group's ranks only"
         )
-    groups = []
-    for prefix, layer in layers:
-        names = [_qualified(prefix, name) for name in layer.weight_names]
+    planned = []
+    for prefix, layer in layers:  # every layer checked before any is replaced
+        names = [qualified(prefix, name) for name in layer.weight_names]
         weights = [getattr(layer, name) for name in layer.weight_names]
         _check_shardable(names, weights, world_size)
-        group = ExpertShardGroup(weights[0].shape, process_group, grad_reduction, names)
+        planned.append((layer, names, weights))
+    groups = []
+    for layer, names, weights in planned:
+        group = ExpertShardGroup(
+            weights[0].shape, process_group, grad_reduction, names, main_grad_dtype
+        )
+        group.arm_broadcast_check(weights)
         for index, (name, weight) in enumerate(zip(layer.weight_names, weights, strict=True)):
             shard = _shard_of(weight, group.rank, world_size)
             member: Tensor
@@ -175,6 +189,8 @@ def shard_expert_weights(
             group.members.append(member)
             setattr(layer, name, member)
         groups.append(group)
+    register_ddp_ignore(module, [name for group in groups for name in group.names])
+    attach_state_dict_hooks(module, groups)
     return groups
 
 
@@ -197,11 +213,6 @@ def gather_full_weights(module: nn.Module) -> dict[str, Tensor]:
         TypeError: ``module`` is not an ``nn.Module``.
     """
     full: dict[str, Tensor] = {}
-    for prefix, layer in _grouped_layers(module):
-        leader = getattr(layer, layer.weight_names[0])
-        if not isinstance(leader, ShardedExpertWeight):
-            continue
-        gathered = leader.shard_group.gather()
-        for name, weight in zip(layer.weight_names, gathered, strict=True):
-            full[_qualified(prefix, name)] = weight
+    for found in sharded_layers(module):
+        full.update(zip(found.names, found.group.gather(), strict=True))
     return full

@@ -29,10 +29,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from groupgrad.protocol import (
+    deliver_to_main_grad,
+    dummy_wgrad,
+    grad_dtype_of,
     main_grad_or_none,
-    mark_grad_added,
-    overwrites_main_grad,
-    rezeroes_dummy,
+    takes_grad_added_flag,
 )
 
 __all__ = ["ExpertShardGroup", "GradReduction"]
@@ -68,7 +69,11 @@ class ExpertShardGroup:
         rank: This process's rank in ``process_group``.
         grad_reduction: ``"sum"`` adds the ranks' gradients; ``"mean"``
             averages them (data parallelism over ranks whose losses are means).
-        names: Qualified parameter names, leader first, for messages.
+        names: Parameter names relative to the module given to
+            ``shard_expert_weights``, leader first (for messages, the
+            state-dict hooks and DDP's ignore list).
+        main_grad_dtype: dtype of the wgrad buffers and of the reduce-scatter
+            (the dtype ``shard_expert_weights`` gave the ``main_grad`` shards).
     """
 
     def __init__(
@@ -77,15 +82,17 @@ class ExpertShardGroup:
         process_group: dist.ProcessGroup | None,
         grad_reduction: GradReduction,
         names: Sequence[str],
+        main_grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.members: list[Tensor] = []
         self.full_shape = tuple(int(s) for s in full_shape)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self._dummies: list[Tensor] | None = None
         self.grad_reduction: GradReduction = grad_reduction
         self.names = tuple(names)
+        self.main_grad_dtype = main_grad_dtype
+        self._blocks_differed: tuple[bool, ...] | None = None
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -117,20 +124,79 @@ class ExpertShardGroup:
             gathered_WBS = local_BS.new_empty(W * B * S)
             all_gather = _collective("all_gather_single", "all_gather_into_tensor")
             all_gather(gathered_WBS, local_BS, group=self.process_group)
+            differed, self._blocks_differed = self._blocks_differed, None
+            if differed is not None:  # once after sharding (or loading full weights)
+                self._check_not_broadcast(gathered_WBS.view(W, len(self.members), -1), differed)
             full_BWS = gathered_WBS.view(W, B, S).transpose(0, 1).contiguous()
             del gathered_WBS
         return list(full_BWS.view(len(self.members), *self.full_shape).unbind(0))
+
+    def arm_broadcast_check(self, full_weights: Sequence[Tensor]) -> None:
+        """Arm the one-time check that no rank-0 broadcast overwrote the shards.
+
+        ``DistributedDataParallel`` broadcasts rank 0's parameters to every
+        rank when it is built, unless they are on its ignore list: a wrapper
+        around a *parent* of the sharded module would copy rank 0's rows over
+        every other rank's. After that, the ranks' row blocks of every member
+        are identical, which a member whose row blocks differed when it was
+        sharded never is. This records, from the full weights (no
+        communication), which members' row blocks differ; the next
+        :meth:`gather` compares the gathered blocks (once) and raises if a
+        member that differed now has identical blocks on every rank.
+
+        A ``DTensor`` or DCP load does not re-arm it (this rank sees its own
+        rows only); the flags from sharding stay until the first gather. A
+        checkpoint whose rows are the same on every rank (e.g. all-zero
+        experts) loaded that way before the first forward would trip it:
+        load such a checkpoint with ``load_full_state_dict``, which re-arms
+        it from the loaded full weights.
+
+        Args:
+            full_weights: One full-shape weight per member, as every rank
+                holds it (e.g. at sharding, or a loaded full checkpoint).
+        """
+        W = self.world_size
+        differed = []
+        with torch.no_grad():
+            for weight in full_weights:
+                *_, rows, cols = weight.shape
+                blocks = weight.detach().reshape(-1, W, rows // W * cols)
+                differed.append(
+                    any(not torch.equal(blocks[:, r], blocks[:, 0]) for r in range(1, W))
+                )
+        self._blocks_differed = tuple(differed) if any(differed) else None
+
+    def _check_not_broadcast(self, gathered_WMX: Tensor, differed: tuple[bool, ...]) -> None:
+        """Raise if a member whose row blocks differed has identical blocks on every rank now."""
+        W = self.world_size
+        for index, name in enumerate(self.names):
+            if not differed[index]:
+                continue
+            member_WX = gathered_WMX[:, index]
+            if all(torch.equal(member_WX[r], member_WX[0]) for r in range(1, W)):
+                raise RuntimeError(
+                    f"the shards of sharded expert weight {name!r} are identical on all {W} "
+                    "ranks, but its rows differed when shard_expert_weights split it: rank 0's "
+                    "shard was broadcast over the others' (DistributedDataParallel does this when "
+                    "it wraps a parent of the sharded module, for parameters not on its ignore "
+                    "list). The weights are now wrong. Rebuild and re-shard the model (or reload a "
+                    "checkpoint), then call ddp_ignore_sharded(model) before "
+                    "DistributedDataParallel(model) so that DDP leaves sharded experts alone"
+                )
 
     def reduce_scatter_grads(self, wgrads: Sequence[Tensor]) -> None:
         """Reduce the members' full wgrads across ranks into this rank's ``main_grad`` shards.
 
         Collective: one reduce-scatter (``ReduceOp.SUM`` or ``ReduceOp.AVG`` as
-        :attr:`grad_reduction` says) of all members at once, in the leader's
-        ``main_grad`` dtype (fp32 in mixed precision: a bf16 wgrad is widened
-        before the reduction, never rounded). Each member's ``main_grad``
-        receives its rows: added, or copied where the member's
-        ``overwrite_main_grad`` is truthy (old contents, even NaN, unread);
-        then ``grad_added_to_main_grad`` is set ``True``.
+        :attr:`grad_reduction` says) of all members at once, in
+        :attr:`main_grad_dtype` (fp32 in mixed precision: a bf16 wgrad is
+        widened before the reduction, never rounded). Each member that
+        requires grad receives its rows through
+        :func:`groupgrad.protocol.deliver_to_main_grad`: added to ``main_grad``,
+        or copied where ``overwrite_main_grad`` is truthy (old contents, even
+        NaN, unread), then ``grad_added_to_main_grad`` is set ``True``. A
+        member with ``requires_grad=False`` is never written (its
+        ``main_grad`` and flag stay untouched; it needs no ``main_grad``).
 
         Args:
             wgrads: One full-shape (``full_shape``) gradient per member, leader
@@ -138,14 +204,17 @@ class ExpertShardGroup:
 
         Raises:
             ValueError: ``wgrads`` has the wrong number of entries or a wrong shape.
-            RuntimeError: A member has no ``main_grad``, or one of the wrong shape.
+            RuntimeError: A member that requires grad has no ``main_grad``, or
+                one of the wrong shape (checked before the collective).
         """
         if len(wgrads) != len(self.members):
             raise ValueError(
                 f"wgrads has {len(wgrads)} entries, expected {len(self.members)} (one per member "
                 f"of the group led by {self.names[0]!r})"
             )
-        main_grads = [self._main_grad(index) for index in range(len(self.members))]
+        for index, member in enumerate(self.members):
+            if member.requires_grad:
+                self._check_main_grad(index)
         for name, wgrad in zip(self.names, wgrads, strict=True):
             if tuple(wgrad.shape) != self.full_shape:
                 raise ValueError(
@@ -153,10 +222,12 @@ class ExpertShardGroup:
                     f"weight's shape {self.full_shape}"
                 )
         W, B, S = self._layout()
-        reduce_dtype = main_grads[0].dtype
         with torch.no_grad():
             send_WBS = torch.cat(
-                [wgrad.to(reduce_dtype).reshape(-1, W, S).transpose(0, 1) for wgrad in wgrads],
+                [
+                    wgrad.to(self.main_grad_dtype).reshape(-1, W, S).transpose(0, 1)
+                    for wgrad in wgrads
+                ],
                 dim=1,
             )
             reduced_BS = send_WBS.new_empty(B * S)
@@ -169,16 +240,10 @@ class ExpertShardGroup:
             )
             del send_WBS
             shard_grads = reduced_BS.view(len(self.members), *self.shard_shape).unbind(0)
-            for member, main_grad, shard_grad in zip(
-                self.members, main_grads, shard_grads, strict=True
-            ):
-                if overwrites_main_grad(member):
-                    main_grad.copy_(shard_grad)
-                else:
-                    main_grad.add_(shard_grad)
-                mark_grad_added(member)
+            for member, name, shard_grad in zip(self.members, self.names, shard_grads, strict=True):
+                deliver_to_main_grad(member, shard_grad, name)
 
-    def _main_grad(self, index: int) -> Tensor:
+    def _check_main_grad(self, index: int) -> None:
         main_grad = main_grad_or_none(self.members[index])
         if main_grad is None:
             raise RuntimeError(
@@ -190,23 +255,26 @@ class ExpertShardGroup:
                 f"main_grad of {self.names[index]!r} has shape {tuple(main_grad.shape)}, "
                 f"expected the shard's shape {self.shard_shape}"
             )
-        return main_grad
 
-    def autograd_dummies(self) -> list[Tensor]:
-        """Zero gradients shaped like each member's shard, for autograd to accumulate.
+    def autograd_dummies(self) -> list[Tensor | None]:
+        """What autograd receives for each member once its gradient is in ``main_grad``.
 
-        ``.detach()`` aliases of buffers allocated zeroed once per group, one
-        per member (so a framework that adds into one member's ``.grad`` does
-        not touch another's); a buffer is zeroed again before this hand-out
-        where the member's ``zero_out_wgrad`` is truthy.
+        The protocol's one dummy rule (:func:`groupgrad.protocol.dummy_wgrad`):
+        a zero tensor shaped like the shard, in its grad dtype, a ``.detach()``
+        alias of one cached buffer shared by every parameter of that shape
+        (frameworks that honour ``grad_added_to_main_grad`` ignore ``.grad``),
+        zeroed again before this hand-out when anything wrote into it or
+        where ``zero_out_wgrad`` is set. ``None`` for a member that does not
+        require grad or carries no ``grad_added_to_main_grad``.
         """
-        if self._dummies is None:
-            leader = self.members[0]
-            zeros = torch.zeros(
-                (len(self.members), *self.shard_shape), dtype=leader.dtype, device=leader.device
-            )
-            self._dummies = list(zeros.unbind(0))
-        for member, dummy in zip(self.members, self._dummies, strict=True):
-            if rezeroes_dummy(member):
-                dummy.zero_()
-        return [dummy.detach() for dummy in self._dummies]
+        handed: list[Tensor | None] = []
+        dummy: Tensor | None = None
+        for member in self.members:
+            if not (member.requires_grad and takes_grad_added_flag(member)):
+                handed.append(None)
+            elif dummy is None or dummy.dtype != grad_dtype_of(member):
+                dummy = dummy_wgrad(member)  # one shape per group: fetched once per grad dtype
+                handed.append(dummy)
+            else:
+                handed.append(dummy.detach())
+        return handed

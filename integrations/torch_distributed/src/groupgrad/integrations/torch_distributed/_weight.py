@@ -79,7 +79,7 @@ class ShardedExpertWeight(nn.Parameter):
         return self.shard_group.gather()
 
     def grad_buffer(self) -> Tensor:
-        """Return a fresh full-size buffer for this member's wgrad, in ``main_grad``'s dtype.
+        """Return a fresh full-size buffer for this member's wgrad, in the group's grad dtype.
 
         Allocated at every call (once per backward), uninitialised (the wgrad
         GEMM overwrites it) and not cached: it lives until
@@ -87,26 +87,32 @@ class ShardedExpertWeight(nn.Parameter):
         memory stays between backwards.
 
         Returns:
-            ``(N, K)`` (or ``(E, N, K)``) tensor, fp32 with an fp32 ``main_grad``
-            (the parameter's dtype when ``main_grad`` is ``None``).
+            ``(N, K)`` (or ``(E, N, K)``) tensor of
+            :attr:`ExpertShardGroup.main_grad_dtype` (fp32 by default, whatever
+            the weights' dtype): one dtype across the group.
         """
-        dtype = self.main_grad.dtype if self.main_grad is not None else self.dtype
-        return torch.empty(self.shard_group.full_shape, dtype=dtype, device=self.device)
+        return torch.empty(
+            self.shard_group.full_shape, dtype=self.shard_group.main_grad_dtype, device=self.device
+        )
 
-    def finalize_group_grads(self, wgrads: Tensor | list[Tensor]) -> Tensor | list[Tensor]:
+    def finalize_group_grads(
+        self, wgrads: Tensor | list[Tensor]
+    ) -> Tensor | list[Tensor | None] | None:
         """Reduce-scatter the group's full wgrads into the members' ``main_grad`` shards.
 
         One collective for the whole group, in ``main_grad``'s dtype, as
         :meth:`ExpertShardGroup.reduce_scatter_grads` describes; sets
-        ``grad_added_to_main_grad`` on every member.
+        ``grad_added_to_main_grad`` on every member that requires grad (a
+        frozen member is never written).
 
         Args:
             wgrads: A bare full-shape tensor for a one-member group, else one
                 per member; not modified.
 
         Returns:
-            Zero dummies shaped like each member's shard, in the parameter's
-            dtype, for autograd (a bare tensor for a one-member group).
+            What autograd receives (:meth:`ExpertShardGroup.autograd_dummies`):
+            the protocol's shared zero dummy for each trainable member,
+            ``None`` for a frozen one (a bare entry for a one-member group).
         """
         grads = [wgrads] if isinstance(wgrads, Tensor) else list(wgrads)
         self.shard_group.reduce_scatter_grads(grads)

@@ -120,7 +120,9 @@ def groupgrad_experts_forward(
     else:
         h_SN = grouped_linear(x_SH, _as_out_in(up, route.transposed), splits_E, up_bias)
         a_SF = self._apply_gate(h_SN) if has_gate else self.act_fn(h_SN)
-        y_SH = grouped_linear(a_SF, _as_out_in(self.down_proj, route.transposed), splits_E, down_bias)
+        y_SH = grouped_linear(
+            a_SF, _as_out_in(self.down_proj, route.transposed), splits_E, down_bias
+        )
     if getattr(self, "has_post_expert_norm", False):
         y_SH = self.post_expert_norm(y_SH)
     if not route.probs_in_mlp:

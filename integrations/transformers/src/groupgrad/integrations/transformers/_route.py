@@ -101,8 +101,9 @@ def experts_route(experts: nn.Module) -> ExpertsRoute:
         reasons.append("the weights are stored transposed (is_transposed=True)")
     if has_gate and not _uses_default_gate(experts):
         reasons.append(f"{type(experts).__name__} has its own _apply_gate")
-    if has_gate and not isinstance(getattr(experts, "act_fn", None), SILU_TYPES):
-        reasons.append(f"the activation is {type(getattr(experts, 'act_fn', None)).__name__}, not SiLU")
+    elif has_gate and not isinstance(getattr(experts, "act_fn", None), SILU_TYPES):
+        act = type(getattr(experts, "act_fn", None)).__name__
+        reasons.append(f"the gate's activation is {act}, not SiLU")
     fused = not reasons
     after_down = bool(getattr(experts, "has_bias", False)) or bool(
         getattr(experts, "has_post_expert_norm", False)

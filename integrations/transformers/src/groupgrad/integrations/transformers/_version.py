@@ -25,7 +25,7 @@ def check_transformers_version(installed: str | None = None) -> None:
     """
     text = transformers.__version__ if installed is None else installed
     low, high = SUPPORTED_TRANSFORMERS
-    if not low <= Version(text) < high:
+    if not low <= Version(Version(text).base_version) < high:
         raise RuntimeError(
             f"groupgrad.integrations.transformers supports transformers >= {low}, < {high} "
             f"(5.17 through 5.24), but transformers {text} is installed; install a supported "

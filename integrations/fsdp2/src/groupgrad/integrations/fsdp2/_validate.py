@@ -55,7 +55,7 @@ def check_modules(module: object) -> list[nn.Module]:
         TypeError: ``module`` is neither an ``nn.Module`` nor a non-empty list of them.
         ValueError: A module is an FSDP unit already.
     """
-    modules = module if isinstance(module, list) else [module]
+    modules: list[object] = list(module) if isinstance(module, list) else [module]
     if not modules:
         raise TypeError("module is an empty list, expected an nn.Module or a list of them")
     for index, sub in enumerate(modules):
@@ -67,7 +67,7 @@ def check_modules(module: object) -> list[nn.Module]:
                 f"{label} ({type(sub).__name__}) is an FSDP unit already; call fully_shard "
                 "once per module"
             )
-    return modules
+    return [sub for sub in modules if isinstance(sub, nn.Module)]
 
 
 def mp_policy_of(fsdp_kwargs: Mapping[str, Any]) -> MixedPrecisionPolicy:

@@ -20,6 +20,9 @@ packed parameters are passed to the grouped ops, not copies).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 from torch import Tensor, nn
 
@@ -38,6 +41,17 @@ def tokens_per_expert(sorted_ids_S: Tensor, num_experts: int) -> Tensor:
     if sorted_ids_S.device.type == "cuda":
         return torch.histc(sorted_ids_S.int(), bins=num_experts, min=0, max=num_experts - 1)
     return torch.bincount(sorted_ids_S, minlength=num_experts)
+
+
+def _tensor(experts: nn.Module, name: str) -> Tensor:
+    """The experts module's tensor attribute ``name`` (a parameter), or a ``TypeError`` naming it."""
+    value = getattr(experts, name, None)
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"{type(experts).__name__}.{name} is {type(value).__name__}, expected a Tensor "
+            "(the packed expert weights transformers' experts modules hold)"
+        )
+    return value
 
 
 def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
@@ -93,7 +107,7 @@ def groupgrad_experts_forward(
             "like top_k_index's rows"
         )
     route = experts_route(self)
-    num_experts: int = self.num_experts
+    num_experts = int(cast(int, self.num_experts))
     # Ids past the last expert are expert-parallel sentinels (zero router weight) in
     # transformers 5.17, which has no _is_expert_parallel flag: keep them in range.
     expert_ids_S = top_k_index.reshape(-1).clamp(max=num_experts - 1)
@@ -101,9 +115,10 @@ def groupgrad_experts_forward(
     splits_E = tokens_per_expert(sorted_ids_S, num_experts)
     has_gate = bool(getattr(self, "has_gate", True))
     has_bias = bool(getattr(self, "has_bias", False))
-    up = self.gate_up_proj if has_gate else self.up_proj
-    up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
-    down_bias = self.down_proj_bias if has_bias else None
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    up, down = _tensor(self, up_name), _tensor(self, "down_proj")
+    up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
+    down_bias = _tensor(self, "down_proj_bias") if has_bias else None
     x_SH = hidden_states[perm_S // top_k].to(up.dtype)
     probs_S = top_k_weights.reshape(-1)[perm_S]
 
@@ -111,7 +126,7 @@ def groupgrad_experts_forward(
         y_SH = grouped_mlp(
             x_SH,
             up,
-            self.down_proj,
+            down,
             splits_E,
             probs_S if route.probs_in_mlp else None,
             fc1_bias=up_bias,
@@ -119,12 +134,11 @@ def groupgrad_experts_forward(
         )
     else:
         h_SN = grouped_linear(x_SH, _as_out_in(up, route.transposed), splits_E, up_bias)
-        a_SF = self._apply_gate(h_SN) if has_gate else self.act_fn(h_SN)
-        y_SH = grouped_linear(
-            a_SF, _as_out_in(self.down_proj, route.transposed), splits_E, down_bias
-        )
+        gate = cast(Callable[[Tensor], Tensor], self._apply_gate if has_gate else self.act_fn)
+        a_SF = gate(h_SN)
+        y_SH = grouped_linear(a_SF, _as_out_in(down, route.transposed), splits_E, down_bias)
     if getattr(self, "has_post_expert_norm", False):
-        y_SH = self.post_expert_norm(y_SH)
+        y_SH = cast(Callable[[Tensor], Tensor], self.post_expert_norm)(y_SH)
     if not route.probs_in_mlp:
         y_SH = y_SH * probs_S.unsqueeze(-1)
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
 from groupgrad.integrations.transformers._forward import groupgrad_experts_forward
 from groupgrad.integrations.transformers._version import check_transformers_version
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 __all__ = ["IMPLEMENTATION", "register"]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
 from transformers import activations
 from transformers.integrations import moe
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import transformers
 from packaging.version import Version
+
+import transformers
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "check_transformers_version"]
 

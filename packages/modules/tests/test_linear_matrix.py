@@ -124,6 +124,19 @@ def _reference(
     return {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw": dw, "db": db}  # type: ignore[dict-item]
 
 
+def write_into_dummies(weights: list[torch.Tensor], zero_out: bool) -> None:
+    """Write into the shared dummy behind each ``.grad``, as hooks and frameworks do.
+
+    With ``zero_out_wgrad`` the write bypasses the version counter (a fused
+    kernel writing the storage), so only the ``zero_out_wgrad`` rule can catch
+    it; without, it is an ordinary in-place add, which the version guard sees.
+    The next step's dummies must be zero again either way.
+    """
+    for w in weights:
+        target = w.grad.data if zero_out else w.grad
+        target.add_(1.0)
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
 
@@ -178,6 +191,13 @@ def test_grouped_linear_matrix(case: Case) -> None:
             assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
         for index, b in enumerate(biases):
             _close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+        if case.kind == "distributed":
+            # what the layer handed the implementer, against the fp64 oracle (not the fake)
+            received = weights[0].finalized[-1]
+            for index, dw in enumerate(ref["dw"]):
+                _close(received[index], dw, f"wgrad handed to finalize, member {index}")
+        elif case.main_grad != "none":
+            write_into_dummies(weights, case.zero_out)
         x.grad = None
 
     if case.kind == "distributed":

@@ -166,6 +166,13 @@ def _reference(
     return result
 
 
+def write_into_dummies(weights: list[torch.Tensor], zero_out: bool) -> None:
+    """Write into the shared dummy behind each ``.grad`` (see the linear matrix's twin)."""
+    for w in weights:
+        target = w.grad.data if zero_out else w.grad
+        target.add_(1.0)
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
 
@@ -232,6 +239,14 @@ def test_grouped_mlp_matrix(case: Case) -> None:
             assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
         for index, b in enumerate(biases):
             _close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+        if case.kind == "distributed":
+            # what each layer handed its implementer, against the fp64 oracle (not the fake)
+            for layer, key in (("fc1", "dw1"), ("fc2", "dw2")):
+                received = _layer_weights(module, layer)[0].finalized[-1]
+                for index, dw in enumerate(ref[key]):
+                    _close(received[index], dw, f"{layer} wgrad handed to finalize, member {index}")
+        elif case.main_grad != "none":
+            write_into_dummies(weights, case.zero_out)
 
     if case.kind == "distributed":
         for layer in ("fc1", "fc2"):

@@ -11,10 +11,10 @@ from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
     is_distributed_weight,
-    weight_grad_dtype,
+    members_grad_dtype,
 )
 
-__all__ = ["check_grad_buffers", "same_device", "weight_grad_buffers"]
+__all__ = ["check_grad_buffers", "member_grad_buffers", "same_device", "weight_grad_buffers"]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -150,14 +150,23 @@ def weight_grad_buffers(
             across the group, or two members' buffers overlap; the message
             names the member index, the expected and the actual value.
     """
-    members = as_weight_list(weights)
+    return member_grad_buffers(as_weight_list(weights), shape, compute_dtype, device)
+
+
+def member_grad_buffers(
+    members: list[torch.Tensor],
+    shape: Sequence[int],
+    compute_dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """:func:`weight_grad_buffers` for a group already normalized by ``as_weight_list``."""
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
     if not is_distributed_weight(members[0]):
         packed = torch.empty((len(members), *shape), dtype=compute_dtype, device=device)
         return list(packed.unbind(0))
 
-    scratch_dtype = weight_grad_dtype(members, compute_dtype)
+    scratch_dtype = members_grad_dtype(members, compute_dtype)
     buffers: list[torch.Tensor | None] = []
     for member in members:
         provider = getattr(member, "grad_buffer", None)

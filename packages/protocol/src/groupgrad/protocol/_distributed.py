@@ -20,10 +20,12 @@ __all__ = [
     "DistributedWeight",
     "WeightGroup",
     "as_weight_list",
+    "finalize_members",
     "finalize_weight_grads",
     "is_distributed_weight",
     "materialize_weight_for_backward",
     "materialize_weight_for_forward",
+    "members_grad_dtype",
     "weight_grad_dtype",
 ]
 
@@ -227,7 +229,13 @@ def finalize_weight_grads(
         ValueError: ``wgrads`` does not have one entry per weight.
         RuntimeError: The leader returned a different number of entries.
     """
-    members = as_weight_list(weights)
+    return finalize_members(as_weight_list(weights), wgrads)
+
+
+def finalize_members(
+    members: list[torch.Tensor], wgrads: torch.Tensor | Sequence[torch.Tensor]
+) -> list[Any]:
+    """:func:`finalize_weight_grads` for a group already normalized by :func:`as_weight_list`."""
     leader = members[0]
     if not is_distributed_weight(leader):
         return wgrads  # type: ignore[return-value]
@@ -254,7 +262,12 @@ def weight_grad_dtype(weights: WeightGroup, compute_dtype: torch.dtype) -> torch
         reduce-scatter that follows does not round), else ``compute_dtype``.
         Plain group: ``compute_dtype``.
     """
-    leader = as_weight_list(weights)[0]
+    return members_grad_dtype(as_weight_list(weights), compute_dtype)
+
+
+def members_grad_dtype(members: list[torch.Tensor], compute_dtype: torch.dtype) -> torch.dtype:
+    """:func:`weight_grad_dtype` for a group already normalized by :func:`as_weight_list`."""
+    leader = members[0]
     if is_distributed_weight(leader):
         main_grad = main_grad_or_none(leader)
         if main_grad is not None:

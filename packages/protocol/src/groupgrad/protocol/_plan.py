@@ -31,11 +31,11 @@ from groupgrad.protocol._attrs import (
     overwrites_main_grad,
     takes_grad_added_flag,
 )
-from groupgrad.protocol._buffers import check_grad_buffers, weight_grad_buffers
+from groupgrad.protocol._buffers import check_grad_buffers, member_grad_buffers
 from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
-    finalize_weight_grads,
+    finalize_members,
     is_distributed_weight,
 )
 
@@ -91,7 +91,13 @@ def wgrad_route(
             ``DistributedWeight``: two owners would reduce its gradient.
     """
     members = as_weight_list(weights)
-    labels = _labels(len(members), names)
+    return _route(members, _labels(len(members), names), wgrad_into_main_grad)
+
+
+def _route(
+    members: list[torch.Tensor], labels: list[str], wgrad_into_main_grad: bool
+) -> WgradRoute:
+    """:func:`wgrad_route` for a normalized group with its labels."""
     for label, member in zip(labels, members, strict=True):
         if is_fsdp_param(member) and is_distributed_weight(member):
             raise RuntimeError(
@@ -166,7 +172,7 @@ class WeightGradPlan:
         if self.route is WgradRoute.AUTOGRAD:
             answers = list(self.buffers)
         elif self.route is WgradRoute.DISTRIBUTED:
-            answers = finalize_weight_grads(self.weights, self.buffers)
+            answers = finalize_members(self.weights, self.buffers)
         elif self.deferred:
             return [None] * len(self.weights)
         else:
@@ -268,7 +274,10 @@ def autograd_grad_dtype(weights: WeightGroup) -> torch.dtype:
     to its parameter's ``grad_dtype`` anyway, so a mixed group rounds once,
     from the widest.
     """
-    members = as_weight_list(weights)
+    return _autograd_dtype(as_weight_list(weights))
+
+
+def _autograd_dtype(members: list[torch.Tensor]) -> torch.dtype:
     live = [p for p in members if p.requires_grad] or members
     dtype = grad_dtype_of(live[0])
     for param in live[1:]:
@@ -324,15 +333,15 @@ def plan_weight_grads(
     labels = _labels(len(members), names)
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
-    route = wgrad_route(members, wgrad_into_main_grad=wgrad_into_main_grad, names=labels)
+    route = _route(members, labels, wgrad_into_main_grad)
     if route is WgradRoute.MAIN_GRAD:
         return _main_grad_plan(members, shape, device, labels, deferred)
     if route is WgradRoute.DISTRIBUTED:
-        buffers = weight_grad_buffers(members, shape, compute_dtype, device)
+        buffers = member_grad_buffers(members, shape, compute_dtype, device)
         return WeightGradPlan(route, members, buffers, buffers[0].dtype, False, deferred)
     _check_shape(members, shape, labels)
-    dtype = autograd_grad_dtype(members)
-    buffers = weight_grad_buffers(members, shape, dtype, device)
+    dtype = _autograd_dtype(members)
+    buffers = member_grad_buffers(members, shape, dtype, device)
     return WeightGradPlan(route, members, buffers, dtype, False, deferred)
 
 
@@ -348,7 +357,7 @@ def defer_weight_grads(
     :func:`accumulate_grads_like_autograd`.
     """
     members = as_weight_list(weights)
-    route = wgrad_route(members, wgrad_into_main_grad=wgrad_into_main_grad, names=names)
+    route = _route(members, _labels(len(members), names), wgrad_into_main_grad)
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)
     return [None] * len(members)

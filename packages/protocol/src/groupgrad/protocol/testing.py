@@ -13,6 +13,8 @@ from typing import Literal, cast
 
 import torch
 
+from groupgrad.protocol._attrs import deliver_to_main_grad, main_grad_or_none
+
 __all__ = ["FakeDistributedWeight", "make_fake_group"]
 
 FinalizeReturn = Literal["dummy", "grads", "none"]
@@ -31,10 +33,11 @@ class FakeDistributedWeight(torch.nn.Parameter):
         finalize_returns: What ``finalize_group_grads`` returns: ``"dummy"``
             (zeros shaped like each member), ``"grads"`` (the gradients
             themselves, cast to each member's dtype) or ``"none"``.
-        add_to_main_grad: When ``True``, ``finalize_group_grads`` adds each
-            gradient into the member's ``main_grad`` (if it has one; it copies
-            instead where ``overwrite_main_grad`` is set) and sets
-            ``grad_added_to_main_grad`` there, as a reducing implementer would.
+        add_to_main_grad: When ``True``, ``finalize_group_grads`` delivers each
+            gradient into the member's ``main_grad`` (if it has one) with
+            :func:`~groupgrad.protocol.deliver_to_main_grad` — added, or copied
+            where ``overwrite_main_grad`` is set, then flagged — as a reducing
+            implementer would; members that do not require grad are skipped.
         provides_grad_buffer: Whether :meth:`grad_buffer` hands out a buffer
             typed like ``main_grad``; ``False`` makes it return ``None`` (the
             member then gets scratch).
@@ -81,7 +84,7 @@ class FakeDistributedWeight(torch.nn.Parameter):
         self.calls["grad_buffer"] += 1
         if not self.provides_grad_buffer:
             return None
-        main_grad = getattr(self, "main_grad", None)
+        main_grad = main_grad_or_none(self)
         dtype = main_grad.dtype if main_grad is not None else self.dtype
         return torch.full(self.shape, float("nan"), dtype=dtype, device=self.device)
 
@@ -93,15 +96,9 @@ class FakeDistributedWeight(torch.nn.Parameter):
         grads = [wgrads] if isinstance(wgrads, torch.Tensor) else list(wgrads)
         self.finalized.append([grad.detach().clone() for grad in grads])
         if self.add_to_main_grad:
-            for member, grad in zip(self.group, grads, strict=True):
-                main_grad = getattr(member, "main_grad", None)
-                if main_grad is None:
-                    continue
-                if getattr(member, "overwrite_main_grad", False):
-                    main_grad.copy_(grad)
-                else:
-                    main_grad.add_(grad.to(main_grad.dtype))
-                member.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+            for index, (member, grad) in enumerate(zip(self.group, grads, strict=True)):
+                if main_grad_or_none(member) is not None:
+                    deliver_to_main_grad(member, grad, f"member {index}")
         if self.finalize_returns == "none":
             return None
         answers: list[torch.Tensor | None]
@@ -127,7 +124,7 @@ def make_fake_group(
         leader_only: When ``True`` only the leader implements the protocol and
             the followers are plain ``torch.nn.Parameter`` objects.
         main_grad_dtype: When given, every member gets a zeroed ``main_grad``
-            of this dtype.
+            of this dtype and ``grad_added_to_main_grad = False``.
 
     Returns:
         The members, leader first; the leader's ``group`` is this list.
@@ -143,6 +140,7 @@ def make_fake_group(
             member.main_grad = torch.zeros(  # type: ignore[attr-defined]
                 member.shape, dtype=main_grad_dtype, device=member.device
             )
+            member.grad_added_to_main_grad = False  # type: ignore[attr-defined]
     leader = cast(FakeDistributedWeight, members[0])
     leader.group = members
     return members

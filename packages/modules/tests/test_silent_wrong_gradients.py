@@ -1,0 +1,469 @@
+"""Training-loop scenarios that once gave silently wrong gradients: each is exact or an error.
+
+Every expectation comes from an independent fp64 computation (``F.linear`` per
+expert, autograd in fp64), never from the code under test. Each test names
+the broken behaviour it catches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from groupgrad.kernels import grouped_wgrad
+from groupgrad.modules import GroupedLinear, GroupedMLP, grouped_linear, grouped_mlp
+from groupgrad.protocol import accumulate_grads_like_autograd
+
+E, K, N = 4, 16, 8
+SPLITS = [4, 4, 3, 1]
+REFILLED = [6, 2, 0, 4]  # same sum: a reused tokens-per-expert buffer, refilled
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _linear_fp64(x, weights, splits, biases=None):
+    """``y_e = x_e @ w_e.T + b_e`` per expert, in fp64, differentiable in the inputs given."""
+    rows = []
+    for e, x_e in enumerate(x.double().split(list(splits))):
+        bias = None if biases is None else biases[e].double()
+        rows.append(F.linear(x_e, weights[e].double(), bias))
+    return torch.cat(rows)
+
+
+def _weight_grads_fp64(x, weights, splits, dy, biases=None):
+    """fp64 gradients of ``sum(y * dy)`` w.r.t. each expert weight (and bias)."""
+    leaves = [w.detach().double().requires_grad_() for w in weights]
+    bias_leaves = None
+    if biases is not None:
+        bias_leaves = [b.detach().double().requires_grad_() for b in biases]
+    y = _linear_fp64(x.detach(), leaves, splits, bias_leaves)
+    targets = leaves + (bias_leaves or [])
+    return torch.autograd.grad((y * dy.double()).sum(), targets)
+
+
+def _mlp_grads_fp64(x, w1, w2, splits, probs, dy):
+    """fp64 gradients of the SwiGLU MLP w.r.t. every fc1 and fc2 expert weight and x."""
+    x64 = x.detach().double().requires_grad_()
+    l1 = [w.detach().double().requires_grad_() for w in w1]
+    l2 = [w.detach().double().requires_grad_() for w in w2]
+    h = _linear_fp64(x64, l1, splits)
+    g, u = h.chunk(2, dim=1)
+    a = F.silu(g) * u * probs.detach().double()[:, None]
+    y = _linear_fp64(a, l2, splits)
+    grads = torch.autograd.grad((y * dy.double()).sum(), [x64, *l1, *l2])
+    return grads[0], grads[1 : 1 + len(w1)], grads[1 + len(w1) :]
+
+
+def _attach_main_grad(params, dtype=torch.float32, value=0.0):
+    for p in params:
+        p.main_grad = torch.full(p.shape, value, dtype=dtype)
+        p.grad_added_to_main_grad = False
+
+
+def _close(got, want, *, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------ 1. splits is a snapshot taken at forward
+
+
+@pytest.mark.parametrize("kind", ["list", "cpu_tensor"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_refilling_the_splits_buffer_after_forward_changes_nothing(kind: str, delay: bool) -> None:
+    # Catches: splits kept by reference (weight0's gradient off by 2.5 before the fix).
+    module = GroupedLinear(E, K, N, delay_wgrad_compute=delay)
+    splits = list(SPLITS) if kind == "list" else torch.tensor(SPLITS)
+    x, dy = _randn(sum(SPLITS), K, seed=1), _randn(sum(SPLITS), N, seed=2)
+    y = module(x, splits)
+    for e, count in enumerate(REFILLED):
+        splits[e] = count
+    y.backward(dy)
+    module.backward_dw()
+    weights = [getattr(module, f"weight{e}") for e in range(E)]
+    biases = [getattr(module, f"bias{e}") for e in range(E)]
+    want = _weight_grads_fp64(x, weights, SPLITS, dy, biases)
+    for got, expected in zip([*weights, *biases], want, strict=True):
+        _close(got.grad, expected)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_refilling_splits_after_a_grouped_mlp_forward_changes_nothing(delay: bool) -> None:
+    module = GroupedMLP(E, K, 6, delay_wgrad_compute=delay)
+    splits = torch.tensor(SPLITS)
+    T = sum(SPLITS)
+    x, probs, dy = _randn(T, K, seed=3), torch.rand(T), _randn(T, K, seed=4)
+    y = module(x, splits, probs)
+    splits.copy_(torch.tensor(REFILLED))
+    y.backward(dy)
+    module.backward_dw()
+    w1 = [getattr(module.fc1, f"weight{e}") for e in range(E)]
+    w2 = [getattr(module.fc2, f"weight{e}") for e in range(E)]
+    _, want1, want2 = _mlp_grads_fp64(x, w1, w2, SPLITS, probs, dy)
+    for got, expected in zip([*w1, *w2], [*want1, *want2], strict=True):
+        _close(got.grad, expected)
+
+
+def test_the_functional_ops_snapshot_splits_too() -> None:
+    weights = [_randn(N, K, seed=10 + e).requires_grad_() for e in range(E)]
+    splits = list(SPLITS)
+    x, dy = _randn(sum(SPLITS), K, seed=5), _randn(sum(SPLITS), N, seed=6)
+    y = grouped_linear(x, weights, splits)
+    splits[:] = REFILLED
+    y.backward(dy)
+    for got, want in zip(weights, _weight_grads_fp64(x, weights, SPLITS, dy), strict=True):
+        _close(got.grad, want)
+
+
+# ------------------------------------- 2. what backward_dw() reads is version-checked
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_input_changed_in_place_before_backward_dw_is_an_error_and_writes_nothing(
+    single: bool,
+) -> None:
+    # Catches: the deferred GEMM reading x after x.mul_(2) (a 2x gradient before the fix).
+    module = GroupedLinear(E, K, N, delay_wgrad_compute=True, single_grouped_weight=single)
+    x, dy = _randn(sum(SPLITS), K, seed=7), _randn(sum(SPLITS), N, seed=8)
+    module(x, SPLITS).backward(dy)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match=r"backward_dw\(\): x, which the deferred"):
+        module.backward_dw()
+    assert all(p.grad is None for n, p in module.named_parameters() if "weight" in n)
+    with pytest.raises(RuntimeError, match=r"no backward has queued"):
+        module.backward_dw()  # the broken job was dropped, not left to run later
+
+
+def test_output_grad_changed_in_place_before_backward_dw_is_an_error() -> None:
+    module = GroupedLinear(E, K, N, bias=False, delay_wgrad_compute=True)
+    _attach_main_grad(module.parameters(), value=float("nan"))
+    module.accumulate_into_main_grad = True
+    for p in module.parameters():
+        p.overwrite_main_grad = True
+    x, dy = _randn(sum(SPLITS), K, seed=9), _randn(sum(SPLITS), N, seed=10)
+    module(x, SPLITS).backward(dy)
+    dy.zero_()
+    with pytest.raises(RuntimeError, match=r"dy, which the deferred weight gradient of 'weight0'"):
+        module.backward_dw()
+    assert all(p.main_grad.isnan().all() for p in module.parameters())  # nothing written
+
+
+def test_mlp_input_changed_before_backward_dw_is_an_error() -> None:
+    module = GroupedMLP(E, K, 6, delay_wgrad_compute=True)
+    T = sum(SPLITS)
+    x, dy = _randn(T, K, seed=11), _randn(T, K, seed=12)
+    module(x, SPLITS).backward(dy)
+    x.add_(1.0)
+    with pytest.raises(
+        RuntimeError, match=r"x, which the deferred weight gradient of 'fc1\.weight0'"
+    ):
+        module.backward_dw()
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_unchanged_inputs_run_the_deferred_wgrad_exactly() -> None:
+    # Control for the three tests above: the check does not fire without a change.
+    module = GroupedLinear(E, K, N, delay_wgrad_compute=True)
+    x, dy = _randn(sum(SPLITS), K, seed=13), _randn(sum(SPLITS), N, seed=14)
+    module(x, SPLITS).backward(dy)
+    module.backward_dw()
+    weights = [getattr(module, f"weight{e}") for e in range(E)]
+    for got, want in zip(weights, _weight_grads_fp64(x, weights, SPLITS, dy), strict=True):
+        _close(got.grad, want)
+
+
+# ------------------------------------------------ 3. a frozen member is never written
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_frozen_member_of_a_main_grad_group_is_untouched_and_needs_no_main_grad(
+    delay: bool, overwrite: bool
+) -> None:
+    # Catches: a frozen weight's main_grad accumulated and flagged, or a KeyError-like
+    # crash when frameworks gave only the trainable weights a main_grad.
+    module = GroupedLinear(
+        E, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+    )
+    weights = [getattr(module, f"weight{e}") for e in range(E)]
+    weights[1].requires_grad_(False)
+    trainable = [w for w in weights if w.requires_grad]
+    _attach_main_grad(trainable, value=0.5)
+    for w in trainable:
+        w.overwrite_main_grad = overwrite
+    weights[1].grad_added_to_main_grad = False  # a framework's flag, but no main_grad
+    x, dy = _randn(sum(SPLITS), K, seed=15), _randn(sum(SPLITS), N, seed=16)
+    module(x, SPLITS).backward(dy)
+    module.backward_dw()
+    want = _weight_grads_fp64(x, weights, SPLITS, dy)
+    assert weights[1].grad is None
+    assert weights[1].grad_added_to_main_grad is False
+    assert not hasattr(weights[1], "main_grad")
+    for e in (0, 2, 3):
+        base = 0.0 if overwrite else 0.5
+        _close(weights[e].main_grad, want[e] + base)
+        assert weights[e].grad_added_to_main_grad is True
+
+
+def test_frozen_member_without_main_grad_gets_none_from_autograd_route() -> None:
+    module = GroupedLinear(E, K, N, bias=False)
+    module.weight2.requires_grad_(False)
+    x, dy = _randn(sum(SPLITS), K, seed=17), _randn(sum(SPLITS), N, seed=18)
+    module(x, SPLITS).backward(dy)
+    weights = [getattr(module, f"weight{e}") for e in range(E)]
+    want = _weight_grads_fp64(x, weights, SPLITS, dy)
+    assert module.weight2.grad is None
+    for e in (0, 1, 3):
+        _close(weights[e].grad, want[e])
+
+
+def test_frozen_packed_weight_is_never_written() -> None:
+    module = GroupedLinear(
+        E, K, N, single_grouped_weight=True, accumulate_into_main_grad=True, bias=True
+    )
+    module.weight.requires_grad_(False)
+    module.weight.grad_added_to_main_grad = False
+    x, dy = _randn(sum(SPLITS), K, seed=19), _randn(sum(SPLITS), N, seed=20)
+    x.requires_grad_()
+    module(x, SPLITS).backward(dy)
+    assert module.weight.grad is None
+    assert module.weight.grad_added_to_main_grad is False
+    assert module.bias.grad is not None
+    assert x.grad is not None
+
+
+def test_frozen_fc2_member_of_a_grouped_mlp_is_untouched() -> None:
+    module = GroupedMLP(E, K, 6, accumulate_into_main_grad=True)
+    module.fc2.weight0.requires_grad_(False)
+    params = [p for p in module.parameters() if p.requires_grad]
+    _attach_main_grad(params)
+    T = sum(SPLITS)
+    x, probs, dy = _randn(T, K, seed=21), torch.rand(T), _randn(T, K, seed=22)
+    module(x, SPLITS, probs).backward(dy)
+    w1 = [getattr(module.fc1, f"weight{e}") for e in range(E)]
+    w2 = [getattr(module.fc2, f"weight{e}") for e in range(E)]
+    _, want1, want2 = _mlp_grads_fp64(x, w1, w2, SPLITS, probs, dy)
+    assert not hasattr(module.fc2.weight0, "main_grad")
+    assert module.fc2.weight0.grad is None
+    for got, expected in zip([*w1, *w2[1:]], [*want1, *want2[1:]], strict=True):
+        _close(got.main_grad, expected)
+
+
+# ------------------------------------------------ 4. the shared dummy is zero when handed out
+
+
+def _main_grad_layer(seed: int, **options) -> GroupedLinear:
+    torch.manual_seed(seed)
+    module = GroupedLinear(2, K, N, bias=False, accumulate_into_main_grad=True, **options)
+    _attach_main_grad(module.parameters())
+    return module
+
+
+def test_a_fresh_layers_first_grad_is_zero_after_another_layer_wrote_into_its_grad() -> None:
+    # Catches: one cached zero buffer behind every dummy, written through a.weight0.grad,
+    # making a fresh layer's first .grad all ones.
+    x = _randn(5, K, seed=23)
+    a = _main_grad_layer(0)
+    a(x, [2, 3]).sum().backward()
+    a.weight0.grad.add_(1.0)  # weight decay / a hook writing into .grad in place
+    b = _main_grad_layer(1)
+    b(x, [2, 3]).sum().backward()
+    assert b.weight0.grad is not None
+    assert not b.weight0.grad.any()
+    assert not b.weight1.grad.any()
+    assert b.weight0.grad.data_ptr() == a.weight0.grad.data_ptr()  # still memory-free
+
+
+def test_the_dummy_has_the_parameters_grad_dtype() -> None:
+    module = GroupedLinear(
+        2, K, N, bias=False, dtype=torch.bfloat16, accumulate_into_main_grad=True
+    )
+    _attach_main_grad(module.parameters())
+    for p in module.parameters():
+        p.grad_dtype = torch.float32
+    x = _randn(5, K, seed=24, dtype=torch.bfloat16)
+    module(x, [2, 3]).sum().backward()
+    assert module.weight0.grad.dtype == torch.float32
+    assert not module.weight0.grad.any()
+
+
+# ---------------------------------- 5. accumulate_grads_like_autograd checks the shape
+
+
+def test_accumulate_grads_like_autograd_rejects_a_same_numel_gradient_of_another_shape() -> None:
+    # Catches: a (16, 4) gradient reshaped into a (4, 16) parameter, scrambled.
+    param = torch.nn.Parameter(torch.zeros(4, 16))
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has shape \(16, 4\), expected .*\(4, 16\)"):
+        accumulate_grads_like_autograd([param], [torch.ones(16, 4)])
+    assert param.grad is None
+    accumulate_grads_like_autograd([param], [torch.ones(4, 16)])
+    assert torch.equal(param.grad, torch.ones(4, 16))
+
+
+# ------------------------------------------------ the smaller fixes of the same issue
+
+
+def test_a_bool_is_not_a_size() -> None:
+    with pytest.raises(ValueError, match=r"num_groups is True, expected a positive int"):
+        GroupedLinear(True, K, N)
+    with pytest.raises(ValueError, match=r"out_features is False, expected a positive int"):
+        GroupedLinear(E, K, False)
+
+
+def test_a_transposed_main_grad_is_named_as_the_parameters_main_grad() -> None:
+    module = GroupedLinear(E, K, N, bias=False, accumulate_into_main_grad=True)
+    _attach_main_grad(module.parameters())
+    module.weight1.main_grad = torch.zeros(K, N).t()  # right shape, column-major
+    x = _randn(sum(SPLITS), K, seed=25)
+    with pytest.raises(
+        RuntimeError, match=r"weight1\.main_grad.*not row-major|main_grad of weight1.*row-major"
+    ):
+        module(x, SPLITS).sum().backward()
+    assert not module.weight0.main_grad.any()  # nothing half-written
+
+
+def test_grouped_wgrad_refuses_to_write_into_a_tensor_that_requires_grad() -> None:
+    dy, x = _randn(6, N, seed=26), _randn(6, K, seed=27)
+    out = torch.full((2, N, K), float("nan"), requires_grad=True)
+    with pytest.raises(ValueError, match=r"out is a leaf tensor that requires grad"):
+        grouped_wgrad(dy, x, [3, 3], out=out)
+    listed = [torch.zeros(N, K), torch.zeros(N, K, requires_grad=True)]
+    with pytest.raises(ValueError, match=r"out\[1\] is a leaf tensor that requires grad"):
+        grouped_wgrad(dy, x, [3, 3], out=listed)
+    assert out.isnan().all()
+    assert not listed[0].any()
+    with torch.no_grad():  # as PyTorch allows in-place writes to leaves under no_grad
+        grouped_wgrad(dy, x, [3, 3], out=out)
+    assert not out.isnan().any()
+
+
+# ------------------------------------------------ grad_dtype: fp32 wgrads, never bf16-rounded
+
+
+def _bf16_representable_fraction(t: torch.Tensor) -> float:
+    return float((t.float() == t.bfloat16().float()).float().mean())
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_bf16_weights_with_fp32_grad_dtype_get_fp32_wgrads_from_the_gemm(single: bool) -> None:
+    # Catches: a wgrad computed in bf16 and upcast (100 % bf16-representable before the fix).
+    splits = [40, 0, 64, 24]
+    module = GroupedLinear(E, 64, 32, dtype=torch.bfloat16, single_grouped_weight=single)
+    for p in module.parameters():
+        p.grad_dtype = torch.float32
+    T = sum(splits)
+    x, dy = (
+        _randn(T, 64, seed=28, dtype=torch.bfloat16),
+        _randn(T, 32, seed=29, dtype=torch.bfloat16),
+    )
+    module(x, splits).backward(dy)
+    if single:
+        weights, biases = list(module.weight.unbind(0)), list(module.bias.unbind(0))
+        grads = list(module.weight.grad.unbind(0)) + list(module.bias.grad.unbind(0))
+    else:
+        weights = [getattr(module, f"weight{e}") for e in range(E)]
+        biases = [getattr(module, f"bias{e}") for e in range(E)]
+        grads = [p.grad for p in (*weights, *biases)]
+    want = _weight_grads_fp64(x, weights, splits, dy, biases)
+    for got, expected in zip(grads, want, strict=True):
+        assert got.dtype == torch.float32
+        _close(got, expected, rtol=1e-5, atol=1e-5)
+    nonzero = torch.cat([g.flatten() for g in grads[:E]])
+    nonzero = nonzero[nonzero != 0]
+    assert _bf16_representable_fraction(nonzero) < 0.05
+
+
+def test_grouped_mlp_functional_with_fp32_grad_dtype_gets_unrounded_fp32_wgrads() -> None:
+    T, H, Fh = sum(SPLITS), 16, 8
+    w1 = _randn(E, 2 * Fh, H, seed=30, dtype=torch.bfloat16).requires_grad_()
+    w2 = _randn(E, H, Fh, seed=31, dtype=torch.bfloat16).requires_grad_()
+    for w in (w1, w2):
+        w.grad_dtype = torch.float32
+    x = _randn(T, H, seed=32, dtype=torch.bfloat16).requires_grad_()
+    probs, dy = torch.rand(T), _randn(T, H, seed=33, dtype=torch.bfloat16)
+    grouped_mlp(x, w1, w2, SPLITS, probs).backward(dy)
+    assert w1.grad.dtype == w2.grad.dtype == torch.float32
+    # fc2's wgrad is dy.T @ a for the bf16 activation a the op fed fc2: rebuild a the way
+    # the op rounds it (h once into bf16, a once into bf16), then the fp64 product
+    h = torch.cat(
+        [
+            x_e.double() @ w.double().T
+            for x_e, w in zip(x.detach().split(SPLITS), w1.detach(), strict=True)
+        ]
+    ).bfloat16()
+    g, u = h.double().chunk(2, dim=1)
+    a = (F.silu(g) * u * probs.double()[:, None]).bfloat16().double()
+    want2 = [
+        dy_e.double().T @ a_e for dy_e, a_e in zip(dy.split(SPLITS), a.split(SPLITS), strict=True)
+    ]
+    for got, want in zip(w2.grad.unbind(0), want2, strict=True):
+        _close(got, want, rtol=1e-5, atol=1e-5)
+    for grad in (w1.grad, w2.grad):
+        nonzero = grad.flatten()[grad.flatten() != 0]
+        assert _bf16_representable_fraction(nonzero) < 0.05
+
+
+# ------------------------------------------------ autocast
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_autocast_runs_bf16_gemms_and_delivers_fp32_wgrads_unrounded(single: bool) -> None:
+    splits = [40, 0, 64, 24]
+    module = GroupedLinear(E, 64, 32, single_grouped_weight=single)  # fp32 parameters
+    T = sum(splits)
+    x, dy = _randn(T, 64, seed=34).requires_grad_(), _randn(T, 32, seed=35)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x, splits)
+        assert y.dtype == torch.bfloat16  # like nn.Linear under autocast
+    y.backward(dy.bfloat16())
+    assert x.grad.dtype == torch.float32
+    weights = (
+        list(module.weight.unbind(0))
+        if single
+        else [getattr(module, f"weight{e}") for e in range(E)]
+    )
+    grads = list(module.weight.grad.unbind(0)) if single else [w.grad for w in weights]
+    # the GEMM saw bf16 operands: the exact wgrad of those, in fp32, never rounded to bf16
+    x16, w16, dy16 = x.detach().bfloat16(), [w.detach().bfloat16() for w in weights], dy.bfloat16()
+    want = _weight_grads_fp64(x16, w16, splits, dy16)
+    for got, expected in zip(grads, want, strict=True):
+        assert got.dtype == torch.float32
+        _close(got, expected, rtol=1e-5, atol=1e-5)
+    _close(
+        y.detach(),
+        _linear_fp64(
+            x16,
+            w16,
+            splits,
+            [
+                b.detach().bfloat16()
+                for b in (
+                    module.bias.unbind(0)
+                    if single
+                    else [getattr(module, f"bias{e}") for e in range(E)]
+                )
+            ],
+        ),
+        rtol=1e-2,
+        atol=1e-2,
+    )
+
+
+def test_autocast_with_a_grouped_mlp_matches_an_fp64_reference_of_its_bf16_operands() -> None:
+    module = GroupedMLP(E, 16, 8)
+    T = sum(SPLITS)
+    x, probs, dy = _randn(T, 16, seed=36).requires_grad_(), torch.rand(T), _randn(T, 16, seed=37)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x, SPLITS, probs)
+    assert y.dtype == torch.bfloat16
+    y.backward(dy.bfloat16())
+    for p in module.parameters():
+        assert p.grad.dtype == torch.float32
+    w1 = [getattr(module.fc1, f"weight{e}").detach().bfloat16() for e in range(E)]
+    w2 = [getattr(module.fc2, f"weight{e}").detach().bfloat16() for e in range(E)]
+    _, want1, _ = _mlp_grads_fp64(x.detach().bfloat16(), w1, w2, SPLITS, probs, dy.bfloat16())
+    got1 = [getattr(module.fc1, f"weight{e}").grad for e in range(E)]
+    for got, want in zip(got1, want1, strict=True):
+        _close(got, want, rtol=3e-2, atol=3e-2)  # fc1's wgrad reads bf16 dh from the SwiGLU step

@@ -1,0 +1,223 @@
+"""The deliberate breaks ``nox -s mutants`` applies, one at a time, to a copy of the tree.
+
+Each :class:`Mutant` replaces one exact snippet of one file (it must occur
+exactly once, so a stale entry fails loudly instead of testing nothing) and
+names the test paths that must catch it. The list holds the founding bugs of
+DESIGN.md, every silent-wrong-gradient behaviour of the reliability review
+reintroduced, and the breaks that showed tests unable to fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODULES = "packages/modules/tests"
+PROTOCOL = "packages/protocol/tests"
+KERNELS = "kernels/tests"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate break.
+
+    Attributes:
+        name: Short identifier, printed with the catching tests.
+        what: The behaviour the break reintroduces.
+        path: File to change, relative to the repository root.
+        old: Exact text to replace (must occur exactly once in ``path``).
+        new: Replacement text.
+        tests: Test paths (pytest arguments) that must fail with the break.
+    """
+
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+_GROUP = "packages/modules/src/groupgrad/modules/_group.py"
+_PLAN = "packages/protocol/src/groupgrad/protocol/_plan.py"
+_ATTRS = "packages/protocol/src/groupgrad/protocol/_attrs.py"
+_BUFFERS = "packages/protocol/src/groupgrad/protocol/_buffers.py"
+_DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
+_REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
+_OPS = "kernels/src/groupgrad/kernels/_ops.py"
+_VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the founding bugs (DESIGN.md)
+    Mutant(
+        "overwrite-ignored",
+        "overwrite_main_grad ignored: the wgrad always accumulates (stale gradients kept)",
+        _PLAN,
+        "accumulate=not overwrite[0],",
+        "accumulate=True,",
+        (MODULES,),
+    ),
+    Mutant(
+        "distributed-wgrad-in-compute-dtype",
+        "a distributed group's wgrad allocated in bf16 although main_grad is fp32",
+        _DISTRIBUTED,
+        "            return main_grad.dtype",
+        "            return compute_dtype",
+        (MODULES, PROTOCOL),
+    ),
+    Mutant(
+        "plain-follower-crash",
+        "a plain follower in a distributed group asked for grad_buffer() (AttributeError)",
+        _BUFFERS,
+        "buffers.append(provider() if callable(provider) else None)",
+        "buffers.append(member.grad_buffer())",
+        (MODULES, PROTOCOL),
+    ),
+    # --- the silent wrong gradients of the reliability review
+    Mutant(
+        "splits-by-reference",
+        "splits kept by reference: a refilled tokens-per-expert buffer changes backward",
+        _GROUP,
+        "        return splits.clone()\n",
+        "        return splits\n",
+        (MODULES,),
+    ),
+    Mutant(
+        "splits-list-by-reference",
+        "a splits list kept by reference",
+        _GROUP,
+        "        return tuple(splits)\n",
+        "        return splits\n",
+        (MODULES,),
+    ),
+    Mutant(
+        "deferred-inputs-unchecked",
+        "backward_dw() reads x and dy without checking they are unchanged since backward",
+        _GROUP,
+        "            if tensor._version != version:",
+        "            if False:",
+        (MODULES,),
+    ),
+    Mutant(
+        "frozen-member-written",
+        "a frozen member of a main_grad group is written and flagged",
+        _PLAN,
+        "    trainable = [bool(param.requires_grad) for param in members]",
+        "    trainable = [True for param in members]",
+        (MODULES,),
+    ),
+    Mutant(
+        "frozen-member-flagged",
+        "a frozen member is flagged grad_added_to_main_grad and handed a dummy",
+        _PLAN,
+        "        if not (param.requires_grad and takes_grad_added_flag(param)):",
+        "        if not takes_grad_added_flag(param):",
+        (MODULES,),
+    ),
+    Mutant(
+        "dummy-not-rezeroed",
+        "the shared dummy handed out again after something wrote into it",
+        _ATTRS,
+        "    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:",
+        "    elif rezeroes_dummy(param):",
+        (MODULES, PROTOCOL),
+    ),
+    Mutant(
+        "zero-out-wgrad-ignored",
+        "zero_out_wgrad ignored: an unversioned write into the dummy survives",
+        _ATTRS,
+        "    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:",
+        "    elif cached.buffer._version != cached.version:",
+        (MODULES, PROTOCOL),
+    ),
+    Mutant(
+        "dummy-in-param-dtype",
+        "the dummy in the parameter's dtype instead of its grad_dtype",
+        _ATTRS,
+        "    key = (tuple(param.shape), grad_dtype_of(param), param.device)",
+        "    key = (tuple(param.shape), param.dtype, param.device)",
+        (MODULES,),
+    ),
+    Mutant(
+        "accumulate-reshapes",
+        "accumulate_grads_like_autograd reshapes a same-numel gradient of another shape",
+        _PLAN,
+        "        if grad.shape != param.shape:",
+        "        if grad.numel() != param.numel():",
+        (MODULES, PROTOCOL),
+    ),
+    Mutant(
+        "grad-dtype-ignored",
+        "the autograd route computes the wgrad in the parameter's dtype, ignoring grad_dtype",
+        _PLAN,
+        "    dtype = autograd_grad_dtype(members)",
+        "    dtype = members[0].dtype",
+        (MODULES,),
+    ),
+    Mutant(
+        "autocast-ignored",
+        "torch.autocast ignored: GEMMs run in the parameters' dtype",
+        _GROUP,
+        "    return autocast_dtype(x) or x.dtype",
+        "    return x.dtype",
+        (MODULES,),
+    ),
+    Mutant(
+        "kernel-writes-a-leaf",
+        "grouped_wgrad writes into an output that requires grad",
+        _VALIDATE,
+        "    if t.requires_grad and torch.is_grad_enabled():",
+        "    if False:",
+        (MODULES, KERNELS),
+    ),
+    # --- breaks that tests used to let through
+    Mutant(
+        "finalize-gets-members-reversed",
+        "the dispatcher hands finalize_group_grads the members' wgrads in reverse order",
+        _DISTRIBUTED,
+        '    result = _leader_method(leader, "finalize_group_grads")(argument)',
+        "    argument = argument[::-1] if isinstance(argument, list) else argument\n"
+        '    result = _leader_method(leader, "finalize_group_grads")(argument)',
+        (MODULES,),
+    ),
+    Mutant(
+        "op-path-wgrad-zeros",
+        "the custom op's wgrad (the path torch.compile takes) writes zeros",
+        _OPS,
+        '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
+        "    _wgrad_reference(dy, x, splits, out, accumulate)",
+        '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
+        "    for dw in out:\n"
+        "        dw.zero_()",
+        (f"{MODULES}/test_linear.py",),
+    ),
+    Mutant(
+        "reference-dgrad-rotated",
+        "the reference dgrad (shared by a kernel and its twin) uses the next expert's weight",
+        _REFERENCE,
+        "    for w_NK, count in zip(w_list, splits, strict=True):\n"
+        "        if count:\n"
+        "            rows = slice(start, start + count)\n"
+        "            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())",
+        "    for w_NK, count in zip([*w_list[1:], *w_list[:1]], splits, strict=True):\n"
+        "        if count:\n"
+        "            rows = slice(start, start + count)\n"
+        "            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())",
+        (KERNELS,),
+    ),
+    Mutant(
+        "wgrad-three-times",
+        "every wgrad three times too large (what the demo test must see)",
+        _REFERENCE,
+        "        dyT_NT, x_TK_e = dy_TN[rows].float().T, x_TK[rows].float()",
+        "        dyT_NT, x_TK_e = 3 * dy_TN[rows].float().T, x_TK[rows].float()",
+        ("tests/test_demo.py",),
+    ),
+    Mutant(
+        "backward-dw-runs-without-delay",
+        "backward_dw() acts on a module without delay_wgrad_compute",
+        "packages/modules/src/groupgrad/modules/_linear.py",
+        "        if self.delay_wgrad_compute:\n            self._wgrad_queue.pop_and_run(",
+        "        if True:\n            self._wgrad_queue.pop_and_run(",
+        (f"{MODULES}/test_linear.py",),
+    ),
+)

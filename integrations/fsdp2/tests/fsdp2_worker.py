@@ -24,9 +24,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from groupgrad.integrations.fsdp2 import fully_shard
 
@@ -46,39 +45,7 @@ def _sibling(name: str) -> Any:
 
 
 moe_model = _sibling("moe_model")
-
-
-class RecordingReduceScatter(DefaultReduceScatter):
-    """FSDP2's default reduce-scatter, keeping a CPU copy of every input it is handed.
-
-    Installed with FSDP2's public ``FSDPModule.set_custom_reduce_scatter``:
-    what it records is exactly the buffer FSDP2 reduce-scatters.
-    """
-
-    def __init__(self, unit: str, log: list[dict[str, Any]]) -> None:
-        self.unit = unit
-        self.log = log
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
-        self.log.append({"unit": self.unit, "input": input_tensor.detach().cpu().clone()})
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-
-def unit_param_names(model: nn.Module, unit_name: str) -> list[str]:
-    """Qualified names of the parameters one FSDP unit manages, in FSDP2's order."""
-    unit = model.get_submodule(unit_name)
-    prefix = f"{unit_name}." if unit_name else ""
-    names: list[str] = []
-    skip: list[str] = []
-    for sub_name, sub in unit.named_modules():
-        if sub is not unit and isinstance(sub, FSDPModule):
-            skip.append(f"{sub_name}.")
-            continue
-        if any(sub_name.startswith(s) for s in skip):
-            continue
-        for param_name, _ in sub.named_parameters(recurse=False):
-            names.append(prefix + (f"{sub_name}.{param_name}" if sub_name else param_name))
-    return names
+reduce_scatter = _sibling("reduce_scatter")
 
 
 def _full(t: Tensor) -> Tensor:
@@ -112,12 +79,11 @@ def train(
     model = moe_model.build(cfg, device)
     units = shard(model, cfg, device)
     log: list[dict[str, Any]] = []
-    for name in units:
-        model.get_submodule(name).set_custom_reduce_scatter(RecordingReduceScatter(name, log))
+    reduce_scatter.record(model, units, log)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     names = [name for name, _ in model.named_parameters()]
     result: dict[str, Any] = {"outs": [], "dxs": [], "grads": [], "weights": []}
-    result["unit_params"] = {name: unit_param_names(model, name) for name in units}
+    result["unit_params"] = {name: reduce_scatter.unit_param_names(model, name) for name in units}
     for step in range(cfg["steps"]):
         if cfg["dcp"] and step == cfg["steps"] - 1:
             model, optimizer = _reload(model, optimizer, cfg, device, checkpoint_dir, log)
@@ -150,9 +116,7 @@ def _reload(
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
     fresh = moe_model.build({**cfg, "seed": cfg["seed"] + 1000}, device)  # other weights
-    units = shard(fresh, cfg, device)
-    for name in units:
-        fresh.get_submodule(name).set_custom_reduce_scatter(RecordingReduceScatter(name, log))
+    reduce_scatter.record(fresh, shard(fresh, cfg, device), log)
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -36,11 +36,15 @@ def replay(
     grads: list[dict[str, Tensor]] = []
     weights: list[dict[str, Tensor]] = []
     for step in range(cfg["steps"]):
-        total = {name: torch.zeros_like(value, dtype=torch.float64) for name, value in master.items()}
+        total = {
+            name: torch.zeros_like(value, dtype=torch.float64) for name, value in master.items()
+        }
         for rank in range(world):
             for micro in range(cfg["micro_batches"]):
                 data = moe_model.batch(cfg, step, micro, rank)
-                params = {n: v.to(compute, copy=True).requires_grad_(True) for n, v in master.items()}
+                params = {
+                    n: v.to(compute, copy=True).requires_grad_(True) for n, v in master.items()
+                }
                 x = data["x"].to(master_dtype).requires_grad_(True)
                 out = moe_model.reference_forward(params, cfg, x.to(compute), data["idx"])
                 moe_model.loss_of(out, data["target"]).backward()

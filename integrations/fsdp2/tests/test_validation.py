@@ -99,14 +99,18 @@ def test_a_dtensor_parameter_is_rejected() -> None:
     layer = GroupedLinear(2, 4, 6, bias=False, single_grouped_weight=True)
     mesh = init_device_mesh("cpu", (1,))
     layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match=r"parameter 'weight' of GroupedLinear '<module>' is already a DTensor"):
+    with pytest.raises(
+        ValueError, match=r"parameter 'weight' of GroupedLinear '<module>' is already a DTensor"
+    ):
         fully_shard(layer, mp_policy=BF16_FP32)
 
 
 def test_a_sub_unit_sharded_by_plain_fsdp2_is_named() -> None:
     block = Block()
     torch_fully_shard(block.mlp, mp_policy=BF16_FP32)
-    with pytest.raises(ValueError, match=r"submodule 'mlp' holds groupgrad layers .* sharded by torch"):
+    with pytest.raises(
+        ValueError, match=r"submodule 'mlp' holds groupgrad layers .* sharded by torch"
+    ):
         fully_shard(block, mp_policy=BF16_FP32)
 
 

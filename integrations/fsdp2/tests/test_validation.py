@@ -222,3 +222,15 @@ def test_one_rank_gradients_reach_the_shard_unrounded(integrated: bool) -> None:
     assert all(grad.dtype == torch.float32 for grad in grads)
     fraction = _representable_in_bf16(torch.cat([grad.flatten() for grad in grads]))
     assert (fraction < 0.01) if integrated else (fraction == 1.0), fraction
+
+
+def test_the_grouped_list_form_routes_every_module_of_the_unit() -> None:
+    torch.manual_seed(0)
+    block = Block(bias=True)
+    fully_shard([block.router, block.mlp], mp_policy=BF16_FP32)
+    fully_shard(block, mp_policy=BF16_FP32)  # FSDP2 needs one root
+    x = torch.randn(96, 8)
+    block(x, [40, 24, 32]).float().square().sum().backward()
+    grads = [param.grad.to_local() for param in block.mlp.parameters()]
+    assert all(grad.dtype == torch.float32 for grad in grads)
+    assert _representable_in_bf16(torch.cat([grad.flatten() for grad in grads])) < 0.01

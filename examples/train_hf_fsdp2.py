@@ -14,11 +14,10 @@ synthetic and learnable: every sequence follows ``next = (a·token + b) mod V``
 with a per-sequence ``b``.
 
 At the end it measures what the integration changes on one batch: the
-reduced expert gradients with groupgrad's fp32 route and with plain FSDP2
-(whose bf16 wgrads are upcast for its fp32 reduce-scatter), their relative
-difference (the rounding plain FSDP2 adds to every expert wgrad), and each
-one's error against an fp64 computation of the same gradient (in this tiny
-all-bf16 model dominated by the bf16 forward, which both share).
+reduced expert gradients with groupgrad's fp32 route and with plain FSDP2 on
+the same weights and data (plain FSDP2 computes each expert wgrad in bf16 and
+upcasts it for its fp32 reduce-scatter); their relative difference is the
+rounding plain FSDP2 adds to every expert gradient.
 """
 
 from __future__ import annotations
@@ -93,26 +92,8 @@ def expert_grads(model: nn.Module) -> Tensor:
     return torch.cat(found)
 
 
-def fp64_expert_grads(model: nn.Module, ids: Tensor, world: int) -> Tensor:
-    """The same gradient from an unsharded fp64 copy (transformers' eager experts), mean over ranks."""
-    state = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-        for k, v in model.state_dict().items()
-    }
-    reference = Qwen3MoeForCausalLM(model.config).to(ids.device)
-    reference.load_state_dict(state)
-    reference = reference.double()
-    reference.set_experts_implementation("eager")
-    reference(input_ids=ids, labels=ids).loss.backward()
-    grads = torch.cat(
-        [p.grad.flatten() for n, p in reference.named_parameters() if ".experts." in n]
-    )
-    dist.all_reduce(grads)
-    return grads / world
-
-
 def compare_gradients(model: nn.Module, args: argparse.Namespace, device: torch.device) -> None:
-    """One batch's expert gradients: groupgrad's fp32 route vs plain FSDP2 vs fp64."""
+    """One batch's reduced expert gradients: groupgrad's fp32 route vs plain FSDP2's bf16 wgrads."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(10_000 + rank)
     ids = batch(args, generator, device)
@@ -128,16 +109,13 @@ def compare_gradients(model: nn.Module, args: argparse.Namespace, device: torch.
         candidate.zero_grad(set_to_none=True)
         candidate(input_ids=ids, labels=ids).loss.backward()
     fp32, bf16 = expert_grads(model), expert_grads(plain)
-    exact = fp64_expert_grads(model, ids, world)
-    rel = lambda g: float((g - exact).norm() / exact.norm())  # noqa: E731
     if rank == 0:
-        difference = float((fp32 - bf16).norm() / fp32.norm())
+        difference = (fp32 - bf16).norm() / fp32.norm()
         print(
-            "\nreduced expert gradients of one batch:\n"
-            f"  fp32 vs bf16 wgrad route, relative difference: {difference:.2e} (the rounding "
-            "plain FSDP2 adds before its fp32 reduce-scatter)\n"
-            "  relative error vs fp64 (norm): "
-            f"groupgrad fp32 route {rel(fp32):.3e}, plain FSDP2 bf16 route {rel(bf16):.3e}"
+            f"\nreduced expert gradients of one batch ({fp32.numel()} values, {world} ranks):\n"
+            f"  fp32 vs bf16 wgrad route, relative difference (norm): {float(difference):.2e}\n"
+            "  (plain FSDP2 rounds every expert wgrad to bf16 before its fp32 reduce-scatter; "
+            "groupgrad's GEMM writes it in fp32, so the reduce-scatter sums unrounded values)"
         )
 
 

@@ -1,4 +1,4 @@
-"""One rank of an FSDP2 training run; the parent test compares what it returns to a reference.
+"""One rank of an FSDP2 training run (a ``groupgrad_testsupport`` worker script).
 
 For each scenario it builds :class:`moe_model.MoEModel` from the scenario's
 seed (the same full weights on every rank), shards it per block and at the
@@ -13,39 +13,22 @@ FSDP2 ran, per unit, with the unit's parameter names in FSDP2's order.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import moe_model  # siblings: this script's folder is sys.path[0]
+import reduce_scatter
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from groupgrad_testsupport import Rank, run_worker
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
-
-
-def _sibling(name: str) -> Any:
-    module_name = f"_groupgrad_fsdp2_tests_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            module_name, Path(__file__).with_name(f"{name}.py")
-        )
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-moe_model = _sibling("moe_model")
-reduce_scatter = _sibling("reduce_scatter")
 
 
 def _full(t: Tensor) -> Tensor:
@@ -133,11 +116,12 @@ def _reload(
     return fresh, fresh_optimizer
 
 
-def run(
-    scenarios: list[Mapping[str, Any]], rank: int, world: int, device: torch.device, tmp: Path
-) -> dict[str, dict[str, Any]]:
-    """Every scenario on this rank (the process group is initialised by the caller)."""
-    return {
-        cfg["name"]: train(cfg, rank, world, device, tmp / f"dcp_{cfg['name']}")
-        for cfg in scenarios
-    }
+def run_scenario(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """One scenario on this rank (``run_worker`` has joined the process group)."""
+    return train(
+        scenario, rank.rank, rank.world_size, rank.device, rank.workdir / f"dcp_{scenario['name']}"
+    )
+
+
+if __name__ == "__main__":
+    run_worker(run_scenario)

@@ -1,5 +1,8 @@
 """One rank of a Hugging Face Qwen3-MoE training run with groupgrad experts under FSDP2.
 
+A ``groupgrad_testsupport`` worker script; the test imports it too, for
+:func:`replay`.
+
 The model is a tiny random-init ``Qwen3MoeForCausalLM`` built in code (no
 download) with ``experts_implementation="groupgrad"``, sharded per decoder
 layer and at the root with ``groupgrad.integrations.fsdp2.fully_shard``
@@ -14,13 +17,12 @@ in bf16 with fp32 master weights (PyTorch's own bf16 computation).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from groupgrad_testsupport import Rank, load_sibling, run_worker
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -31,23 +33,10 @@ from groupgrad.integrations.fsdp2 import fully_shard
 VOCAB = 64
 
 
-def _load(path: Path, name: str) -> Any:
-    """Import a helper module by path (test folders are not packages)."""
-    module_name = f"_groupgrad_root_tests_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-reduce_scatter = _load(
+reduce_scatter = load_sibling(
     Path(__file__).resolve().parents[1] / "integrations" / "fsdp2" / "tests" / "reduce_scatter.py",
     "reduce_scatter",
-)
+)  # the FSDP2 tests' recorder and buffer layout
 
 
 def config(experts_implementation: str) -> Qwen3MoeConfig:
@@ -149,3 +138,12 @@ def replay(cfg: Mapping[str, Any], world: int, compute: torch.dtype) -> dict[str
                 param -= cfg["lr"] * reduced[name].to(master_dtype)
         weights.append({n: p.detach().clone() for n, p in master.named_parameters()})
     return {"logits": logits, "grads": grads, "weights": weights}
+
+
+def run_scenario(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """One scenario on this rank (``run_worker`` has joined the process group)."""
+    return train(scenario, rank.rank, rank.device)
+
+
+if __name__ == "__main__":
+    run_worker(run_scenario)

@@ -1,66 +1,150 @@
 """Development sessions for the groupgrad monorepo (`nox --list` shows the menu).
 
-CPU sessions build their own virtual environments and pin the CPU build of
-PyTorch. GPU sessions (`tests-gpu`, `bench`, and `demo` where a GPU is
-present) run with the CUDA build of PyTorch of the Python that runs nox: their
-environment sees that Python's packages and installs the project without
-dependencies or build isolation, so they also work on a machine with no
-network (set ``PIP_NO_INDEX=1`` and ``PIP_FIND_LINKS`` to a folder of wheels
-for anything missing there, such as ``nvidia-cutlass``).
+Every session runs in a virtual environment of its own, made by the standard
+library's ``venv``. The packages are listed once, in ``pyproject.toml``
+(``[tool.groupgrad] packages``); the sessions derive installs, test paths,
+mypy paths and distributions from that list.
+
+CPU sessions (``tests``, ``lint``, ``docs``, and ``demo`` without a GPU) share
+one installation of PyTorch: ``torch==2.13.0`` is installed once into
+``.nox/_torch-2.13.0-py3XX`` (pip's progress shows) and each CPU session sees
+it through a ``.pth`` file; later sessions and later runs reuse it. On plain
+PyPI that wheel is the CUDA build of PyTorch (about 3 GB with its libraries; it
+runs on a CPU as well). For the CPU wheel (about 200 MB), add PyTorch's CPU
+index: ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu nox -s tests``.
+
+GPU sessions (`tests-gpu`, `bench`, and `demo` where a GPU is present) run
+with the CUDA build of PyTorch of the Python that runs nox: their environment
+sees that Python's packages and installs the project without dependencies or
+build isolation, so they also work on a machine with no network (set
+``PIP_NO_INDEX=1`` and ``PIP_FIND_LINKS`` to a folder of wheels for anything
+missing there, such as ``nvidia-cutlass``).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import site
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
 import nox
+import nox.virtualenv
+from packaging.version import Version
 
 nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+# The backend is the standard library's venv, so nox need not look for uv (it would print
+# "uv binary not found." in every session); these are the values nox itself reads.
+nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
 
+ROOT = Path(__file__).resolve().parent
 PYTHON_VERSIONS = None  # the interpreter nox runs under
-TORCH_CPU = "torch==2.13.0"
+TORCH_VERSION = "2.13.0"
+TORCH_CPU = f"torch=={TORCH_VERSION}"
 
-# Installed in dependency order: protocol <- kernels <- modules <- integrations.
-PACKAGES = [
-    "./packages/protocol",
-    "./kernels",
-    "./packages/modules",
-    "./integrations/torch_distributed",
-    "./integrations/megatron_fsdp",
+# One list of packages (folders, dependency order: protocol <- kernels <- modules <- integrations).
+FOLDERS: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["groupgrad"][
+    "packages"
 ]
-TEST_PATHS = [
-    "packages/protocol/tests",
-    "kernels/tests",
-    "packages/modules/tests",
-    "integrations/torch_distributed/tests",
-    "integrations/megatron_fsdp/tests",
-    "tests",
-]
-SOURCE_PATHS = [
-    "packages/protocol/src",
-    "kernels/src",
-    "packages/modules/src",
-    "integrations/torch_distributed/src",
-    "integrations/megatron_fsdp/src",
-]
+PACKAGES = [f"./{folder}" for folder in FOLDERS]
+TEST_PATHS = [*(f"{folder}/tests" for folder in FOLDERS), "tests"]
+SOURCE_PATHS = [f"{folder}/src" for folder in FOLDERS]
 # What the GPU sessions need beside the machine's own torch, pytest, pybind11, ninja and einops.
 GPU_EXTRAS = ["nvidia-cutlass>=4.2", "megatron-fsdp>=0.6.1,<0.7"]
+DIST_DIR = ROOT / "dist"
+# Never part of a CPU install of any distribution (the CUDA tooling of groupgrad-kernels[cuda]).
+CUDA_TOOLING = ("nvidia-cutlass", "cuda-python", "cuda-bindings")
+
+
+# --------------------------------------------------------------------------- PyTorch, once
+
+
+def _ask(python: str | Path, code: str) -> str:
+    """What ``python -c code`` prints (a quiet query, kept out of the session's log)."""
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _torch_layer(session: nox.Session) -> Path:
+    """The folder holding ``torch==2.13.0`` and its dependencies, installed on first use."""
+    tag = _ask(Path(session.bin) / "python", "import sys; print('py%d%d' % sys.version_info[:2])")
+    layer = ROOT / ".nox" / f"_torch-{TORCH_VERSION}-{tag}"
+    complete = layer / ".complete"
+    if complete.is_file():
+        session.log(f"reusing {TORCH_CPU} from {layer.relative_to(ROOT)}")
+        return layer
+    shutil.rmtree(layer, ignore_errors=True)
+    session.log(
+        f"installing {TORCH_CPU} once into {layer.relative_to(ROOT)} (shared by CPU sessions)"
+    )
+    session.install("--target", str(layer), TORCH_CPU, silent=False)
+    complete.write_text(f"{TORCH_CPU}\n")
+    return layer
+
+
+def _purelib(python: str | Path) -> Path:
+    return Path(_ask(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])"))
+
+
+def _see_torch_layer(
+    session: nox.Session, layer: Path, python: str | Path, bin_dir: str | Path
+) -> Path:
+    """Let the environment of ``python`` import the shared PyTorch and run its commands (torchrun).
+
+    Returns the environment's own site-packages folder.
+    """
+    purelib = _purelib(python)
+    (purelib / "_groupgrad_torch.pth").write_text(f"{layer}\n")
+    _bind_torch_commands(python, bin_dir)
+    return purelib
+
+
+_TORCH_COMMANDS = """
+import json
+from importlib import metadata
+print(json.dumps([[e.name, e.value] for e in metadata.distribution("torch").entry_points
+                  if e.group == "console_scripts"]))
+"""
+
+
+def _bind_torch_commands(python: str | Path, bin_dir: str | Path) -> None:
+    """Write PyTorch's console scripts (``torchrun`` ...) into ``bin_dir``, run by ``python``.
+
+    PyTorch seen through a ``.pth`` file brings no commands of its own, and the
+    host's ``torchrun`` would start its workers with the host's Python, which
+    lacks this environment's packages.
+    """
+    import json
+
+    for name, target in json.loads(_ask(python, _TORCH_COMMANDS)):
+        module, _, function = target.partition(":")
+        launcher = Path(bin_dir) / name
+        launcher.write_text(
+            f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+        )
+        launcher.chmod(0o755)
 
 
 def _install_project_cpu(session: nox.Session, *extra: str) -> None:
-    session.install(TORCH_CPU, *extra)
-    session.install(*PACKAGES)
+    _see_torch_layer(session, _torch_layer(session), Path(session.bin) / "python", session.bin)
+    if extra:
+        session.install(*extra, silent=False)
+    session.install(*PACKAGES, silent=False)
+
+
+# --------------------------------------------------------------------------- sessions
 
 
 @nox.session(python=PYTHON_VERSIONS)
 def tests(session: nox.Session) -> None:
-    """CPU test suite of every package plus tests/ (what CI runs)."""
-    _install_project_cpu(session, "pytest>=8", "pytest-timeout")
+    """CPU tests of every package, README/docs examples, then each distribution installed alone."""
+    _install_project_cpu(session, "pytest>=8", "pytest-timeout", "build")
     session.run(
         "python",
         "-m",
@@ -72,6 +156,15 @@ def tests(session: nox.Session) -> None:
         *session.posargs,
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
+    _build_dists(session)
+    _check_dists(session)
+
+
+@nox.session(python=PYTHON_VERSIONS)
+def build(session: nox.Session) -> None:
+    """Build every distribution (wheel and sdist) into dist/."""
+    session.install("build", *_build_requirements(), silent=False)
+    _build_dists(session)
 
 
 _CUDA_PROBE = """
@@ -97,6 +190,9 @@ def _host_cuda_reason() -> str | None:
 def _see_host_packages(session: nox.Session) -> None:
     """Let the session's environment import what the Python running nox has (its CUDA torch).
 
+    PyTorch's commands (``torchrun``) are bound to the session's Python, so their
+    workers see the project installed here.
+
     A ``.pth`` file appends the host's site-packages to the environment's path,
     after the environment's own packages; this works even when the host Python
     is itself a virtual environment (where ``--system-site-packages`` would
@@ -107,23 +203,22 @@ def _see_host_packages(session: nox.Session) -> None:
         for path in (*site.getsitepackages(), site.getusersitepackages())
         if os.path.isdir(path)
     ]
-    purelib = session.run(
-        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
-    )
-    Path(str(purelib).strip(), "_groupgrad_host_site.pth").write_text("\n".join(host) + "\n")
+    purelib = _purelib(Path(session.bin) / "python")
+    (purelib / "_groupgrad_host_site.pth").write_text("\n".join(host) + "\n")
+    _bind_torch_commands(Path(session.bin) / "python", session.bin)
 
 
 def _install_project_gpu(session: nox.Session) -> None:
     _see_host_packages(session)
     # --no-deps: their needs are the machine's (torch, einops) or unused (nvidia-cutlass only
     # lends its C++ headers; its Python tooling and cuda-python are not needed)
-    session.install("--no-deps", *GPU_EXTRAS)
-    session.install("--no-deps", "--no-build-isolation", *PACKAGES)
+    session.install("--no-deps", *GPU_EXTRAS, silent=False)
+    session.install("--no-deps", "--no-build-isolation", *PACKAGES, silent=False)
 
 
 @nox.session(name="tests-gpu", python=PYTHON_VERSIONS)
 def tests_gpu(session: nox.Session) -> None:
-    """GPU test suite (CUTLASS kernels, modules on CUDA); skipped without a CUDA device."""
+    """GPU test suite (CUTLASS kernels, modules on CUDA, GPU examples); skipped without CUDA."""
     reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"tests-gpu needs a CUDA device: {reason}")
@@ -163,12 +258,12 @@ def lint(session: nox.Session) -> None:
     _install_project_cpu(session, "ruff>=0.6", "mypy>=1.11", "pytest>=8")
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
-    session.run("mypy", *SOURCE_PATHS)
+    session.run("mypy", *SOURCE_PATHS, env={"MYPYPATH": os.pathsep.join(SOURCE_PATHS)})
 
 
 @nox.session(python=PYTHON_VERSIONS)
 def docs(session: nox.Session) -> None:
-    """Sphinx API docs (autodoc + napoleon, -W) into docs/_build/html; no GPU needed."""
+    """Sphinx docs (install, quickstart, API; nitpicky, warnings are errors) into docs/_build/html."""
     _install_project_cpu(session, "sphinx>=7.3", "furo", "numpy")
     for stale in ("docs/_build", "docs/api/generated"):  # autosummary stubs are regenerated
         shutil.rmtree(stale, ignore_errors=True)
@@ -182,3 +277,135 @@ def docs(session: nox.Session) -> None:
         "docs/_build/html",
         *session.posargs,
     )
+
+
+# --------------------------------------------------------------------------- distributions
+
+
+def _project(folder: str) -> dict:
+    return tomllib.loads((ROOT / folder / "pyproject.toml").read_text())
+
+
+def _build_requirements() -> list[str]:
+    """The union of every package's ``[build-system] requires``."""
+    return sorted({r for f in FOLDERS for r in _project(f)["build-system"]["requires"]})
+
+
+def _build_dists(session: nox.Session) -> None:
+    """Build a wheel and an sdist (the wheel from the sdist) of every package into dist/."""
+    session.install(*_build_requirements(), silent=False)
+    DIST_DIR.mkdir(exist_ok=True)
+    for old in DIST_DIR.glob("groupgrad[-_]*"):
+        old.unlink()
+    for folder in FOLDERS:
+        session.run(
+            "python", "-m", "build", "-q", "--no-isolation", "--outdir", str(DIST_DIR), folder
+        )
+    session.log("dist/: " + ", ".join(sorted(p.name for p in DIST_DIR.glob("groupgrad[-_]*"))))
+
+
+def _top_package(folder: str) -> str:
+    """The import name a package's folder provides, e.g. ``groupgrad.integrations.fsdp2``."""
+    src = ROOT / folder / "src"
+    inits = sorted(src.glob("groupgrad/**/__init__.py"), key=lambda p: len(p.parts))
+    return ".".join(inits[0].parent.relative_to(src).parts)
+
+
+def _sibling_closure(folder: str) -> set[str]:
+    """Distributions of the monorepo that ``folder`` imports, directly or through each other.
+
+    Read from the ``import`` statements of the sources, independently of the
+    dependencies each ``pyproject.toml`` declares (which is what pip follows).
+    """
+    owner = {_top_package(f): f for f in FOLDERS}
+    needed, todo = {folder}, [folder]
+    while todo:
+        current = todo.pop()
+        for source in (ROOT / current / "src").rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for name in names:
+                    for package, other in owner.items():
+                        if (name == package or name.startswith(package + ".")) and (
+                            other not in needed
+                        ):
+                            needed.add(other)
+                            todo.append(other)
+    return {_project(f)["project"]["name"] for f in needed}
+
+
+_DIST_PROBE = """
+import importlib, json, pkgutil, sys
+from importlib import metadata
+site_dir, top = sys.argv[1], sys.argv[2]
+own = sorted(d.metadata["Name"] for d in metadata.distributions(path=[site_dir]))
+package = importlib.import_module(top)
+modules = [top] + [
+    m.name for m in pkgutil.walk_packages(package.__path__, top + ".")
+    if not any(part.startswith("_") for part in m.name.split("."))
+]
+for name in modules:
+    importlib.import_module(name)
+import torch
+print(json.dumps({"installed": own, "imported": modules, "torch": torch.__version__}))
+"""
+
+
+def _check_dists(session: nox.Session) -> None:
+    """Install each distribution alone from dist/ into a fresh environment and import it.
+
+    The environment sees the shared ``torch==2.13.0`` (a ``.pth`` file) and
+    gets everything else from ``pip install --find-links dist <name>``: the
+    monorepo siblings from dist/, third-party packages from the index. Fails
+    when the install pulls a sibling that the sources do not import, misses one
+    they do, pulls CUDA tooling, or a public module does not import.
+    """
+    import json
+
+    work = Path(session.create_tmp()) / "dist-check"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    probe_script = work / "probe.py"
+    probe_script.write_text(_DIST_PROBE)
+    layer, timings = _torch_layer(session), []
+    for folder in FOLDERS:
+        name = _project(folder)["project"]["name"]
+        start = time.perf_counter()
+        env = work / name
+        session.run("python", "-m", "venv", str(env))
+        python = env / "bin" / "python"
+        site_dir = _see_torch_layer(session, layer, python, env / "bin")
+        session.run(
+            str(python), "-m", "pip", "install", "--find-links", str(DIST_DIR), name, external=True
+        )
+        probe = session.run(
+            str(python),
+            str(probe_script),
+            str(site_dir),
+            _top_package(folder),
+            silent=True,
+            external=True,
+            env={"CUDA_VISIBLE_DEVICES": ""},
+        )
+        report = json.loads(str(probe).strip().splitlines()[-1])
+        installed = set(report["installed"])
+        siblings = {d for d in installed if d.startswith("groupgrad-")}
+        expected = _sibling_closure(folder)
+        if siblings != expected:
+            session.error(
+                f"pip install --find-links dist {name} installed the groupgrad distributions "
+                f"{sorted(siblings)}, expected {sorted(expected)} (what its sources import)"
+            )
+        tooling = sorted(d for d in installed if d.lower() in CUDA_TOOLING)
+        if tooling:
+            session.error(f"pip install --find-links dist {name} pulled CUDA tooling {tooling}")
+        seconds = time.perf_counter() - start
+        timings.append(f"{name} {seconds:.0f} s")
+        session.log(
+            f"{name}: installed alone with {sorted(siblings - {name}) or 'no siblings'}, "
+            f"imported {len(report['imported'])} public modules (torch {report['torch']}) "
+            f"in {seconds:.0f} s"
+        )
+    session.log("every distribution installs alone from dist/: " + ", ".join(timings))

@@ -1,7 +1,7 @@
 """Benchmark the CUTLASS grouped GEMMs of groupgrad.kernels on one GPU (H100/H200).
 
-For each config (E, K, N, T) and each split distribution (uniform, skewed) it
-times, on the same random inputs in the same run:
+For each config (E, K, N, T) and each split distribution (uniform, mild and heavy
+skew: ``kernels_timing.splits_for``) it times, on the same random inputs in the same run:
 
 "Ours" is the public API (``grouped_fprop`` etc.: validation, dispatch, launch) with
 device splits: packed ``(E, N, K)`` weights and bf16 outputs, and each expert's own
@@ -40,13 +40,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernels_report
 import kernels_timing as kt
 
-from groupgrad.kernels import _cutlass, grouped_dgrad, grouped_fprop, grouped_wgrad
+from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad, tuning
 
 CONFIGS = [
     (8, 4096, 28672, 16384),
     (8, 7168, 4096, 32768),
     (128, 2048, 1536, 32768),
     (32, 2048, 7168, 65536),
+    (64, 2048, 2816, 32768),  # held out: never used to choose tiles (DeepSeek-V2-Lite's fc1)
 ]
 N_SETS = 2  # input sets rotated between calls
 
@@ -82,7 +83,7 @@ class Case:
 
 
 def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Case:
-    splits = kt.uniform_splits(T, E) if split_kind == "uniform" else kt.skewed_splits(T, E, seed)
+    splits = kt.splits_for(split_kind, T, E, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -104,33 +105,31 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
     )
 
 
-def _candidates(op: str, dout: str, tuning: bool) -> list[_cutlass.Plan]:
+def _candidates(op: str, dout: str, tuning: bool) -> list[tuning.Plan]:
     """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4."""
     if not tuning:
         return []
-    names = _cutlass.compiled_variants()
+    names = tuning.compiled_variants()
     plans = []
-    for v in _cutlass.VARIANTS + _cutlass.TUNING_VARIANTS:
+    for v in tuning.VARIANTS + tuning.TUNING_VARIANTS:
         if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
             for raster_n in (False, True):
-                plans += [_cutlass.Plan(v.name, raster_n, swizzle) for swizzle in (1, 4)]
+                plans += [tuning.Plan(v.name, raster_n, swizzle) for swizzle in (1, 4)]
     return plans
 
 
-def _plan_tag(plan: _cutlass.Plan) -> str:
+def _plan_tag(plan: tuning.Plan) -> str:
     return f"{plan.variant}/{'N' if plan.raster_along_n else 'M'}/s{plan.max_swizzle}"
 
 
-def _run_plan(
-    run: Callable[[int, _cutlass.Plan | None], None], plan: _cutlass.Plan, i: int
-) -> None:
+def _run_plan(run: Callable[[int, tuning.Plan | None], None], plan: tuning.Plan, i: int) -> None:
     run(i, plan)
 
 
 def _measure(
     headline: Mapping[str, Callable[[int], object]],
-    run: Callable[[int, _cutlass.Plan | None], None],
-    plans: list[_cutlass.Plan],
+    run: Callable[[int, tuning.Plan | None], None],
+    plans: list[tuning.Plan],
     reps: int,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Interleaved timings of ours and the baselines, then of the sweep's plans."""
@@ -145,7 +144,7 @@ def _measure(
 def _row(
     op: str,
     case: Case,
-    plan: _cutlass.Plan,
+    plan: tuning.Plan,
     times: dict,
     sweep: dict,
     ours: Callable[[int], object],
@@ -168,15 +167,14 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
     a = case.x if op == "fprop" else case.dy
     w_views = [list(w.unbind(0)) for w in case.w]
     out = torch.empty(case.T, cols_out, device="cuda", dtype=torch.bfloat16)
-    backend = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
     public = grouped_fprop if op == "fprop" else grouped_dgrad
-    plan = _cutlass.plan_for(op, torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
+    plan = tuning.plan_for(op, torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
 
     def ours(i: int) -> None:
         public(a[i], case.w[i], case.splits_dev, out=out)
 
-    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
-        backend(a[i], [case.w[i]], case.splits_dev, out, plan=p)
+    def sweep(i: int, p: tuning.Plan | None = None) -> None:
+        tuning.run_cutlass(op, a[i], case.w[i], case.splits_dev, out, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         b = case.w[i].transpose(-2, -1) if op == "fprop" else case.w[i]
@@ -206,15 +204,13 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
 def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
     out = torch.empty(case.E, case.N, case.K, device="cuda", dtype=torch.bfloat16)
     out_views = list(out.unbind(0))
-    plan = _cutlass.plan_for(
-        "wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K
-    )
+    plan = tuning.plan_for("wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
 
     def ours(i: int) -> None:
         grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=out)
 
-    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
-        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, [out], False, plan=p)
+    def sweep(i: int, p: tuning.Plan | None = None) -> None:
+        tuning.run_cutlass("wgrad", case.dy[i], case.x[i], case.splits_dev, out, plan=p)
 
     def grouped_mm(i: int) -> torch.Tensor:
         return torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs)
@@ -244,15 +240,17 @@ def bench_wgrad_fp32(
     # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
     main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
     packed_main_grad = torch.zeros(case.E, case.N, case.K, device="cuda")
-    plan = _cutlass.plan_for(
+    plan = tuning.plan_for(
         "wgrad", torch.bfloat16, torch.float32, case.T, case.E, case.N, case.K, accumulate=True
     )
 
     def ours(i: int) -> None:
         grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=main_grads, accumulate=True)
 
-    def sweep(i: int, p: _cutlass.Plan | None = None) -> None:
-        _cutlass.wgrad(case.dy[i], case.x[i], case.splits_dev, main_grads, True, plan=p)
+    def sweep(i: int, p: tuning.Plan | None = None) -> None:
+        tuning.run_cutlass(
+            "wgrad", case.dy[i], case.x[i], case.splits_dev, main_grads, accumulate=True, plan=p
+        )
 
     def grouped_mm_add(i: int) -> None:
         packed_main_grad.add_(torch._grouped_mm(case.dy[i].t(), case.x[i], offs=case.offs))
@@ -300,17 +298,20 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also sweep every compiled variant")
     parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
     parser.add_argument("--ops", type=str, default="fprop,dgrad,wgrad_bf16,wgrad_fp32")
+    parser.add_argument(
+        "--splits", type=str, default=",".join(kt.SPLIT_KINDS), help="split kinds (default: all)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
 
-    _, build_s, compiled = _cutlass.build()
+    _, build_s, compiled = tuning.build()
     print(
         f"extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})", flush=True
     )
     if args.tuning:
         try:
-            _cutlass.build(variant_set="tuning")
+            tuning.build(variant_set="tuning")
         except Exception as error:  # the sweep is optional; report and go on without it
             print(f"tuning variants unavailable: {error}", flush=True)
             args.tuning = False
@@ -326,7 +327,7 @@ def main() -> None:
     rows = []
     for index in picks:
         E, K, N, T = CONFIGS[index]
-        for split_kind in ("uniform", "skewed"):
+        for split_kind in args.splits.split(","):
             case = make_case(E, K, N, T, split_kind, seed=index)
             if "fprop" in ops:
                 rows.append(bench_fprop_dgrad(case, "fprop", args.reps, args.tuning))

@@ -1,6 +1,6 @@
 """Benchmark GroupedMLP forward+backward on one GPU against torch._grouped_mm and our own GEMMs.
 
-For each config (E, H, F, T) and split distribution (uniform, skewed), in the
+For each config (E, H, F, T) and split distribution (uniform, mild, heavy), in the
 same run, on the same random bf16 inputs (two input sets, rotated between
 calls), with fp32 ``main_grad`` on both weights:
 
@@ -56,11 +56,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernels_timing as kt  # splits and error helpers shared with bench_kernels.py
 import mlp_report
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
+from groupgrad.kernels import (
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    swiglu_probs,
+    swiglu_probs_backward,
+    tuning,
+)
 from groupgrad.modules import GroupedMLP
-from groupgrad.modules._swiglu import load_triton_kernels, swiglu_probs, swiglu_probs_backward
 
-CONFIGS = [(8, 4096, 14336, 16384), (32, 7168, 2048, 65536), (128, 2048, 768, 32768)]
+CONFIGS = [
+    (8, 4096, 14336, 16384),
+    (32, 7168, 2048, 65536),
+    (128, 2048, 768, 32768),
+    (64, 2048, 1408, 32768),  # held out: never used to choose tiles (DeepSeek-V2-Lite's experts)
+]
 QUICK_CONFIGS = [(4, 256, 512, 2048)]
 N_SETS = 2
 TARGETS = {"speedup_vs_grouped_mm": 1.3, "overhead_vs_gemm_sum": 0.08}
@@ -149,7 +160,7 @@ class Case:
 
 
 def make_case(E: int, H: int, F_: int, T: int, split_kind: str, device: torch.device) -> Case:
-    splits = kt.uniform_splits(T, E) if split_kind == "uniform" else kt.skewed_splits(T, E, seed=E)
+    splits = kt.splits_for(split_kind, T, E, seed=E)
     gen = torch.Generator(device=device).manual_seed(T + E)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -384,13 +395,11 @@ def _environment(device: torch.device, recorder: _Recorder) -> dict:
         env["triton"] = None
     if device.type != "cuda":
         return env
-    from groupgrad.kernels import _cutlass
-
-    _, build_s, compiled = _cutlass.build()
+    _, build_s, compiled = tuning.build()
     env["cutlass_build_seconds"] = build_s
     print(f"CUTLASS extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})")
-    kernels, reason = load_triton_kernels()
-    if kernels is None:
+    reason = tuning.triton_unavailable_reason()
+    if reason is not None:
         recorder.note(f"SwiGLU runs on the PyTorch reference: {reason}")
     return env
 
@@ -402,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed calls per median (20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
-    parser.add_argument("--splits", type=str, default="uniform,skewed", help="split kinds")
+    parser.add_argument(
+        "--splits", type=str, default=",".join(kt.SPLIT_KINDS), help="split kinds (default: all)"
+    )
     parser.add_argument("--device", type=str, default="cuda", help="cuda, or cpu with --quick")
     args = parser.parse_args(argv)
 

@@ -99,8 +99,12 @@ def dense_bf16_tflops(size: int = 8192, reps: int = 20) -> float:
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
-def skewed_splits(T: int, E: int, seed: int) -> list[int]:
-    """Log-normal expert loads (sigma 1), some experts near empty; sums to ``T``."""
+SPLIT_KINDS = ("uniform", "mild", "heavy")
+"""The routing distributions every config is timed on (see :func:`splits_for`)."""
+
+
+def mild_splits(T: int, E: int, seed: int) -> list[int]:
+    """Mild skew: log-normal expert loads (sigma 1), some experts near empty; sums to ``T``."""
     gen = torch.Generator().manual_seed(seed)
     weights = torch.exp(torch.randn(E, generator=gen))
     counts = torch.floor(weights / weights.sum() * T).long()
@@ -108,9 +112,47 @@ def skewed_splits(T: int, E: int, seed: int) -> list[int]:
     return counts.tolist()
 
 
+def heavy_splits(T: int, E: int, seed: int) -> list[int]:
+    """Heavy skew, as real MoE routing drifts: empty experts and one expert with up to T/2.
+
+    Drawn with a fixed seed: a fraction ``f ~ U(0.1, 0.3)`` of the experts (at
+    least one, chosen at random) gets no tokens; each other expert gets a
+    share proportional to ``g**2`` with ``g ~ Exp(1)`` (exponential shares
+    with a heavier tail); the largest share is capped at one half, its excess
+    spread over the others in proportion to their shares; counts are floored
+    and the remainder goes to the largest expert. Sums to ``T``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    empty = max(1, round(float(0.1 + 0.2 * torch.rand(1, generator=gen)) * E)) if E > 1 else 0
+    order = torch.randperm(E, generator=gen)
+    shares = torch.empty(E, dtype=torch.float64).exponential_(generator=gen) ** 2
+    shares[order[:empty]] = 0.0
+    shares /= shares.sum()
+    top = int(torch.argmax(shares))
+    if shares[top] > 0.5:
+        excess, shares[top] = float(shares[top]) - 0.5, 0.5
+        others = shares.clone()
+        others[top] = 0.0
+        shares += excess * others / others.sum()
+    counts = torch.floor(shares * T).long()
+    counts[top] += T - int(counts.sum())
+    return counts.tolist()
+
+
 def uniform_splits(T: int, E: int) -> list[int]:
     base, extra = divmod(T, E)
     return [base + (1 if e < extra else 0) for e in range(E)]
+
+
+def splits_for(kind: str, T: int, E: int, seed: int) -> list[int]:
+    """Token counts of one of :data:`SPLIT_KINDS`, fixed by ``seed``."""
+    if kind == "uniform":
+        return uniform_splits(T, E)
+    if kind == "mild":
+        return mild_splits(T, E, seed)
+    if kind == "heavy":
+        return heavy_splits(T, E, seed)
+    raise ValueError(f"split kind is {kind!r}, expected one of {SPLIT_KINDS}")
 
 
 def rel_error(

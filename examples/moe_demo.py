@@ -109,14 +109,89 @@ def _reduction_error(
     return rel(fp32), rel(bf16)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--experts", choices=["linear", "mlp"], default="linear")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--print-every", type=int, default=50)
-    args = parser.parse_args()
-    device = torch.device(args.device)
+def accumulate_step(
+    layer: MoELayer, teacher: MoELayer, batches: list[Tensor]
+) -> tuple[float, list[Tensor]]:
+    """Forward and backward of one optimizer step's micro-batches; the wgrads land in ``main_grad``.
+
+    Each micro-batch's loss is divided by their number, so ``main_grad`` holds
+    the gradient of the mean loss. Returns that mean loss and the expert
+    weights' ``main_grad`` buffers (fp32), which the optimizer then reads.
+    """
+    loss_value = 0.0
+    for x in batches:
+        loss = F.mse_loss(layer(x), teacher(x).detach())
+        (loss / len(batches)).backward()
+        loss_value += loss.item() / len(batches)
+    return loss_value, [w.main_grad for w in layer.expert_weights()]
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: an int >= 1 (the error names the value and the expectation)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; invalid values end in a one-line error and exit code 2."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--steps",
+        type=_at_least_one,
+        default=400,
+        help="optimizer steps to train (each of 2 micro-batches)",
+    )
+    parser.add_argument(
+        "--experts",
+        choices=["linear", "mlp"],
+        default="linear",
+        help="expert layers: two GroupedLinear with SwiGLU between them, or one fused GroupedMLP",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train: cpu (reference kernels) or cuda (CUTLASS kernels on an H100/H200); "
+        "the default is cuda when PyTorch sees a CUDA device",
+    )
+    parser.add_argument(
+        "--print-every", type=_at_least_one, default=50, help="print the loss every this many steps"
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"argument --device: expected cpu or cuda, got {args.device!r}")
+    if args.device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: expected cpu or cuda, got {str(args.device)!r}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        why = (
+            "this PyTorch has no CUDA support"
+            if torch.version.cuda is None
+            else "PyTorch sees no CUDA device"
+        )
+        parser.error(
+            f"argument --device: cuda was asked for, but {why} (torch {torch.__version__}); "
+            "use --device cpu"
+        )
+    if args.device.type == "cuda" and (args.device.index or 0) >= torch.cuda.device_count():
+        parser.error(
+            f"argument --device: {args.device} was asked for, but PyTorch sees "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = args.device
     hidden, ffn, experts, top_k, tokens = 64, 96, 8, 2, 128
     torch.manual_seed(0)
     fused = args.experts == "mlp"
@@ -137,19 +212,15 @@ def main() -> None:
         f"hidden {hidden}, ffn {ffn}; bf16 experts, fp32 main_grad, 2 micro-batches per step"
     )
     gen = torch.Generator(device="cpu").manual_seed(1)
-    start, first_loss, loss_value = time.perf_counter(), None, 0.0
+    start, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        loss_value = 0.0
-        for _ in range(2):  # micro-batches accumulate into main_grad
-            x = torch.randn(tokens, hidden, generator=gen).to(device)
-            loss = F.mse_loss(layer(x), teacher(x).detach())
-            (loss / 2).backward()
-            loss_value += loss.item() / 2
-        first_loss = loss_value if first_loss is None else first_loss
+        batches = [torch.randn(tokens, hidden, generator=gen).to(device) for _ in range(2)]
+        loss_value, main_grads = accumulate_step(layer, teacher, batches)
+        losses.append(loss_value)
         flagged = sum(bool(w.grad_added_to_main_grad) for w in weights)
         dummies = sum(w.grad is not None and not w.grad.any() for w in weights)
-        for master, w in zip(masters, weights, strict=True):
-            master.grad = w.main_grad
+        for master, main_grad in zip(masters, main_grads, strict=True):
+            master.grad = main_grad
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -161,6 +232,7 @@ def main() -> None:
         if step % args.print_every == 0 or step == 1:
             print(f"step {step:4d}  loss {loss_value:.5f}  ({time.perf_counter() - start:5.1f} s)")
 
+    first_loss, loss_value = losses[0], losses[-1]  # --steps is at least 1
     change = 100.0 * (loss_value - first_loss) / first_loss
     print(
         f"\nloss went from {first_loss:.5f} to {loss_value:.5f} in {args.steps} steps ({change:+.0f}%)"

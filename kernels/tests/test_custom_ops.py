@@ -35,6 +35,21 @@ def splits_tensor(dtype: torch.dtype = torch.int64) -> Tensor:
     return torch.tensor(SPLITS, dtype=dtype)
 
 
+def fp64_per_expert(a: Tensor, group: Tensor | list[Tensor], product) -> list[Tensor]:
+    """An independent oracle: ``product(a_e, w_e)`` in fp64 for each expert's rows of ``a``."""
+    members = list(group.unbind(0)) if isinstance(group, Tensor) else group
+    return [
+        product(a_e.double(), w_e.double())
+        for a_e, w_e in zip(a.split(SPLITS), members, strict=True)
+    ]
+
+
+def assert_near_fp64(got: Tensor, want: Tensor) -> None:
+    """Within one rounding of ``got``'s dtype of the fp64 oracle (bf16: 2**-8 relative)."""
+    rtol = {torch.bfloat16: 2**-7, torch.float32: 1e-5}[got.dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights_form", ["packed", "list"])
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
 def test_opcheck_fprop_and_dgrad(weights_form, splits_dtype):
@@ -98,12 +113,16 @@ def test_compile_fprop_and_dgrad(splits_form):
     assert torch.equal(out_TN, expected_y)  # the mutation reached the caller's out
     assert torch.equal(y2, expected_y * 2)
     assert torch.equal(dx, grouped_dgrad_ref(dy, w_list, SPLITS))
+    # and the reference itself against an independent fp64 loop
+    assert_near_fp64(out_TN, torch.cat(fp64_per_expert(x, w_ENK, lambda a, w: a @ w.T)))
+    assert_near_fp64(dx, torch.cat(fp64_per_expert(dy, w_list, lambda a, w: a @ w)))
 
 
 @pytest.mark.parametrize("out_form", ["list", "views", "tensor"])
 def test_compile_wgrad_into_main_grads(out_form):
     dy, x = rand(T, N, seed=9), rand(T, K, seed=10)
     main_ENK = rand(E, N, K, dtype=torch.float32, seed=11)
+    initial = main_ENK.clone()
     expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=True)
     out: Tensor | list[Tensor] = main_ENK
     if out_form == "list":
@@ -120,6 +139,14 @@ def test_compile_wgrad_into_main_grads(out_form):
     got = out if isinstance(out, Tensor) else torch.stack(out)
     assert torch.equal(got, expected)
     assert torch.equal(fresh, grouped_wgrad_ref(dy, x, SPLITS, out_dtype=torch.float32))
+    dw64 = torch.stack(
+        [
+            dy_e.double().T @ x_e.double()
+            for dy_e, x_e in zip(dy.split(SPLITS), x.split(SPLITS), strict=True)
+        ]
+    )
+    assert_near_fp64(fresh, dw64)
+    assert_near_fp64(got, initial.double() + dw64)
 
 
 # --- plain eager calls skip the op machinery; everything else goes through the op ----

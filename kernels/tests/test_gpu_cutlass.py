@@ -10,9 +10,6 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from groupgrad.kernels import _cutlass, build
+from groupgrad.kernels import _cutlass, build, tuning
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,12 +107,12 @@ def _check(ours: torch.Tensor, ref64: torch.Tensor, torch_own: torch.Tensor, wha
     )
 
 
-def _variants(op: str) -> list[_cutlass.Variant]:
-    return [v for v in _cutlass.VARIANTS if v.op == op]
+def _variants(op: str) -> list[tuning.Variant]:
+    return [v for v in tuning.VARIANTS if v.op == op]
 
 
-def _plan(variant: _cutlass.Variant | None) -> _cutlass.Plan | None:
-    return None if variant is None else _cutlass.Plan(variant.name)
+def _plan(variant: tuning.Variant | None) -> tuning.Plan | None:
+    return None if variant is None else tuning.Plan(variant.name)
 
 
 # ---------------------------------------------------------------- fprop / dgrad
@@ -126,7 +123,7 @@ def _plan(variant: _cutlass.Variant | None) -> _cutlass.Plan | None:
 @pytest.mark.parametrize(
     "variant", [*_variants("fprop"), None], ids=lambda v: v.name if v else "auto"
 )
-def test_fprop(variant: _cutlass.Variant | None, pattern: str, layout: str) -> None:
+def test_fprop(variant: tuning.Variant | None, pattern: str, layout: str) -> None:
     dtype = DTYPES[variant.dtype_in] if variant else torch.bfloat16
     gen = _gen("fprop", variant, pattern, layout)
     E, K, N = 6, 256, 384
@@ -148,7 +145,7 @@ def test_fprop(variant: _cutlass.Variant | None, pattern: str, layout: str) -> N
 @pytest.mark.parametrize(
     "variant", [*_variants("dgrad"), None], ids=lambda v: v.name if v else "auto"
 )
-def test_dgrad(variant: _cutlass.Variant | None, pattern: str, layout: str) -> None:
+def test_dgrad(variant: tuning.Variant | None, pattern: str, layout: str) -> None:
     dtype = DTYPES[variant.dtype_in] if variant else torch.bfloat16
     gen = _gen("dgrad", variant, pattern, layout)
     E, K, N = 6, 384, 256
@@ -188,9 +185,7 @@ def _wgrad_torch_own(
 @pytest.mark.parametrize(
     "variant", [*_variants("wgrad"), None], ids=lambda v: v.name if v else "auto"
 )
-def test_wgrad(
-    variant: _cutlass.Variant | None, pattern: str, accumulate: bool, layout: str
-) -> None:
+def test_wgrad(variant: tuning.Variant | None, pattern: str, accumulate: bool, layout: str) -> None:
     din = DTYPES[variant.dtype_in] if variant else torch.bfloat16
     dout = DTYPES[variant.dtype_out] if variant else torch.float32
     gen = _gen("wgrad", variant, pattern, accumulate, layout)
@@ -233,7 +228,7 @@ def test_scheduler_options(op: str, raster_along_n: bool, swizzle: int) -> None:
     for variant in _variants(op):
         if variant.dtype_in != "bf16" or (variant.dtype_out == "bf16" and op == "wgrad"):
             continue
-        plan = _cutlass.Plan(variant.name, raster_along_n, swizzle)
+        plan = tuning.Plan(variant.name, raster_along_n, swizzle)
         if op == "fprop":
             w = [_randn(N, K, dtype=torch.bfloat16, gen=gen) for _ in range(E)]
             y = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -385,36 +380,27 @@ def test_malformed_device_splits_stay_in_bounds() -> None:
 # ---------------------------------------------------------------- support checks
 
 
-def test_unsupported_reasons() -> None:
+def test_fallback_reasons_on_the_device() -> None:
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     w = [torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     y = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
-    assert _cutlass.unsupported_reason("fprop", x, w, y) is None
-    assert "fp32 inputs" in _cutlass.unsupported_reason(
-        "fprop", x.float(), [t.float() for t in w], y.float()
+    assert tuning.fallback_reason("fprop", x, w, y) is None
+    assert tuning.fallback_reason("fprop", x.float(), [t.float() for t in w], y.float()) == (
+        "torch.float32 inputs (CUTLASS takes torch.bfloat16 and torch.float16)"
     )
     x_odd = torch.randn(64, 260, device="cuda", dtype=torch.bfloat16)
     w_odd = [torch.randn(128, 260, device="cuda", dtype=torch.bfloat16)]
-    assert "K=260 is not a multiple of 8" in _cutlass.unsupported_reason("fprop", x_odd, w_odd, y)
+    assert tuning.fallback_reason("fprop", x_odd, w_odd, y) == "K = 260 is not a multiple of 8"
     flat = torch.randn(1 + 128 * 256, device="cuda", dtype=torch.bfloat16)
     shifted = flat[1:].view(128, 256)
-    reason = _cutlass.unsupported_reason("fprop", x, [w[0], shifted], y)
-    assert reason == "weights[1] base pointer not 16-byte aligned"
+    reason = tuning.fallback_reason("fprop", x, [w[0], shifted], y)
+    assert reason == "weights[1] is not 16-byte aligned"
     dw = [torch.empty(128, 256, device="cuda", dtype=torch.float16)]
-    assert "no compiled kernel" in _cutlass.unsupported_reason("wgrad", y, x, dw)
-    assert _cutlass.unsupported_reason("wgrad", y, x, [t.float() for t in dw]) is None
-
-
-def test_unsupported_reason_on_cpu_does_not_initialise_cuda() -> None:
-    code = (
-        "import torch\n"
-        "from groupgrad.kernels import _cutlass\n"
-        "x = torch.zeros(4, 8, dtype=torch.bfloat16)\n"
-        "r = _cutlass.unsupported_reason('fprop', x, [torch.zeros(8, 8, dtype=torch.bfloat16)], x)\n"
-        "assert r == 'tensors are on cpu, not cuda', r\n"
-        "assert not torch.cuda.is_initialized()\n"
+    assert tuning.fallback_reason("wgrad", y, x, dw) == (
+        "no compiled kernel for torch.bfloat16 inputs with torch.float16 output"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+    assert tuning.fallback_reason("wgrad", y, x, [t.float() for t in dw]) is None
+    assert _cutlass.unavailable_reason(x.device) is None
 
 
 def test_cache_dir_argument_beats_environment(

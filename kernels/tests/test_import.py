@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import groupgrad.kernels
+from groupgrad.kernels import tuning
 
 PACKAGE_DIR = Path(groupgrad.kernels.__file__).parent
 
@@ -17,7 +21,7 @@ import json, sys
 import torch
 libraries_before = set(torch.ops.loaded_libraries)
 modules_before = set(sys.modules)
-import groupgrad.kernels
+import {module}
 new_modules = sorted(set(sys.modules) - modules_before)
 print(json.dumps({
     "cuda_initialized": torch.cuda.is_initialized(),
@@ -31,19 +35,37 @@ print(json.dumps({
 """
 
 
-def test_import_neither_initializes_cuda_nor_loads_an_extension():
+def _probe(module: str) -> dict:
+    """What importing ``module`` in a fresh interpreter did."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    code = PROBE.replace("{module}", module)
     done = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_import_neither_initializes_cuda_nor_loads_an_extension():
+    report = _probe("groupgrad.kernels")
     assert report["cuda_initialized"] is False
     assert report["new_libraries"] == []
     assert report["extensions"] == []
     assert "groupgrad.kernels" in report["new_modules"]  # the probe did import it
     assert "groupgrad.kernels._cutlass" not in report["new_modules"]
     assert "groupgrad.kernels.build" not in report["new_modules"]
+    assert "groupgrad.kernels._swiglu_triton" not in report["new_modules"]
+    assert "triton" not in report["new_modules"]
     assert "torch.utils.cpp_extension" not in report["new_modules"]
+
+
+def test_importing_tuning_neither_initializes_cuda_nor_compiles():
+    report = _probe("groupgrad.kernels.tuning")
+    assert report["cuda_initialized"] is False
+    assert report["new_libraries"] == []
+    assert report["extensions"] == []
+    assert "groupgrad.kernels.tuning" in report["new_modules"]
+    assert "torch.utils.cpp_extension" not in report["new_modules"]  # what a build imports
+    assert "triton" not in report["new_modules"]
 
 
 def test_groupgrad_is_a_namespace_package():
@@ -62,8 +84,25 @@ def test_public_names_are_documented():
         "grouped_fprop_ref",
         "grouped_wgrad",
         "grouped_wgrad_ref",
+        "swiglu_probs",
+        "swiglu_probs_backward",
+        "swiglu_probs_backward_ref",
+        "swiglu_probs_ref",
     ]
     for name in groupgrad.kernels.__all__:
         doc = getattr(groupgrad.kernels, name).__doc__ or ""
         assert "Args:" in doc, name
         assert "Returns:" in doc, name
+
+
+@pytest.mark.parametrize("name", tuning.__all__)
+def test_tuning_names_are_documented(name: str) -> None:
+    obj = getattr(tuning, name)
+    assert f"{name}`" in (tuning.__doc__ or ""), f"the module docstring does not present {name}"
+    if inspect.isfunction(obj):
+        doc = obj.__doc__ or ""
+        if inspect.signature(obj).parameters:
+            assert "Args:" in doc, name
+        assert "Returns:" in doc, name
+    elif inspect.isclass(obj):
+        assert "Attributes:" in (obj.__doc__ or ""), name

@@ -149,7 +149,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad-dtype-ignored",
         "the autograd route computes the wgrad in the parameter's dtype, ignoring grad_dtype",
         _PLAN,
-        "    dtype = autograd_grad_dtype(members)",
+        "    dtype = _autograd_dtype(members)",
         "    dtype = members[0].dtype",
         (MODULES,),
     ),
@@ -157,9 +157,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "autocast-ignored",
         "torch.autocast ignored: GEMMs run in the parameters' dtype",
         _GROUP,
-        "    return autocast_dtype(x) or x.dtype",
-        "    return x.dtype",
+        '    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):\n'
+        "        return torch.get_autocast_dtype(device_type)",
+        "    if False:\n        return torch.get_autocast_dtype(device_type)",
         (MODULES,),
+    ),
+    Mutant(
+        "mlp-half-written",
+        "a fused MLP writes fc2's main_grad before fc1's main_grad is found malformed",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "    if deferred is None:\n        plans = [",
+        "    if False:\n        plans = [",
+        (f"{MODULES}/test_bad_inputs.py",),
     ),
     Mutant(
         "kernel-writes-a-leaf",
@@ -184,7 +193,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the custom op's wgrad (the path torch.compile takes) writes zeros",
         _OPS,
         '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
-        "    _wgrad_reference(dy, x, splits, out, accumulate)",
+        "    _reference.wgrad(dy, x, splits, out, accumulate)",
         '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
         "    for dw in out:\n"
         "        dw.zero_()",

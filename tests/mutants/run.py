@@ -82,7 +82,7 @@ def _pytest(copy: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _run_one(mutant: Mutant, maxfail: int) -> tuple[str, list[str], float]:
-    """``(verdict, failed tests, seconds)``; verdict is caught, SURVIVED or BROKEN.
+    """``(verdict, failed tests, seconds)``; verdict is caught, SURVIVED, BROKEN or STALE.
 
     One pytest run: exit code 1 with failed tests is a catch; 0 is a survivor;
     anything else (2: collection errors or an interrupted run, 5: nothing
@@ -92,7 +92,10 @@ def _run_one(mutant: Mutant, maxfail: int) -> tuple[str, list[str], float]:
     with tempfile.TemporaryDirectory(prefix="groupgrad-mutant-") as scratch:
         copy = Path(scratch)
         _copy_tree(copy)
-        _apply(copy, mutant)
+        try:
+            _apply(copy, mutant)
+        except RuntimeError as stale:
+            return "STALE", [str(stale)], time.monotonic() - started
         ran = _pytest(copy, ["-q", "-rf", f"--maxfail={maxfail}", *mutant.tests])
     seconds = time.monotonic() - started
     failed = FAILED.findall(ran.stdout)

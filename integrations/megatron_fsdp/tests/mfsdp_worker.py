@@ -11,7 +11,10 @@ full weights on every rank), shards it with ``shard_model`` (or, for the
 ``steps`` SGD steps of ``micro_batches`` micro-batches on data of its own
 (seeded by scenario, rank, step and micro-batch), and saves to
 ``DIR/<name>.rank<R>.pt``: the initial weights, the data, the full weights
-after every step, every ``get_main_grad()`` call (parameter, dtype, and the
+after every step (assembled here, and by the package's ``gather_full_weights``),
+each step's full reduced gradients (``gather_full_grads``, read after
+``optimizer.step()`` and before ``zero_grad()``), the size of this rank's shard
+of every parameter, every ``get_main_grad()`` call (parameter, dtype, and the
 ``overwrite_main_grad`` flag it saw) and the dtype of every gradient
 collective. Any failure exits non-zero with a traceback.
 """
@@ -146,7 +149,13 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
     import megatron_fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from groupgrad.integrations.megatron_fsdp import fp32_grad_policy, shard_model, shard_optimizer
+    from groupgrad.integrations.megatron_fsdp import (
+        fp32_grad_policy,
+        gather_full_grads,
+        gather_full_weights,
+        shard_model,
+        shard_optimizer,
+    )
     from groupgrad.modules import GroupedLinear, GroupedMLP
 
     torch.manual_seed(cfg["seed"])
@@ -182,6 +191,7 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
     collectives: list[dict[str, Any]] = []
     undo = record_grad_collectives(collectives)
     data, weights, calls_per_micro = [], [], []
+    gathered_weights, gathered_grads = [], []
     try:
         for step in range(cfg["steps"]):
             for micro in range(cfg["micro_batches"]):
@@ -196,8 +206,10 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
                     (y * dy).sum().backward()
                 calls_per_micro.append(calls[before:])
             optimizer.step()
+            gathered_grads.append(gather_full_grads(model))
             optimizer.zero_grad()
             weights.append(full_weights(model))
+            gathered_weights.append(gather_full_weights(model))
     finally:
         undo()
     torch.save(
@@ -207,6 +219,12 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
             "weight_names": weight_names,
             "data": data,
             "weights": weights,
+            "gathered_weights": gathered_weights,
+            "gathered_grads": gathered_grads,
+            "shard_numels": {
+                name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+                for name, param in model.module.named_parameters()
+            },
             "calls": calls_per_micro,
             "collectives": collectives,
         },

@@ -108,6 +108,23 @@ def expected_weights(
 ) -> list[dict[str, Tensor]]:
     """Full fp64 weights after each SGD step, from the inputs every rank recorded.
 
+    See :func:`expected_steps` for the arguments.
+    """
+    return [weights for weights, _ in expected_steps(ranks, last_micro_only, compute_dtype)]
+
+
+def expected_grads(ranks: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
+    """Each step's full reduced gradient: summed over micro-batches, averaged over ranks (fp64)."""
+    return [grads for _, grads in expected_steps(ranks)]
+
+
+def expected_steps(
+    ranks: list[dict[str, Any]],
+    last_micro_only: bool = False,
+    compute_dtype: torch.dtype = torch.float64,
+) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+    """Full fp64 weights after each SGD step and the reduced gradient of that step.
+
     Args:
         ranks: One worker result per rank.
         last_micro_only: Model the Megatron-FSDP pitfall: the groupgrad
@@ -138,8 +155,9 @@ def expected_weights(
                     if last_micro_only and n in groupgrad and m < micro - 1:
                         continue
                     grads[n] += leaf.grad.double()
-        weights = {n: t - cfg["lr"] * grads[n] / world for n, t in weights.items()}
-        after.append(weights)
+        reduced = {n: g / world for n, g in grads.items()}
+        weights = {n: t - cfg["lr"] * reduced[n] for n, t in weights.items()}
+        after.append((weights, reduced))
     return after
 
 
@@ -193,3 +211,50 @@ def check_weights_bf16(ranks: list[dict[str, Any]]) -> None:
                 assert ours <= 2 * theirs + 1e-4, (
                     f"{where}: error {ours:.3g}, PyTorch's bf16 error {theirs:.3g}"
                 )
+
+
+def check_gathered(ranks: list[dict[str, Any]], *, tol: float = 1e-5) -> None:
+    """``gather_full_weights`` / ``gather_full_grads`` on every rank, after every step.
+
+    The gathered weights equal the worker's own assembly exactly; the gathered
+    gradients equal the fp64 reduced gradient within ``tol`` (fp32 training)
+    or, in bf16, err at most twice PyTorch's own bf16 computation plus 1e-4.
+    Every parameter is present: none lacks a gradient here.
+    """
+    name = ranks[0]["config"]["name"]
+    bf16 = ranks[0]["config"].get("dtype") == "bfloat16"
+    exact = expected_grads(ranks)
+    torch_bf16 = (
+        [g for _, g in expected_steps(ranks, compute_dtype=torch.bfloat16)] if bf16 else exact
+    )
+    for rank, result in enumerate(ranks):
+        for step, (own, gathered) in enumerate(
+            zip(result["weights"], result["gathered_weights"], strict=True)
+        ):
+            assert gathered.keys() == own.keys(), f"{name} rank {rank} step {step}: names"
+            for param, tensor in gathered.items():
+                assert torch.equal(tensor.double(), own[param]), (
+                    f"{name} rank {rank} step {step} {param}: gather_full_weights differs "
+                    "from the worker's own assembly"
+                )
+        for step, grads in enumerate(result["gathered_grads"]):
+            assert grads.keys() == exact[step].keys(), (
+                f"{name} rank {rank} step {step}: gradients of {sorted(grads)}, expected "
+                f"{sorted(exact[step])}"
+            )
+            for param, grad in grads.items():
+                where = f"{name} rank {rank} step {step} {param}"
+                assert not grad.isnan().any(), f"{where}: NaN (a piece was never placed)"
+                want = exact[step][param]
+                if not bf16:
+                    torch.testing.assert_close(
+                        grad.double(),
+                        want,
+                        rtol=tol,
+                        atol=tol / 10,
+                        msg=lambda m, w=where: f"{w}: {m}",
+                    )
+                    continue
+                ours = (grad.double() - want).abs().max().item()
+                theirs = (torch_bf16[step][param] - want).abs().max().item()
+                assert ours <= 2 * theirs + 1e-4, f"{where}: error {ours:.3g}, bf16 {theirs:.3g}"

@@ -130,6 +130,30 @@ def test_gradient_collectives_are_fp32(runs: Callable[[int], dict[str, Any]], ca
             assert entry["dtype"] == "torch.float32", f"{name} rank {rank}: {entry}"
 
 
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gathered_full_weights_and_grads_match_the_reference(
+    runs: Callable[[int], dict[str, Any]], case: tuple
+) -> None:
+    world, name = case
+    ref.check_gathered(runs(world)[name])
+
+
+def test_gathering_covers_ranks_whose_shard_is_empty(
+    runs: Callable[[int], dict[str, Any]],
+) -> None:
+    """Such a rank has ``.grad = None``; the gradient is still whole (checked above)."""
+    ranks = runs(2)["zero3-per_expert"]
+    empty = [
+        (rank, param)
+        for rank, result in enumerate(ranks)
+        for param, numel in result["shard_numels"].items()
+        if numel == 0
+    ]
+    assert empty, "no rank holds an empty shard here: the empty-shard case would go untested"
+    for rank, param in empty:
+        assert param in ranks[rank]["gathered_grads"][-1], (rank, param)
+
+
 def test_bare_fully_shard_model_drops_micro_batches_under_zero1(
     runs: Callable[[int], dict[str, Any]],
 ) -> None:

@@ -14,7 +14,13 @@ import torch
 from megatron_fsdp import MixedPrecisionPolicy
 from torch import nn
 
-from groupgrad.integrations.megatron_fsdp import fp32_grad_policy, shard_model, shard_optimizer
+from groupgrad.integrations.megatron_fsdp import (
+    fp32_grad_policy,
+    gather_full_grads,
+    gather_full_weights,
+    shard_model,
+    shard_optimizer,
+)
 from groupgrad.integrations.megatron_fsdp._overwrite import (
     groupgrad_weight_names,
     keep_unsharded_grads_accumulating,
@@ -199,3 +205,16 @@ def test_overwrite_fix_keeps_only_unsharded_groupgrad_weights_accumulating() -> 
         assert params["b"].overwrite_main_grad is True  # type: ignore[attr-defined]
         assert params["other"].overwrite_main_grad is True  # type: ignore[attr-defined]
     assert model.gathers == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_without_cuda_shard_model_says_megatron_fsdp_needs_it() -> None:
+    """Checked after the module (whose errors come first), before Megatron-FSDP runs."""
+    with pytest.raises(RuntimeError, match=r"shard_model needs CUDA: Megatron-FSDP runs its"):
+        shard_model(Block())
+
+
+@pytest.mark.parametrize("gather", [gather_full_weights, gather_full_grads])
+def test_gathering_rejects_what_is_not_a_megatron_fsdp_model(gather: Any) -> None:
+    with pytest.raises(TypeError, match=r"model is a Block, expected the megatron_fsdp"):
+        gather(Block())

@@ -235,3 +235,13 @@ def test_torch_compile_on_cuda_matches_eager(bias: bool) -> None:
     want = [loss.detach(), x.grad, *(p.grad for p in module.parameters())]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+    # the compiled gradients against the independent fp64 oracle, not only against eager
+    weights = [getattr(module, f"weight{e}") for e in range(E)]
+    _, dx64, dw64 = _reference(x.detach(), dy, weights, splits, 1.0, 1.0)
+    compiled = dict(zip([n for n, _ in module.named_parameters()], got[2:], strict=True))
+    _assert_bf16_close(got[1], dx64, "compiled dx")
+    for e in range(E):
+        _assert_bf16_close(compiled[f"weight{e}"], dw64[e], f"compiled wgrad {e}")
+        if bias:
+            db64 = dy.double().split(splits)[e].sum(0)
+            _assert_bf16_close(compiled[f"bias{e}"], db64, f"compiled bias grad {e}")

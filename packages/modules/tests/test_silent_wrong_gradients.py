@@ -287,6 +287,8 @@ def test_the_dummy_has_the_parameters_grad_dtype() -> None:
     module(x, [2, 3]).sum().backward()
     assert module.weight0.grad.dtype == torch.float32
     assert not module.weight0.grad.any()
+    # handed out in the grad dtype, autograd took it without a cast: one shared storage
+    assert module.weight0.grad.data_ptr() == module.weight1.grad.data_ptr()
 
 
 # ---------------------------------- 5. accumulate_grads_like_autograd checks the shape

@@ -1,15 +1,20 @@
-"""Grouped GEMMs for Mixture-of-Experts layers.
+"""Grouped GEMMs and the fused MLP's elementwise kernels for Mixture-of-Experts layers.
 
-Three kernels with one argument order — :func:`grouped_fprop`,
+Three GEMMs with one argument order — :func:`grouped_fprop`,
 :func:`grouped_dgrad`, :func:`grouped_wgrad` — run CUTLASS sm_90a grouped GEMMs
-on CUDA tensors and a pure-PyTorch reference elsewhere; each has a twin
-(``*_ref``) that always runs the reference. Importing this package neither
-initializes CUDA nor compiles anything; the CUTLASS backend is built on first
-GPU use.
+on CUDA tensors and a pure-PyTorch reference elsewhere. The fused MLP's
+elementwise step, SwiGLU × router probabilities (:func:`swiglu_probs`,
+:func:`swiglu_probs_backward`), runs fused Triton kernels on CUDA and the
+reference elsewhere. Each kernel has a twin (``*_ref``) with the same
+signature and semantics that always runs the reference. Importing this
+package neither initializes CUDA nor compiles nor imports Triton; the
+CUTLASS backend is built on first GPU use. Kernel plans, variants, builds
+and per-call host stages for benchmarks: :mod:`groupgrad.kernels.tuning`.
 
-Shapes: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features;
-``x`` is ``(T, K)``, each expert's weight ``(N, K)``, ``y``/``dy`` ``(T, N)``;
-rows are grouped by expert in order, ``splits[e]`` rows per expert.
+Shapes: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
+``F`` ffn_hidden_size; ``x`` is ``(T, K)``, each expert's weight ``(N, K)``,
+``y``/``dy`` ``(T, N)``; rows are grouped by expert in order, ``splits[e]``
+rows per expert.
 """
 
 from groupgrad.kernels._api import (
@@ -20,6 +25,12 @@ from groupgrad.kernels._api import (
     grouped_wgrad,
     grouped_wgrad_ref,
 )
+from groupgrad.kernels._swiglu import (
+    swiglu_probs,
+    swiglu_probs_backward,
+    swiglu_probs_backward_ref,
+    swiglu_probs_ref,
+)
 
 __all__ = [
     "grouped_dgrad",
@@ -28,4 +39,8 @@ __all__ = [
     "grouped_fprop_ref",
     "grouped_wgrad",
     "grouped_wgrad_ref",
+    "swiglu_probs",
+    "swiglu_probs_backward",
+    "swiglu_probs_backward_ref",
+    "swiglu_probs_ref",
 ]

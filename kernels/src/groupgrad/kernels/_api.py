@@ -3,7 +3,7 @@
 Each public kernel validates its arguments (``_validate``), then runs the
 matching ``groupgrad::`` custom op (``_ops``): CUTLASS on CUDA where it can,
 the reference elsewhere. Each twin ``*_ref`` validates the same way and runs
-the reference directly, on any device.
+the reference (``_reference``) directly, on any device.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
@@ -16,8 +16,7 @@ from typing import TypeVar, overload
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _ops, _reference, _splits, _validate
-from groupgrad.kernels._grouped import per_expert
+from groupgrad.kernels import _ops, _reference, _validate
 
 Splits = Sequence[int] | Tensor
 Weights = Tensor | Sequence[Tensor]
@@ -189,8 +188,7 @@ def grouped_fprop_ref(
         ``y`` of shape ``(T, N)``: ``out`` itself when given.
     """
     call = _validate.grouped_call("fprop", x, weights, splits, out)
-    host_splits = _splits.host_values(call.splits, call.a.shape[0], "x")
-    _reference.fprop(call.a, per_expert(call.weights), host_splits, call.out)
+    _reference.fprop(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
@@ -211,8 +209,7 @@ def grouped_dgrad_ref(
         ``dx`` of shape ``(T, K)``: ``out`` itself when given.
     """
     call = _validate.grouped_call("dgrad", dy, weights, splits, out)
-    host_splits = _splits.host_values(call.splits, call.a.shape[0], "dy")
-    _reference.dgrad(call.a, per_expert(call.weights), host_splits, call.out)
+    _reference.dgrad(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
@@ -272,6 +269,5 @@ def grouped_wgrad_ref(
         ``dw``: ``out`` itself when given, else a new ``(E, N, K)`` tensor.
     """
     call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
-    host_splits = _splits.host_values(call.splits, call.x.shape[0], "x")
-    _reference.wgrad(call.dy, call.x, host_splits, per_expert(call.out), call.accumulate)
+    _reference.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate)
     return call.result

@@ -2,71 +2,54 @@
 
 Each op writes into its ``out`` argument (declared in ``mutates_args``) and
 returns nothing. The default kernel, used on every device but CUDA, is the
-pure-PyTorch reference; the CUDA kernel (``_dispatch``) runs CUTLASS or falls
-back to the reference. The fake kernels do nothing — the output already
-exists — so ``torch.compile`` traces a call without running it. Arguments
-arrive validated by the public functions; groups of matrices travel in the
-form described in ``_grouped``; ``splits`` is an int32/int64 tensor on the CPU
-or the operands' device.
+pure-PyTorch reference (``_reference``); the CUDA kernel (``_dispatch``) runs
+CUTLASS or falls back to the reference. The fake kernels do nothing — the
+output already exists — so ``torch.compile`` traces a call without running
+it. Arguments arrive validated by the public functions; groups of matrices
+travel in the form described in ``_grouped``; ``splits`` is an int32/int64
+tensor on the CPU or the operands' device.
 
 The public functions call :func:`fprop`, :func:`dgrad` and :func:`wgrad`
-here. In plain eager code — plain tensors on the CPU or a CUDA device, nothing
-tracing (``torch.compile``, fake or functional tensors, any dispatch or
-function mode) and no input that autograd would record — these call the op's
-kernel for that device directly and bump the version counter of ``out`` as
-the op would: the custom-op machinery costs about 50 µs of host time per call
-on the H200's host, as much as a whole E = 128 GEMM launch (measured,
-``benchmarks/host_profile.py``). Everything else goes through the op. A
-profiler still sees the call as a ``groupgrad::grouped_*`` range.
+here (the SwiGLU ops of ``_swiglu`` follow the same rule). In plain eager
+code — plain tensors on the CPU or a CUDA device, nothing tracing
+(``torch.compile``, fake or functional tensors, any dispatch or function
+mode) and no input that autograd would record — these call the op's kernel
+for that device directly (:func:`run_directly`) and bump the version counter
+of ``out`` as the op would: the custom-op machinery costs about 50 µs of host
+time per call on the H200's host, as much as a whole E = 128 GEMM launch
+(measured, ``benchmarks/host_profile.py``). Everything else goes through the
+op. A profiler still sees the call as a ``groupgrad::grouped_*`` range.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _dispatch, _reference, _splits
-from groupgrad.kernels._grouped import per_expert
+from groupgrad.kernels import _dispatch, _reference
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 _DIRECT_DEVICES = ("cpu", "cuda")
 
 
-def _fprop_reference(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
-    """Reference kernel: ``y_e = x_e @ w_e.T``; ``x`` (T, K), ``out`` (T, N)."""
-    host_splits = _splits.host_values(splits, x.shape[0], "x")
-    _reference.fprop(x, per_expert(weights), host_splits, out)
-
-
-def _dgrad_reference(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
-    """Reference kernel: ``dx_e = dy_e @ w_e``; ``dy`` (T, N), ``out`` (T, K)."""
-    host_splits = _splits.host_values(splits, dy.shape[0], "dy")
-    _reference.dgrad(dy, per_expert(weights), host_splits, out)
-
-
-def _wgrad_reference(
-    dy: Tensor, x: Tensor, splits: Tensor, out: list[Tensor], accumulate: bool
-) -> None:
-    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""
-    host_splits = _splits.host_values(splits, x.shape[0], "x")
-    _reference.wgrad(dy, x, host_splits, per_expert(out), accumulate)
-
-
 @torch.library.custom_op("groupgrad::grouped_fprop", mutates_args=("out",))
 def grouped_fprop_op(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
     """Reference kernel: ``y_e = x_e @ w_e.T``; ``x`` (T, K), ``out`` (T, N)."""
-    _fprop_reference(x, weights, splits, out)
+    _reference.fprop(x, weights, splits, out)
 
 
 @torch.library.custom_op("groupgrad::grouped_dgrad", mutates_args=("out",))
 def grouped_dgrad_op(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
     """Reference kernel: ``dx_e = dy_e @ w_e``; ``dy`` (T, N), ``out`` (T, K)."""
-    _dgrad_reference(dy, weights, splits, out)
+    _reference.dgrad(dy, weights, splits, out)
 
 
 @torch.library.custom_op("groupgrad::grouped_wgrad", mutates_args=("out",))
@@ -74,7 +57,7 @@ def grouped_wgrad_op(
     dy: Tensor, x: Tensor, splits: Tensor, out: list[Tensor], accumulate: bool
 ) -> None:
     """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""
-    _wgrad_reference(dy, x, splits, out, accumulate)
+    _reference.wgrad(dy, x, splits, out, accumulate)
 
 
 grouped_fprop_op.register_kernel("cuda")(_dispatch.fprop_on_device)
@@ -123,76 +106,43 @@ def direct_call_ok(tensors: list[Tensor]) -> bool:
     return all(type(t) in _PLAIN_TYPES and not (grad_mode and t.requires_grad) for t in tensors)
 
 
-@contextlib.contextmanager
-def profiled_range(name: str) -> Iterator[None]:
-    """A profiler range named like the op, only while a profiler is recording."""
+def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """``kernel(*args)`` outside the op machinery, in a profiler range named like the op.
+
+    The range is opened only while a profiler is recording, so a profiler
+    still sees the call as ``name``.
+    """
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.autograd.profiler.record_function(name):
-            yield
-    else:
-        yield
-
-
-def _run_direct(
-    name: str,
-    cuda_kernel: Callable[..., None],
-    reference: Callable[..., None],
-    written: list[Tensor],
-    *args: object,
-) -> None:
-    kernel = cuda_kernel if written[0].device.type == "cuda" else reference
-    with profiled_range(name):
-        kernel(*args)
-    torch.autograd.graph.increment_version(written)  # as the op's in-place bookkeeping does
+            return kernel(*args, **kwargs)
+    return kernel(*args, **kwargs)
 
 
 def fprop(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
     """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code)."""
-    if direct_call_ok([x, out, splits, *weights]):
-        _run_direct(
-            "groupgrad::grouped_fprop",
-            _dispatch.fprop_on_device,
-            _fprop_reference,
-            [out],
-            x,
-            weights,
-            splits,
-            out,
-        )
-    else:
+    if not direct_call_ok([x, out, splits, *weights]):
         grouped_fprop_op(x, weights, splits, out)
+        return
+    kernel = _dispatch.fprop_on_device if out.is_cuda else _reference.fprop
+    run_directly("groupgrad::grouped_fprop", kernel, x, weights, splits, out)
+    torch.autograd.graph.increment_version(out)  # as the op's in-place bookkeeping does
 
 
 def dgrad(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
     """``groupgrad::grouped_dgrad`` on validated arguments (directly in plain eager code)."""
-    if direct_call_ok([dy, out, splits, *weights]):
-        _run_direct(
-            "groupgrad::grouped_dgrad",
-            _dispatch.dgrad_on_device,
-            _dgrad_reference,
-            [out],
-            dy,
-            weights,
-            splits,
-            out,
-        )
-    else:
+    if not direct_call_ok([dy, out, splits, *weights]):
         grouped_dgrad_op(dy, weights, splits, out)
+        return
+    kernel = _dispatch.dgrad_on_device if out.is_cuda else _reference.dgrad
+    run_directly("groupgrad::grouped_dgrad", kernel, dy, weights, splits, out)
+    torch.autograd.graph.increment_version(out)
 
 
 def wgrad(dy: Tensor, x: Tensor, splits: Tensor, out: list[Tensor], accumulate: bool) -> None:
     """``groupgrad::grouped_wgrad`` on validated arguments (directly in plain eager code)."""
-    if direct_call_ok([dy, x, splits, *out]):
-        _run_direct(
-            "groupgrad::grouped_wgrad",
-            _dispatch.wgrad_on_device,
-            _wgrad_reference,
-            out,
-            dy,
-            x,
-            splits,
-            out,
-            accumulate,
-        )
-    else:
+    if not direct_call_ok([dy, x, splits, *out]):
         grouped_wgrad_op(dy, x, splits, out, accumulate)
+        return
+    kernel = _dispatch.wgrad_on_device if out[0].is_cuda else _reference.wgrad
+    run_directly("groupgrad::grouped_wgrad", kernel, dy, x, splits, out, accumulate)
+    torch.autograd.graph.increment_version(out)

@@ -1,8 +1,14 @@
 """Pure-PyTorch grouped GEMMs: the reference path and the oracle for GPU tests.
 
-These functions take validated, normalized arguments (per-expert lists and
-host token counts) and write into ``out``; they run on any device. Each
-expert's product is computed in fp32 (inputs are upcast, so a bf16/fp16
+These functions take validated arguments in op form (a group of matrices as
+``_grouped`` describes it; ``splits_E`` an int32/int64 tensor) and write into
+``out``; they run on any device. They are the default kernels of the custom
+ops, the fallback of the CUDA kernels and the body of the ``*_ref`` twins;
+each reads the token counts on the host (a sync for a device tensor; the
+values are checked there) and takes the group apart into per-expert
+matrices in one place, :func:`_per_expert_and_counts`.
+
+Each expert's product is computed in fp32 (inputs are upcast, so a bf16/fp16
 product is exact and the sum is accumulated in fp32) and rounded once into
 the output dtype. For wgrad, accumulating adds the fp32 product to ``out``
 in fp32 before that single rounding (``D = C + A·B``, as the CUTLASS epilogue
@@ -23,6 +29,9 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
+from groupgrad.kernels import _splits
+from groupgrad.kernels._grouped import per_expert
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -41,9 +50,17 @@ def _autocast_off(kernel: Callable[_P, _R]) -> Callable[_P, _R]:
     return run
 
 
+def _per_expert_and_counts(
+    group: Sequence[Tensor], splits_E: Tensor, rows_of: Tensor, rows_name: str
+) -> tuple[list[Tensor], list[int]]:
+    """The group's per-expert matrices and the token counts as host ints, checked against ``rows_of``."""
+    return per_expert(group), _splits.host_values(splits_E, rows_of.shape[0], rows_name)
+
+
 @_autocast_off
-def fprop(x_TK: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], y_TN: Tensor) -> None:
+def fprop(x_TK: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, y_TN: Tensor) -> None:
     """``y_e = x_e @ w_e.T`` for each expert ``e``; overwrites ``y_TN``."""
+    w_list, splits = _per_expert_and_counts(w_group, splits_E, x_TK, "x")
     start = 0
     for w_NK, count in zip(w_list, splits, strict=True):
         if count:
@@ -53,8 +70,9 @@ def fprop(x_TK: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], y_TN: T
 
 
 @_autocast_off
-def dgrad(dy_TN: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], dx_TK: Tensor) -> None:
+def dgrad(dy_TN: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, dx_TK: Tensor) -> None:
     """``dx_e = dy_e @ w_e`` for each expert ``e``; overwrites ``dx_TK``."""
+    w_list, splits = _per_expert_and_counts(w_group, splits_E, dy_TN, "dy")
     start = 0
     for w_NK, count in zip(w_list, splits, strict=True):
         if count:
@@ -67,15 +85,16 @@ def dgrad(dy_TN: Tensor, w_list: Sequence[Tensor], splits: Sequence[int], dx_TK:
 def wgrad(
     dy_TN: Tensor,
     x_TK: Tensor,
-    splits: Sequence[int],
-    dw_list: Sequence[Tensor],
+    splits_E: Tensor,
+    dw_group: Sequence[Tensor],
     accumulate: bool,
 ) -> None:
-    """``dw_e = dy_e.T @ x_e`` into ``dw_list[e]``: added when ``accumulate``, else written.
+    """``dw_e = dy_e.T @ x_e`` into the group's matrix ``e``: added when ``accumulate``, else written.
 
     An expert with no tokens has a zero gradient: its ``dw`` is left as it is
     when accumulating and set to exactly zero when overwriting.
     """
+    dw_list, splits = _per_expert_and_counts(dw_group, splits_E, x_TK, "x")
     start = 0
     for dw_NK, count in zip(dw_list, splits, strict=True):
         if count == 0:

@@ -83,7 +83,7 @@ def grouped_call(
     """Check an fprop/dgrad call and put its arguments into op form."""
     a_name = "x" if op == "fprop" else "dy"
     a_TX = _input_matrix(a_name, a)
-    packed, (E, N, K) = _weights(weights, a_name, a_TX)
+    w_group, (E, N, K) = _weights(weights, a_name, a_TX)
     T = a_TX.shape[0]
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
     if a_TX.shape[1] != inner:
@@ -107,9 +107,9 @@ def grouped_call(
             )
         _check_row_major("out", out_TX)
         _check_writable("out", out_TX)
-        inputs = [(a_name, a_TX), *_named("weights", packed)]
+        inputs = [(a_name, a_TX), *_named("weights", w_group)]
         _check_no_overlap([("out", out_TX)], inputs)
-    return GroupedCall(a=a_TX, weights=packed, splits=splits_E, out=out_TX)
+    return GroupedCall(a=a_TX, weights=w_group, splits=splits_E, out=out_TX)
 
 
 def wgrad_call(
@@ -202,7 +202,7 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
         if E == 0:
             raise ValueError("weights has shape (0, N, K), expected at least one expert")
         _weight_member("weights", weights, a_name, a, None)
-        return _grouped.pack(weights), (E, N, K)
+        return _grouped.op_form(weights), (E, N, K)
     if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
         raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
     members = list(weights)
@@ -216,7 +216,7 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
         if not _fits(member, shape, dtype, device):
             _weight_member(f"weights[{e}]", member, a_name, a, first)
     N, K = shape
-    return _grouped.pack(members), (len(members), N, K)
+    return _grouped.op_form(members), (len(members), N, K)
 
 
 def _fits(member: object, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
@@ -361,10 +361,11 @@ def _check_experts_apart(out: Tensor) -> None:
         )
 
 
-def _named(prefix: str, members: list[Tensor]) -> list[tuple[str, Tensor]]:
-    if _grouped.is_packed(members):
-        return [(prefix, members[0])]
-    return [(f"{prefix}[{i}]", t) for i, t in enumerate(members)]
+def _named(prefix: str, group: list[Tensor]) -> list[tuple[str, Tensor]]:
+    """Each tensor of a group in op form with the name an error message gives it."""
+    if _grouped.is_packed(group):
+        return [(prefix, group[0])]
+    return [(f"{prefix}[{i}]", t) for i, t in enumerate(group)]
 
 
 def _span(t: Tensor) -> tuple[int, int] | None:

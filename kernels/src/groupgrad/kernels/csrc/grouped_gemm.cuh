@@ -2,7 +2,8 @@
 // persistent group tile scheduler), one template for fprop, dgrad and wgrad.
 //
 // Instantiated once per translation unit by generated files (see
-// groupgrad/kernels/_cutlass.py, VARIANTS) through GROUPGRAD_REGISTER_VARIANT.
+// groupgrad/kernels/build.py, Variant.translation_unit and VARIANTS) through
+// GROUPGRAD_REGISTER_VARIANT.
 #pragma once
 
 #include <type_traits>

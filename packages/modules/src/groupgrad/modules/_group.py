@@ -28,9 +28,12 @@ from torch import Tensor
 
 from groupgrad.kernels import grouped_wgrad
 from groupgrad.protocol import (
+    WeightGradPlan,
+    WgradRoute,
     accumulate_grads_like_autograd,
     defer_weight_grads,
     plan_weight_grads,
+    wgrad_route,
 )
 
 __all__ = [
@@ -40,8 +43,8 @@ __all__ = [
     "WgradQueue",
     "as_gemm_dtype",
     "autocast_dtype",
+    "early_plan",
     "expert_index",
-    "gemm_dtype",
     "no_autocast",
     "run_wgrad",
     "snapshot_splits",
@@ -74,16 +77,11 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     return None
 
 
-def gemm_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the grouped GEMMs run in: autocast's where it is on (like ``nn.Linear``), else ``x``'s."""
-    return autocast_dtype(x) or x.dtype
-
-
 @contextlib.contextmanager
 def no_autocast(device: torch.device) -> Iterator[None]:
     """Autocast off on ``device`` inside an op's own forward and backward.
 
-    The op casts its operands itself (to :func:`gemm_dtype`); the reference
+    The op casts its operands itself (to :func:`autocast_dtype`); the reference
     kernels and the elementwise steps must run in the dtypes they are given.
     """
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
@@ -93,8 +91,14 @@ def no_autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-def as_gemm_dtype(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """``tensors`` in the GEMM's dtype (the same objects where they already are)."""
+def as_gemm_dtype(tensors: Sequence[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """``tensors`` cast to autocast's ``dtype`` (unchanged when ``dtype`` is ``None``).
+
+    Without autocast nothing is cast: operands of different dtypes are the
+    kernels' to reject, as ``nn.Linear`` rejects them.
+    """
+    if dtype is None:
+        return list(tensors)
     return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 
@@ -149,13 +153,14 @@ def run_wgrad(
     splits: Splits,
     *,
     deferred: bool = False,
+    plan: WeightGradPlan | None = None,
 ) -> list[Tensor | None]:
     """Run one group's wgrad GEMM as the ``main_grad`` contract says.
 
-    The plan (made now, so ``overwrite_main_grad`` and ``get_main_grad()`` are
-    read now) names the GEMM's output buffers, dtype and accumulate flag; the
-    kernel writes there through its epilogue (``main_grad`` itself when the
-    layer writes into it).
+    The plan (made now unless :func:`early_plan` made it, so
+    ``overwrite_main_grad`` and ``get_main_grad()`` are read now) names the
+    GEMM's output buffers, dtype and accumulate flag; the kernel writes there
+    through its epilogue (``main_grad`` itself when the layer writes into it).
 
     Args:
         spec: The layer's weight layout.
@@ -167,25 +172,62 @@ def run_wgrad(
         splits: ``E`` token counts.
         deferred: Running in ``backward_dw()``: the result is delivered to
             ``.grad`` here (as autograd would) instead of being returned.
+        plan: A plan :func:`early_plan` made for this GEMM, or ``None``.
 
     Returns:
         What autograd receives for each parameter (all ``None`` when deferred).
     """
-    plan = plan_weight_grads(
-        params,
-        shape=shape,
-        compute_dtype=dy_TN.dtype,
-        device=dy_TN.device,
-        wgrad_into_main_grad=spec.wgrad_into_main_grad,
-        deferred=deferred,
-        names=spec.names,
-    )
+    if plan is None:
+        plan = _plan(spec, shape, params, dy_TN.dtype, dy_TN.device, deferred)
     grouped_wgrad(dy_TN, x_TK, splits, out=plan.gemm_out, accumulate=plan.accumulate)
     grads = plan.finish()
     if not deferred:
         return grads
     accumulate_grads_like_autograd(params, grads)
     return [None] * len(params)
+
+
+def _plan(
+    spec: WeightGroupSpec,
+    shape: tuple[int, ...],
+    params: Sequence[Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    deferred: bool,
+) -> WeightGradPlan:
+    return plan_weight_grads(
+        params,
+        shape=shape,
+        compute_dtype=dtype,
+        device=device,
+        wgrad_into_main_grad=spec.wgrad_into_main_grad,
+        deferred=deferred,
+        names=spec.names,
+    )
+
+
+def early_plan(
+    spec: WeightGroupSpec,
+    shape: tuple[int, ...],
+    params: Sequence[Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    deferred: bool = False,
+) -> WeightGradPlan | None:
+    """The group's plan made now, where making it allocates nothing; else ``None``.
+
+    An op with several wgrad GEMMs (the fused MLP) plans every ``main_grad``
+    group before its first GEMM writes, so a malformed ``main_grad`` of any
+    layer is rejected before any ``main_grad`` is written. Other routes
+    allocate their buffers when planned and are planned at their turn, so
+    peak memory stays as it was.
+    """
+    if not any(param.requires_grad for param in params):
+        return None
+    route = wgrad_route(params, wgrad_into_main_grad=spec.wgrad_into_main_grad, names=spec.names)
+    if route is not WgradRoute.MAIN_GRAD:
+        return None
+    return _plan(spec, shape, params, dtype, device, deferred)
 
 
 @dataclass(frozen=True)
@@ -235,10 +277,23 @@ class DeferredWgrad:
                     "pass a copy"
                 )
 
-    def run(self) -> None:
+    def early_plan(self) -> WeightGradPlan | None:
+        """:func:`early_plan` for this job."""
+        return early_plan(
+            self.spec, self.shape, self.params, self.dy_TN.dtype, self.dy_TN.device, True
+        )
+
+    def run(self, plan: WeightGradPlan | None = None) -> None:
         """Run the GEMM now, finalize distributed weights and deliver to ``.grad``."""
         run_wgrad(
-            self.spec, self.shape, self.params, self.dy_TN, self.x_TK, self.splits, deferred=True
+            self.spec,
+            self.shape,
+            self.params,
+            self.dy_TN,
+            self.x_TK,
+            self.splits,
+            deferred=True,
+            plan=plan,
         )
 
 
@@ -251,6 +306,7 @@ def wgrad_step(
     splits: Splits,
     deferred: list[DeferredWgrad] | None,
     operands: tuple[str, str] = ("dy", "x"),
+    plan: WeightGradPlan | None = None,
 ) -> list[Tensor | None]:
     """Backward's wgrad step for one group: what autograd receives for its parameters.
 
@@ -259,12 +315,13 @@ def wgrad_step(
     never written (the plan gives it ``None``). With ``deferred`` (a list),
     the GEMM is appended there for ``backward_dw()`` (``operands`` names
     ``dy_TN`` and ``x_TK`` if it finds them changed) and autograd receives
-    :func:`~groupgrad.protocol.defer_weight_grads`; otherwise it runs now.
+    :func:`~groupgrad.protocol.defer_weight_grads`; otherwise it runs now
+    (into ``plan`` when :func:`early_plan` made one).
     """
     if not any(param.requires_grad for param in params):
         return [None] * len(params)
     if deferred is None:
-        return run_wgrad(spec, shape, params, dy_TN, x_TK, splits)
+        return run_wgrad(spec, shape, params, dy_TN, x_TK, splits, plan=plan)
     deferred.append(DeferredWgrad.queue(spec, shape, params, dy_TN, x_TK, splits, operands))
     return defer_weight_grads(
         params, wgrad_into_main_grad=spec.wgrad_into_main_grad, names=spec.names
@@ -295,6 +352,8 @@ class WgradQueue:
         Every operand of the job is checked first: when one was changed in
         place since backward, the job is dropped (its gradient can no longer be
         computed from the values the forward saw) and nothing is written.
+        Every ``main_grad`` group of the job is then planned (checked) before
+        the first GEMM writes.
 
         Raises:
             RuntimeError: No backward has queued anything, or an operand of
@@ -309,5 +368,6 @@ class WgradQueue:
         for entry in job:
             entry.check_unchanged(owner)
         with no_autocast(job[0].dy_TN.device):
-            for entry in job:
-                entry.run()
+            plans = [entry.early_plan() for entry in job]
+            for entry, plan in zip(job, plans, strict=True):
+                entry.run(plan)

@@ -30,8 +30,8 @@ from groupgrad.modules._group import (
     WeightGroupSpec,
     WgradQueue,
     as_gemm_dtype,
+    autocast_dtype,
     expert_index,
-    gemm_dtype,
     no_autocast,
     snapshot_splits,
     wgrad_step,
@@ -93,7 +93,8 @@ def bias_grads(
 class GroupedLinearFunction(torch.autograd.Function):
     """``y_e = x_e @ w_e.T (+ b_e)`` for every expert, with the ``main_grad`` contract in backward.
 
-    ``apply(x_TK, splits, spec, queue, num_biases, *weights, *biases)``: the
+    ``apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *weights, *biases)``
+    (``cast_dtype``: autocast's dtype for the materialized weights, or ``None``): the
     weights (and biases) are the layer's own parameters, leader first; they
     are kept on the autograd context directly (not through
     ``save_for_backward``), so ``saved_tensors_hooks`` cannot strip a
@@ -107,6 +108,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         splits: Splits,
         spec: WeightGroupSpec,
         queue: WgradQueue | None,
+        cast_dtype: torch.dtype | None,
         num_biases: int,
         *params: Tensor,
     ) -> Tensor:
@@ -116,7 +118,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_autocast(x_TK.device):
             materialized = materialize_weight_for_forward(list(weights))
             ctx.wgrad_shape = tuple(materialized[0].shape)
-            materialized = as_gemm_dtype(materialized, x_TK.dtype)
+            materialized = as_gemm_dtype(materialized, cast_dtype)
             y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
             num_groups = spec.num_groups(materialized)
             expert_T = None
@@ -130,6 +132,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.splits = splits
         ctx.spec = spec
         ctx.queue = queue
+        ctx.cast_dtype = cast_dtype
         ctx.weights = weights
         ctx.biases = biases
         return y_TN
@@ -144,7 +147,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             dx_TK = None
             if ctx.needs_input_grad[0]:
                 materialized = materialize_weight_for_backward(list(weights))
-                materialized = as_gemm_dtype(materialized, dy_TN.dtype)
+                materialized = as_gemm_dtype(materialized, ctx.cast_dtype)
                 dx_TK = grouped_dgrad(dy_TN, spec.gemm_weights(materialized), ctx.splits)
                 del materialized
 
@@ -153,7 +156,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             if deferred is not None:
                 ctx.queue.push(deferred)
             bgrads = bias_grads(dy_TN, ctx.biases, expert_T, spec.packed)
-        return (dx_TK, None, None, None, None, *wgrads, *bgrads)
+        return (dx_TK, None, None, None, None, None, *wgrads, *bgrads)
 
 
 def apply_grouped_linear(
@@ -164,9 +167,11 @@ def apply_grouped_linear(
     params: Sequence[Tensor],
     num_biases: int,
 ) -> Tensor:
-    """Run :class:`GroupedLinearFunction` in the GEMM dtype (autocast's where it is on)."""
-    x_TK = x_TK.to(gemm_dtype(x_TK))
-    return GroupedLinearFunction.apply(x_TK, splits, spec, queue, num_biases, *params)
+    """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
+    cast_dtype = autocast_dtype(x_TK)
+    if cast_dtype is not None:
+        x_TK = x_TK.to(cast_dtype)
+    return GroupedLinearFunction.apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *params)
 
 
 def grouped_linear(

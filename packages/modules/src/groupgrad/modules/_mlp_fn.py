@@ -49,22 +49,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop
+from groupgrad.kernels import grouped_dgrad, grouped_fprop, swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._group import (
     DeferredWgrad,
     Splits,
     WeightGroupSpec,
     WgradQueue,
     as_gemm_dtype,
+    autocast_dtype,
+    early_plan,
     expert_index,
-    gemm_dtype,
     no_autocast,
     snapshot_splits,
     wgrad_step,
 )
 from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
-from groupgrad.modules._swiglu import swiglu_probs, swiglu_probs_backward
 from groupgrad.protocol import (
+    WeightGradPlan,
     is_distributed_weight,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
@@ -118,7 +119,7 @@ class MLPLayout:
 class GroupedMLPFunction(torch.autograd.Function):
     """``y = fc2(silu(h[:, :F]) * h[:, F:] * probs[:, None])``, ``h = fc1(x)``: one backward.
 
-    ``apply(x_TH, splits, probs_T, layout, queue, *params)`` with ``params``
+    ``apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)`` with ``params``
     ordered as :class:`MLPLayout` says; ``probs_T`` may be ``None``; ``queue``
     is the module's wgrad queue with ``delay_wgrad_compute``, else ``None``.
     """
@@ -131,6 +132,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         probs_T: Tensor | None,
         layout: MLPLayout,
         queue: WgradQueue | None,
+        cast_dtype: torch.dtype | None,
         *params: Tensor,
     ) -> Tensor:
         w1, b1, w2, b2 = layout.split(params)
@@ -139,7 +141,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         with no_autocast(x_TH.device):
             fc1_weights = materialize_weight_for_forward(list(w1))
             ctx.fc1_shape = tuple(fc1_weights[0].shape)
-            fc1_weights = as_gemm_dtype(fc1_weights, x_TH.dtype)
+            fc1_weights = as_gemm_dtype(fc1_weights, cast_dtype)
             h_T2F = grouped_fprop(x_TH, layout.fc1.gemm_weights(fc1_weights), splits)
             num_groups = layout.fc1.num_groups(fc1_weights)
             del fc1_weights  # never saved: backward materializes again
@@ -152,7 +154,7 @@ class GroupedMLPFunction(torch.autograd.Function):
 
             fc2_weights = materialize_weight_for_forward(list(w2))
             ctx.fc2_shape = tuple(fc2_weights[0].shape)
-            fc2_weights = as_gemm_dtype(fc2_weights, x_TH.dtype)
+            fc2_weights = as_gemm_dtype(fc2_weights, cast_dtype)
             y_TH = grouped_fprop(a_TF, layout.fc2.gemm_weights(fc2_weights), splits)
             del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
             if expert_T is not None:
@@ -163,6 +165,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         ctx.num_groups = num_groups
         ctx.layout = layout
         ctx.queue = queue
+        ctx.cast_dtype = cast_dtype
         ctx.params = (w1, b1, w2, b2)
         return y_TH
 
@@ -184,25 +187,48 @@ def _mlp_backward(
     if layout.num_biases:
         expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
     deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
+    # the main_grad groups of both layers are checked before any GEMM writes
+    plans: list[WeightGradPlan | None] = [None, None]
+    if deferred is None:
+        plans = [
+            early_plan(layout.fc1, ctx.fc1_shape, w1, dtype, dy_TH.device),
+            early_plan(layout.fc2, ctx.fc2_shape, w2, dtype, dy_TH.device),
+        ]
 
-    fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), dtype)
+    fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), ctx.cast_dtype)
     da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
     del fc2_weights
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
     del da_TF
     fc2_wgrads = wgrad_step(
-        layout.fc2, ctx.fc2_shape, w2, dy_TH, a_TF, splits, deferred, ("dy", "fc2's input")
+        layout.fc2,
+        ctx.fc2_shape,
+        w2,
+        dy_TH,
+        a_TF,
+        splits,
+        deferred,
+        ("dy", "fc2's input"),
+        plans[1],
     )
     del a_TF
     fc2_bgrads = bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
 
     dx_TH = None
     if ctx.needs_input_grad[0]:
-        fc1_weights = as_gemm_dtype(materialize_weight_for_backward(list(w1)), dtype)
+        fc1_weights = as_gemm_dtype(materialize_weight_for_backward(list(w1)), ctx.cast_dtype)
         dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
         del fc1_weights
     fc1_wgrads = wgrad_step(
-        layout.fc1, ctx.fc1_shape, w1, dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x")
+        layout.fc1,
+        ctx.fc1_shape,
+        w1,
+        dh_T2F,
+        x_TH,
+        splits,
+        deferred,
+        ("fc1's output grad", "x"),
+        plans[0],
     )
     fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
 
@@ -213,6 +239,7 @@ def _mlp_backward(
         dx_TH,
         None,
         dprobs_T,
+        None,
         None,
         None,
         *fc1_wgrads,
@@ -291,9 +318,11 @@ def apply_grouped_mlp(
     queue: WgradQueue | None,
     params: Sequence[Tensor],
 ) -> Tensor:
-    """Run :class:`GroupedMLPFunction` in the GEMM dtype (autocast's where it is on)."""
-    x_TH = x_TH.to(gemm_dtype(x_TH))
-    return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, *params)
+    """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on."""
+    cast_dtype = autocast_dtype(x_TH)
+    if cast_dtype is not None:
+        x_TH = x_TH.to(cast_dtype)
+    return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)
 
 
 def _layer_group(

@@ -12,12 +12,22 @@ fp32 bucket ``get_main_grad()`` hands out, which Megatron-FSDP reduces in fp32.
 validation and a fix for unsharded gradient buffers (ZeRO-1, groups of one
 rank), where Megatron-FSDP's ``overwrite_main_grad=True`` would drop earlier
 micro-batches. :func:`fp32_grad_policy` is the default precision policy.
+:func:`gather_full_weights` and :func:`gather_full_grads` assemble full
+tensors from the uneven shards (empty ones included), for inspection and
+checkpoints. Megatron-FSDP needs CUDA; :func:`shard_model` says so up front.
 """
 
+from groupgrad.integrations.megatron_fsdp._gather import gather_full_grads, gather_full_weights
 from groupgrad.integrations.megatron_fsdp._shard import (
     fp32_grad_policy,
     shard_model,
     shard_optimizer,
 )
 
-__all__ = ["fp32_grad_policy", "shard_model", "shard_optimizer"]
+__all__ = [
+    "fp32_grad_policy",
+    "gather_full_grads",
+    "gather_full_weights",
+    "shard_model",
+    "shard_optimizer",
+]

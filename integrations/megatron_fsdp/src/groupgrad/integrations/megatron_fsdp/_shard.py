@@ -14,6 +14,7 @@ from groupgrad.integrations.megatron_fsdp._overwrite import (
     keep_unsharded_grads_accumulating,
 )
 from groupgrad.integrations.megatron_fsdp._validate import (
+    check_cuda,
     check_expert_mesh,
     check_fsdp_units,
     check_grad_precision,
@@ -118,6 +119,8 @@ def shard_model(
         to :func:`shard_optimizer`.
 
     Raises:
+        RuntimeError: CUDA is unavailable (Megatron-FSDP needs it); checked
+            after the module, before Megatron-FSDP runs.
         ValueError: A parameter is a ``DistributedWeight``; a groupgrad layer
             has ``accumulate_into_main_grad=False`` or
             ``delay_wgrad_compute=True``; the policy's gradient
@@ -138,6 +141,7 @@ def shard_model(
     check_grad_precision(policy)
     check_expert_mesh(module, expt_device_mesh, dp_shard_dim)
     check_fsdp_units(module, fsdp_unit_modules, zero_dp_strategy)
+    check_cuda()
     names = groupgrad_weight_names(module)
     model = megatron_fsdp.fully_shard_model(
         module,

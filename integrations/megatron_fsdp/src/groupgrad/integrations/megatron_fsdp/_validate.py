@@ -16,6 +16,7 @@ from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol import is_distributed_weight
 
 __all__ = [
+    "check_cuda",
     "check_expert_mesh",
     "check_fsdp_units",
     "check_grad_precision",
@@ -26,6 +27,36 @@ __all__ = [
 ]
 
 GROUPGRAD_MODULES = (GroupedLinear, GroupedMLP)
+
+
+def check_cuda() -> None:
+    """Require what Megatron-FSDP needs from CUDA before it is called.
+
+    Megatron-FSDP runs its collectives on CUDA streams and keeps its buffers on
+    the current CUDA device; without CUDA it fails deep inside its setup
+    (``Torch not compiled with CUDA enabled``). A process that stands in for
+    those few calls (as groupgrad's CPU tests do with gloo) passes.
+
+    Raises:
+        RuntimeError: CUDA is unavailable and nothing stands in for it.
+    """
+    if torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.current_device()
+        torch.cuda.Stream()
+    except Exception:
+        why = (
+            "this PyTorch has no CUDA support"
+            if torch.version.cuda is None
+            else "PyTorch sees no CUDA device"
+        )
+        raise RuntimeError(
+            f"shard_model needs CUDA: Megatron-FSDP runs its collectives on CUDA streams and "
+            f"keeps its buffers on the current CUDA device, but {why} (torch "
+            f"{torch.__version__}, torch.cuda.is_available() is False); run it on GPUs with "
+            "NCCL, e.g. torchrun --nproc-per-node gpu train.py"
+        ) from None
 
 
 def check_no_distributed_weights(module: nn.Module) -> None:

@@ -1,8 +1,8 @@
 """Fused Triton kernels for SwiGLU × router probabilities (see ``_swiglu`` for the math).
 
 Imported only by the CUDA kernels of the ``groupgrad::swiglu_probs*`` custom
-ops (or by tests, e.g. on the CPU under ``TRITON_INTERPRET=1``): importing
-``groupgrad.modules`` never imports Triton.
+ops (and by GPU tests): importing ``groupgrad.kernels`` never imports Triton.
+The tile shape comes from ``_swiglu_tiles``, which needs no triton.
 
 Legend: ``T`` tokens, ``F`` ffn_hidden_size; ``h_T2F`` (gate then up),
 ``probs_T``, ``a_TF``, ``da_TF``, ``dh_T2F``, ``dprobs_T``.
@@ -27,10 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["swiglu_probs_backward_triton", "swiglu_probs_triton"]
+from groupgrad.kernels._swiglu_tiles import tile
 
-_TILE_ELEMENTS = 2048  # elements per program per step: 16 per thread at 4 warps
-_MAX_BLOCK_F = 512
+__all__ = ["swiglu_probs_backward_triton", "swiglu_probs_triton"]
 
 
 @triton.jit
@@ -110,28 +109,6 @@ def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _block_f(F: int) -> int:
-    """Columns per tile: the largest power of two up to 512 that tiles ``F`` exactly.
-
-    A ragged last block wastes its masked lanes: F = 768 in 512-wide blocks
-    leaves a quarter of the lanes idle (and ran at 1.8 TB/s on the H200).
-    Without such a divisor (>= 64), the smallest power of two covering ``F``,
-    capped at 512.
-    """
-    widest = min(triton.next_power_of_2(max(F, 1)), _MAX_BLOCK_F)
-    block = widest
-    while block >= 64:
-        if F % block == 0:
-            return block
-        block //= 2
-    return widest
-
-
-def _blocks(F: int) -> tuple[int, int]:
-    block_f = _block_f(F)
-    return max(1, _TILE_ELEMENTS // block_f), block_f
-
-
 def swiglu_probs_triton(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     """Fused Triton twin of ``swiglu_probs_ref``: same arguments and result.
 
@@ -146,7 +123,7 @@ def swiglu_probs_triton(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     a_TF = h_T2F.new_empty(T, F)
     if T == 0 or F == 0:
         return a_TF
-    block_t, block_f = _blocks(F)
+    block_t, block_f = tile(F)
     grid = (triton.cdiv(T, block_t), triton.cdiv(F, block_f))
     with _on_device(h_T2F):
         _swiglu_probs_fwd_kernel[grid](
@@ -186,7 +163,7 @@ def swiglu_probs_backward_triton(
         if dprobs_T is not None:
             dprobs_T.zero_()
         return dh_T2F, dprobs_T, a_TF
-    block_t, block_f = _blocks(F)
+    block_t, block_f = tile(F)
     with _on_device(h_T2F):
         _swiglu_probs_bwd_kernel[(triton.cdiv(T, block_t),)](
             da_TF,

@@ -23,6 +23,8 @@ Two implementations with the same signatures: the pure-PyTorch reference
 each way), which the CUDA kernels of the ``groupgrad::swiglu_probs*`` custom
 ops run. Triton is imported on the first CUDA call, never at package import;
 without it CUDA runs the reference and says so once through ``logging``.
+Plain eager calls skip the custom-op machinery as the grouped GEMMs do
+(``_ops.direct_call_ok``). Autograd lives in ``groupgrad.modules``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from groupgrad.kernels._ops import direct_call_ok, profiled_range  # the eager rule, shared
+from groupgrad.kernels._ops import direct_call_ok, run_directly
 
 __all__ = [
     "swiglu_probs",
@@ -46,7 +48,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TRITON_MODULE = "groupgrad.modules._swiglu_triton"
+TRITON_MODULE = "groupgrad.kernels._swiglu_triton"
 
 
 # ---------------------------------------------------------------- reference
@@ -60,11 +62,16 @@ def _gate_and_up(h_T2F: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def swiglu_probs_ref(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
-    """Pure-PyTorch ``silu(h[:, :F]) * h[:, F:] * probs[:, None]``, computed in fp32.
+    """Pure-PyTorch twin of :func:`swiglu_probs`: ``silu(h[:, :F]) * h[:, F:] * probs[:, None]``.
+
+    Runs on any device; the math is fp32 (fp64 for fp64 inputs), rounded once
+    into ``h``'s dtype. Nothing is mutated.
 
     Args:
-        h_T2F: ``(T, 2F)`` fc1 output (gate columns first), bf16, fp16 or fp32.
-        probs_T: ``(T,)`` per-token scale, any floating dtype, or ``None`` (ones).
+        h_T2F: ``(T, 2F)`` fc1 output, gate columns first then up columns;
+            bf16, fp16, fp32 (or fp64, as a test oracle).
+        probs_T: ``(T,)`` per-token scale (router probabilities), any floating
+            dtype, or ``None`` for ones.
 
     Returns:
         ``a_TF``: a new ``(T, F)`` tensor in ``h``'s dtype.
@@ -79,17 +86,23 @@ def swiglu_probs_ref(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
 def swiglu_probs_backward_ref(
     da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Pure-PyTorch backward of :func:`swiglu_probs_ref`, which also recomputes ``a``.
+    """Pure-PyTorch twin of :func:`swiglu_probs_backward`, which also recomputes ``a``.
+
+    Runs on any device, in fp32 math (fp64 for fp64 inputs), each result
+    rounded once. Nothing is mutated.
 
     Args:
-        da_TF: ``(T, F)`` gradient of the activation, in ``h``'s dtype.
-        h_T2F: ``(T, 2F)`` fc1 output saved by forward.
-        probs_T: ``(T,)`` the forward's ``probs``, or ``None``.
+        da_TF: ``(T, F)`` gradient of the activation, any floating dtype
+            (used in the math dtype).
+        h_T2F: ``(T, 2F)`` fc1 output saved by forward (gate then up), bf16,
+            fp16, fp32 or fp64.
+        probs_T: ``(T,)`` the forward's ``probs``, any floating dtype, or ``None``.
 
     Returns:
-        ``(dh_T2F, dprobs_T, a_TF)``: new tensors; ``dh`` and ``a`` in ``h``'s
-        dtype, ``dprobs`` in ``probs``' dtype (``None`` without ``probs``);
-        ``a`` equals :func:`swiglu_probs_ref`'s output bit for bit.
+        ``(dh_T2F, dprobs_T, a_TF)``: new tensors; ``dh`` ``(T, 2F)`` and ``a``
+        ``(T, F)`` in ``h``'s dtype, ``dprobs`` ``(T,)`` in ``probs``' dtype
+        (``None`` without ``probs``); ``a`` equals :func:`swiglu_probs_ref`'s
+        output bit for bit.
     """
     g_TF, u_TF = _gate_and_up(h_T2F)
     sig_TF = torch.sigmoid(g_TF)
@@ -206,13 +219,21 @@ def _check(h_T2F: Tensor, probs_T: Tensor | None) -> None:
 
 
 def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
-    """``silu(h[:, :F]) * h[:, F:] * probs[:, None]``: fused Triton on CUDA, the reference elsewhere.
+    """SwiGLU × router probabilities: ``a = silu(h[:, :F]) * h[:, F:] * probs[:, None]``.
 
-    Not differentiable (the grouped MLP's autograd Function calls it).
+    The fused MLP's elementwise step between its two grouped GEMMs. On CUDA
+    a fused Triton kernel runs (the reference when triton cannot be
+    imported, said once through :mod:`logging`); on every other device the
+    reference (:func:`swiglu_probs_ref`). The math is fp32, rounded once.
+    Runs as the custom op ``groupgrad::swiglu_probs`` (so ``torch.compile``
+    and CUDA graphs see it). Not differentiable: autograd lives in
+    ``groupgrad.modules``. Nothing is mutated.
 
     Args:
-        h_T2F: ``(T, 2F)`` fc1 output, gate columns first.
-        probs_T: ``(T,)`` per-token scale, or ``None`` (ones).
+        h_T2F: ``(T, 2F)`` fc1 output, gate columns first then up columns;
+            bf16, fp16 or fp32 (need not be contiguous).
+        probs_T: ``(T,)`` per-token scale (router probabilities), any
+            floating dtype, on ``h``'s device, or ``None`` for ones.
 
     Returns:
         ``a_TF``: a new contiguous ``(T, F)`` tensor in ``h``'s dtype.
@@ -223,8 +244,8 @@ def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     _check(h_T2F, probs_T)
     h, probs = h_T2F.contiguous(), None if probs_T is None else probs_T.contiguous()
     if _direct_ok(h, probs):
-        with profiled_range("groupgrad::swiglu_probs"):
-            return (_swiglu_probs_cuda if h.is_cuda else swiglu_probs_ref)(h, probs)
+        kernel = _swiglu_probs_cuda if h.is_cuda else swiglu_probs_ref
+        return run_directly("groupgrad::swiglu_probs", kernel, h, probs)
     return swiglu_probs_op(h, probs)
 
 
@@ -233,15 +254,23 @@ def swiglu_probs_backward(
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Backward of :func:`swiglu_probs` in one pass, recomputing the activation.
 
+    ``dprobs = sum_f(da * silu(g) * u)``, ``dg = da * probs * u * sigmoid(g) *
+    (1 + g * (1 - sigmoid(g)))``, ``du = da * probs * silu(g)``, and ``a`` as
+    forward computed it (so forward need not keep it). Backend choice, math
+    and op machinery as in :func:`swiglu_probs` (custom op
+    ``groupgrad::swiglu_probs_backward``). Nothing is mutated.
+
     Args:
-        da_TF: ``(T, F)`` gradient of the activation, in ``h``'s dtype.
-        h_T2F: ``(T, 2F)`` fc1 output.
-        probs_T: ``(T,)`` per-token scale, or ``None``.
+        da_TF: ``(T, F)`` gradient of the activation; cast to ``h``'s dtype.
+        h_T2F: ``(T, 2F)`` fc1 output saved by forward, bf16, fp16 or fp32.
+        probs_T: ``(T,)`` the forward's per-token scale, any floating dtype,
+            or ``None``.
 
     Returns:
-        ``(dh_T2F, dprobs_T, a_TF)``: ``dh`` and the recomputed activation
-        ``a`` in ``h``'s dtype, ``dprobs`` in ``probs``' dtype (``None``
-        without ``probs``); all new contiguous tensors.
+        ``(dh_T2F, dprobs_T, a_TF)``: ``dh`` ``(T, 2F)`` and the recomputed
+        activation ``a`` ``(T, F)`` in ``h``'s dtype, ``dprobs`` ``(T,)`` in
+        ``probs``' dtype (``None`` without ``probs``); all new contiguous
+        tensors.
 
     Raises:
         ValueError: ``h`` is not ``(T, 2F)``, ``da`` not ``(T, F)`` or
@@ -254,9 +283,8 @@ def swiglu_probs_backward(
     probs = None if probs_T is None else probs_T.contiguous()
     da, h = da_TF.contiguous().to(h_T2F.dtype), h_T2F.contiguous()
     if _direct_ok(h, probs, da):
-        with profiled_range("groupgrad::swiglu_probs_backward"):
-            kernel = _swiglu_probs_backward_cuda if h.is_cuda else swiglu_probs_backward_op_ref
-            dh, dprobs, a = kernel(da, h, probs)
+        kernel = _swiglu_probs_backward_cuda if h.is_cuda else swiglu_probs_backward_op_ref
+        dh, dprobs, a = run_directly("groupgrad::swiglu_probs_backward", kernel, da, h, probs)
     else:
         dh, dprobs, a = swiglu_probs_backward_op(da, h, probs)
     return dh, None if probs_T is None else dprobs, a

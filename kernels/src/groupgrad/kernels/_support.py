@@ -1,0 +1,138 @@
+"""Which validated calls the CUTLASS kernels can take: the one support check.
+
+The kernels are compiled for bf16 and fp16 inputs with outputs in the input
+dtype (wgrad: also fp32), and read and write every matrix through TMA, which
+needs 16-byte aligned base addresses and row strides: ``K`` and ``N`` are
+multiples of 8 (16 bytes of bf16/fp16). Dense operands and a packed group
+must be contiguous; the members of a listed group may have padded rows (a row
+stride of a multiple of 16 bytes), each at its own address.
+
+:func:`unsupported_reason` reads tensor metadata only (never the values,
+never CUDA) and runs once per CUDA call, before the backend is loaded; that
+the backend can run on the operands' device (sm_90, a toolchain) is the
+backend's own question (``_cutlass.unavailable_reason``).
+
+Operands per op, as the custom ops receive them (``a``, ``b``, ``out``):
+fprop ``(x_TK, w_group, y_TN)``, dgrad ``(dy_TN, w_group, dx_TK)``, wgrad
+``(dy_TN, x_TK, dw_group)``; a group of ``(N, K)`` matrices is in op form
+(``_grouped``). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features,
+``N`` out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, cast
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels._grouped import is_packed
+
+Op = Literal["fprop", "dgrad", "wgrad"]
+
+CUTLASS_DTYPES = (torch.bfloat16, torch.float16)
+ALIGNMENT_BYTES = 16  # TMA: base addresses and row strides
+SIZE_MULTIPLE = 8  # K and N, in elements: 16 bytes of bf16/fp16
+MAX_DIMENSION = 2**31  # sizes are int32 on the device
+
+_OPERAND_NAMES = {"fprop": ("x", "weights"), "dgrad": ("dy", "weights"), "wgrad": ("dy", "x")}
+
+
+def unsupported_reason(
+    op: Op, a: Tensor, b: Tensor | Sequence[Tensor], out: Tensor | Sequence[Tensor]
+) -> str | None:
+    """Why the CUTLASS kernels cannot take these (validated) operands, or ``None`` when they can.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        a: the row operand: ``x_TK`` (fprop) or ``dy_TN`` (dgrad, wgrad).
+        b: the weights' group (fprop, dgrad) or ``x_TK`` (wgrad).
+        out: ``y_TN`` (fprop), ``dx_TK`` (dgrad) or the outputs' group (wgrad).
+
+    Returns:
+        The reason, naming the operand and its value, or ``None``.
+    """
+    if a.dtype not in CUTLASS_DTYPES:
+        return f"{a.dtype} inputs (CUTLASS takes torch.bfloat16 and torch.float16)"
+    a_name, b_name = _OPERAND_NAMES[op]
+    if op == "wgrad":
+        second_name, second = b_name, cast(Tensor, b)
+        group_name, group = "out", cast(Sequence[Tensor], out)
+        K, N = second.shape[1], a.shape[1]
+    else:
+        second_name, second = "out", cast(Tensor, out)
+        group_name, group = b_name, cast(Sequence[Tensor], b)
+        K, N = (a.shape[1], second.shape[1]) if op == "fprop" else (second.shape[1], a.shape[1])
+    if not group:
+        return f"{group_name} holds no matrices"
+    if op != "wgrad" and second.dtype != a.dtype:
+        return f"{op} output dtype {second.dtype} differs from the inputs' {a.dtype}"
+    if op == "wgrad" and group[0].dtype not in (a.dtype, torch.float32):
+        return f"no compiled kernel for {a.dtype} inputs with {group[0].dtype} output"
+    packed = is_packed(group)
+    whole = [(a_name, a), (second_name, second)]
+    if packed:
+        whole.append((group_name, group[0]))
+    for name, t in whole:
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+    for dim, size in (("K", K), ("N", N)):
+        if size % SIZE_MULTIPLE:
+            return f"{dim} = {size} is not a multiple of {SIZE_MULTIPLE}"
+    for name, t in whole:
+        reason = _placement_reason(name, t, a.device)
+        if reason is not None:
+            return reason
+    return None if packed else _listed_reason(group_name, group, a.device)
+
+
+def _placement_reason(name: str, t: Tensor, device: torch.device) -> str | None:
+    """Why ``t`` is on the wrong device, misaligned or too large for int32 sizes, if it is."""
+    if t.device != device:
+        return f"{name} is on {t.device}, the inputs on {device}"
+    if t.data_ptr() % ALIGNMENT_BYTES:
+        return f"{name} is not {ALIGNMENT_BYTES}-byte aligned"
+    if t.dim() and max(t.shape) >= MAX_DIMENSION:
+        return f"{name} has a dimension of 2**31 or more"
+    return None
+
+
+def _member_reason(name: str, t: Tensor, device: torch.device) -> str | None:
+    """Why CUTLASS cannot take the listed member ``t``: a row-major ``(N, K)`` matrix, if it cannot."""
+    if t.dim() != 2:
+        return f"{name} is {t.dim()}-D, expected a 2-D matrix"
+    if t.size(1) % SIZE_MULTIPLE:
+        return f"K = {t.size(1)} is not a multiple of {SIZE_MULTIPLE}"
+    if t.stride(1) != 1:
+        return f"{name} is not row-major (strides {tuple(t.stride())})"
+    if (t.stride(0) * t.element_size()) % ALIGNMENT_BYTES and t.size(0) > 1:
+        return f"{name} row stride {t.stride(0)} is not a multiple of {ALIGNMENT_BYTES} bytes"
+    return _placement_reason(name, t, device)
+
+
+def _listed_reason(name: str, group: Sequence[Tensor], device: torch.device) -> str | None:
+    """:func:`_member_reason` for every member of a listed group, in one lean pass.
+
+    The first member is checked in full; each other one is compared with it
+    (same shape and strides, same device, aligned address) and checked in
+    full, naming it, only when the comparison fails.
+    """
+    first = group[0]
+    reason = _member_reason(f"{name}[0]", first, device)
+    if reason is not None:
+        return reason
+    shape, strides = first.shape, first.stride()
+    for i, t in enumerate(group):
+        if (
+            t.stride() != strides
+            or t.shape != shape
+            or t.data_ptr() % ALIGNMENT_BYTES
+            or t.device != device
+        ):
+            reason = _member_reason(f"{name}[{i}]", t, device)
+            if reason is None and t.shape != shape:
+                reason = f"{name}[{i}] has shape {tuple(t.shape)}, {name}[0] {tuple(shape)}"
+            if reason is not None:
+                return reason
+    return None

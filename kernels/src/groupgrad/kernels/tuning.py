@@ -1,0 +1,249 @@
+"""Kernel plans, variants, builds and per-call host stages: what benchmarks and tuning use.
+
+The public functions of :mod:`groupgrad.kernels` choose a CUTLASS kernel per
+call and fall back to the reference by themselves; this module opens that
+machinery for measuring and tuning it, so benchmarks need no private module:
+
+* **Variants** — the compiled kernels: :class:`Variant` (op, dtypes,
+  schedule, tile, cluster), :data:`VARIANTS` (the default set every GPU call
+  may use), :data:`TUNING_VARIANTS` (extra bf16 tiles compiled only on
+  request), :data:`VARIANT_SETS` (``"default"`` and ``"tuning"``).
+* **Builds** — :func:`build` compiles (or loads from the cache) one variant
+  set, :func:`compiled_variants` names what is loaded. ``python -m
+  groupgrad.kernels.build`` is the same build from the command line.
+* **Plans** — :class:`Plan` names the variant, raster order and swizzle of
+  one call; :func:`plan_for` is the choice the public functions make
+  (:data:`LARGE_GROUP_ROWS` is its threshold); :func:`run_cutlass`
+  launches a CUTLASS kernel with any plan, skipping validation and fallback.
+* **Fallbacks** — :func:`fallback_reason` says why a call would run on the
+  reference path; :func:`triton_unavailable_reason` loads the Triton SwiGLU
+  kernels and says why they cannot run, if they cannot.
+* **Per-call timing** — :func:`host_stages` hands out each layer of one
+  call (validation, support check, plan, C++ launch, CUDA kernel of the op,
+  custom op, public function) as a callable, to time its host (CPU) cost.
+
+Importing this module neither initializes CUDA nor compiles; the CUTLASS
+functions build the default variant set on first use. Variants and plans are
+for sm_90a (H100/H200); ``kernels/NOTES.md`` records what they measured.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal, cast
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import (
+    _api,
+    _cutlass,
+    _dispatch,
+    _splits,
+    _support,
+    _swiglu,
+    _validate,
+)
+from groupgrad.kernels._cutlass import build, compiled_variants
+from groupgrad.kernels._grouped import op_form
+from groupgrad.kernels._plan import LARGE_GROUP_ROWS, Plan, plan_for
+from groupgrad.kernels.build import TUNING_VARIANTS, VARIANT_SETS, VARIANTS, Variant
+
+__all__ = [
+    "LARGE_GROUP_ROWS",
+    "TUNING_VARIANTS",
+    "VARIANTS",
+    "VARIANT_SETS",
+    "Plan",
+    "Variant",
+    "build",
+    "compiled_variants",
+    "fallback_reason",
+    "host_stages",
+    "plan_for",
+    "run_cutlass",
+    "triton_unavailable_reason",
+]
+
+Op = Literal["fprop", "dgrad", "wgrad"]
+Group = Tensor | Sequence[Tensor]
+
+
+def run_cutlass(
+    op: Op,
+    a: Tensor,
+    b: Group,
+    splits: Tensor,
+    out: Group,
+    *,
+    accumulate: bool = False,
+    plan: Plan | None = None,
+) -> None:
+    """Launch the CUTLASS kernel of one grouped GEMM with a chosen plan, and nothing else.
+
+    No validation, no support check, no fallback, no custom op: the operands
+    must be what ``grouped_<op>`` would hand CUTLASS (:func:`fallback_reason`
+    is ``None`` for them). Builds the default variant set on first use. For
+    wgrad, an expert with no tokens gets exact zeros (overwrite) or is left
+    untouched (accumulate).
+
+    Args:
+        op: ``"fprop"`` (``y_e = x_e @ w_e.T``), ``"dgrad"`` (``dx_e = dy_e @
+            w_e``) or ``"wgrad"`` (``dw_e = dy_e.T @ x_e``).
+        a: ``x`` ``(T, K)`` for fprop, ``dy`` ``(T, N)`` for dgrad and wgrad: a
+            contiguous CUDA tensor, bf16 or fp16.
+        b: for fprop and dgrad the weights, an ``(E, N, K)`` contiguous tensor
+            or a sequence of ``E`` ``(N, K)`` row-major matrices in ``a``'s
+            dtype; for wgrad ``x``, ``(T, K)`` contiguous in ``a``'s dtype.
+        splits: ``(E,)`` int64 token counts on ``a``'s device.
+        out: overwritten (fprop ``(T, N)``, dgrad ``(T, K)``: contiguous, in
+            ``a``'s dtype) or, for wgrad, written in place: an ``(E, N, K)``
+            contiguous tensor or ``E`` ``(N, K)`` row-major matrices (e.g. each
+            expert's ``main_grad``), in ``a``'s dtype or fp32.
+        accumulate: wgrad only: add into ``out`` instead of overwriting it
+            (without reading it).
+        plan: the variant to run (it must be compiled: see :func:`build`);
+            ``None`` takes :func:`plan_for`'s choice.
+
+    Returns:
+        ``None``; ``out`` holds the result.
+    """
+    if op == "wgrad":
+        _cutlass.wgrad(a, cast(Tensor, b), splits, op_form(out), accumulate, plan=plan)
+    elif op == "fprop":
+        _cutlass.fprop(a, op_form(b), splits, cast(Tensor, out), plan=plan)
+    else:
+        _cutlass.dgrad(a, op_form(b), splits, cast(Tensor, out), plan=plan)
+
+
+def fallback_reason(op: Op, a: Tensor, b: Group, out: Group) -> str | None:
+    """Why a valid call would run on the reference path instead of CUTLASS, or ``None``.
+
+    The same decision the CUDA kernels of the custom ops make (the support
+    check of the operands, then whether the backend loads and runs on their
+    device), without logging it. Never compiles; initializes CUDA only for
+    CUDA tensors.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        a: ``x`` ``(T, K)`` for fprop, ``dy`` ``(T, N)`` for dgrad and wgrad.
+        b: the weights (``(E, N, K)`` or ``E`` ``(N, K)`` matrices) for fprop
+            and dgrad, ``x`` ``(T, K)`` for wgrad.
+        out: ``(T, N)`` for fprop, ``(T, K)`` for dgrad; for wgrad an
+            ``(E, N, K)`` tensor or ``E`` ``(N, K)`` matrices.
+
+    Returns:
+        The reason the fallback would log, or ``None`` when CUTLASS runs the call.
+    """
+    if op == "wgrad":
+        return _dispatch.cutlass_or_reason(op, a, b, op_form(out))[1]
+    return _dispatch.cutlass_or_reason(op, a, op_form(b), out)[1]
+
+
+def triton_unavailable_reason() -> str | None:
+    """Load the Triton SwiGLU kernels (once) and say why they cannot run, if they cannot.
+
+    Without them, :func:`~groupgrad.kernels.swiglu_probs` and its backward run
+    the PyTorch reference on CUDA (and say so once through :mod:`logging`).
+
+    Returns:
+        ``None`` when the kernels load, else why not (e.g. triton is not installed).
+    """
+    return _swiglu.load_triton_kernels()[1]
+
+
+def host_stages(
+    op: Op, a: Tensor, b: Group, splits: _api.Splits, out: Group, *, accumulate: bool = False
+) -> dict[str, Callable[[], object]]:
+    """Each layer of one grouped-GEMM call as a callable, to time its host (CPU) cost.
+
+    Every callable runs one layer of ``grouped_<op>(a, b, splits, out=out)``
+    on the same arguments, outermost last:
+
+    * ``"validate"``: argument checks and normalization;
+    * ``"support check"``: whether CUTLASS can take the operands;
+    * ``"fallback check"``: the support check, the backend and the device;
+    * ``"plan"``: :func:`plan_for`;
+    * ``"C++ launch"``: the extension's entry point with the plan (and the
+      extension lookup);
+    * ``"CUTLASS backend"``: plan and launch;
+    * ``"CUDA kernel of the op"``: the fallback check, then the backend or
+      the reference (what plain eager calls run);
+    * ``"custom op"``: ``torch.ops.groupgrad.grouped_<op>``;
+    * ``"public"``: ``grouped_<op>`` itself.
+
+    The launching stages need CUDA tensors of a call that CUTLASS runs
+    (:func:`fallback_reason` is ``None``); they build the default variant
+    set on first use. Each call writes ``out`` as the public call would.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        a: ``x`` for fprop, ``dy`` for dgrad and wgrad.
+        b: the weights for fprop and dgrad, ``x`` for wgrad.
+        splits: the token counts, in any form the public function takes.
+        out: the output (required): as ``out=`` of the public function.
+        accumulate: wgrad only: add into ``out`` instead of overwriting it.
+
+    Returns:
+        Stage name → zero-argument callable, in the order above.
+    """
+    if op == "wgrad":
+        return _wgrad_stages(a, b, splits, out, accumulate)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor for {op}, got {type(out).__name__}")
+    call = _validate.grouped_call(op, a, b, splits, out)
+    x, w, y = call.a, call.weights, call.out
+    splits_E = _splits.on_device(call.splits, x.device)
+    plan = _cutlass.default_plan(op, x, w, y)
+    launch = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
+    kernel = _dispatch.fprop_on_device if op == "fprop" else _dispatch.dgrad_on_device
+    public = _api.grouped_fprop if op == "fprop" else _api.grouped_dgrad
+    custom_op = getattr(torch.ops.groupgrad, f"grouped_{op}")
+
+    def cxx() -> None:
+        extension = _cutlass._extension(plan.variant)
+        getattr(extension, op)(x, w, splits_E, y, plan.variant, False, 1)
+
+    return {
+        "validate": lambda: _validate.grouped_call(op, a, b, splits, out),
+        "support check": lambda: _support.unsupported_reason(op, x, w, y),
+        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y),
+        "plan": lambda: _cutlass.default_plan(op, x, w, y),
+        "C++ launch": cxx,
+        "CUTLASS backend": lambda: launch(x, w, splits_E, y),
+        "CUDA kernel of the op": lambda: kernel(x, w, call.splits, y),
+        "custom op": lambda: custom_op(x, w, call.splits, y),
+        "public": lambda: public(a, b, splits, out=out),
+    }
+
+
+def _wgrad_stages(
+    dy: Tensor, x: object, splits: _api.Splits, out: Group, accumulate: bool
+) -> dict[str, Callable[[], object]]:
+    call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
+    dy_TN, x_TK, dw = call.dy, call.x, call.out
+    splits_E = _splits.on_device(call.splits, dy_TN.device)
+    plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
+    out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
+
+    def cxx() -> None:
+        extension = _cutlass._extension(plan.variant)
+        extension.wgrad(dy_TN, x_TK, splits_E, dw, accumulate, plan.variant, False, 1)
+
+    return {
+        "validate": lambda: _validate.wgrad_call(dy, x, splits, out, None, accumulate),
+        "support check": lambda: _support.unsupported_reason("wgrad", dy_TN, x_TK, dw),
+        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw),
+        "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate),
+        "C++ launch": cxx,
+        "CUTLASS backend": lambda: _cutlass.wgrad(dy_TN, x_TK, splits_E, dw, accumulate),
+        "CUDA kernel of the op": lambda: _dispatch.wgrad_on_device(
+            dy_TN, x_TK, call.splits, dw, accumulate
+        ),
+        "custom op": lambda: torch.ops.groupgrad.grouped_wgrad(
+            dy_TN, x_TK, call.splits, dw, accumulate
+        ),
+        "public": lambda: _api.grouped_wgrad(dy, x_TK, splits, out=out_seq, accumulate=accumulate),
+    }

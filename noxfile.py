@@ -253,6 +253,13 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON_VERSIONS)
+def mutants(session: nox.Session) -> None:
+    """Deliberate breaks (tests/mutants/catalog.py), each on a copy of the tree: every one must fail a test."""
+    _install_project_cpu(session, "pytest>=8", "pytest-timeout")
+    session.run("python", "tests/mutants/run.py", *session.posargs)
+
+
+@nox.session(python=PYTHON_VERSIONS)
 def lint(session: nox.Session) -> None:
     """ruff (format check and lint rules) and mypy on every package's src/."""
     _install_project_cpu(session, "ruff>=0.6", "mypy>=1.11", "pytest>=8")

@@ -74,6 +74,23 @@ def _environment(copy: Path) -> dict[str, str]:
     }
 
 
+def _imports_the_copy(copy: Path) -> str | None:
+    """Why the copy's packages would not be the ones imported, or ``None`` when they are."""
+    probe = "import groupgrad.protocol as p, groupgrad.kernels as k, groupgrad.modules as m;"
+    probe += "print(p.__file__); print(k.__file__); print(m.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=copy,
+        env=_environment(copy),
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return f"the copy's packages do not import: {done.stderr[-500:]}"
+    outside = [line for line in done.stdout.split() if not line.startswith(str(copy))]
+    return f"imported from outside the copy: {outside}" if outside else None
+
+
 def _pytest(copy: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "not gpu", *args]
     return subprocess.run(
@@ -96,6 +113,9 @@ def _run_one(mutant: Mutant, maxfail: int) -> tuple[str, list[str], float]:
             _apply(copy, mutant)
         except RuntimeError as stale:
             return "STALE", [str(stale)], time.monotonic() - started
+        wrong = _imports_the_copy(copy)
+        if wrong is not None:
+            return "BROKEN", [wrong], time.monotonic() - started
         ran = _pytest(copy, ["-q", "-rf", f"--maxfail={maxfail}", *mutant.tests])
     seconds = time.monotonic() - started
     failed = FAILED.findall(ran.stdout)

@@ -1,37 +1,34 @@
-"""One rank of a Megatron-FSDP training run; the parent test compares what it saves to a reference.
+"""One rank of a Megatron-FSDP training run; the parent test compares what it returns to a reference.
 
-Run as a script by ``test_training.py`` (one process per rank)::
-
-    python mfsdp_worker.py --rank R --world-size W --init-file F --scenarios S.json \
-        --out DIR [--backend gloo|nccl] [--device cpu|cuda]
-
-For each scenario it builds :class:`Net` from the scenario's seed (the same
-full weights on every rank), shards it with ``shard_model`` (or, for the
-``"unfixed"`` scenarios, Megatron-FSDP's bare ``fully_shard_model``), trains
-``steps`` SGD steps of ``micro_batches`` micro-batches on data of its own
-(seeded by scenario, rank, step and micro-batch), and saves to
-``DIR/<name>.rank<R>.pt``: the initial weights, the data, the full weights
-after every step (assembled here, and by the package's ``gather_full_weights``),
-each step's full reduced gradients (``gather_full_grads``, read after
-``optimizer.step()`` and before ``zero_grad()``), the size of this rank's shard
-of every parameter, every ``get_main_grad()`` call (parameter, dtype, and the
-``overwrite_main_grad`` flag it saw) and the dtype of every gradient
+Launched by ``test_training.py`` and ``test_gpu.py`` through
+``groupgrad_testsupport.launch`` (one process per rank); on CPU it installs
+the test-only CUDA shim (``cpu_shim.py``) first. For each scenario it builds
+:class:`Net` from the scenario's seed (the same full weights on every rank),
+shards it with ``shard_model`` (or, for the ``"unfixed"`` scenarios,
+Megatron-FSDP's bare ``fully_shard_model``), trains ``steps`` SGD steps of
+``micro_batches`` micro-batches on data of its own (seeded by scenario, rank,
+step and micro-batch), and returns: the initial weights, the data, the full
+weights after every step (assembled here, and by the package's
+``gather_full_weights``), each step's full reduced gradients
+(``gather_full_grads``, read after ``optimizer.step()`` and before
+``zero_grad()``), the size of this rank's shard of every parameter, every
+``get_main_grad()`` call (parameter, dtype, and the ``overwrite_main_grad``
+flag it saw) and the dtype of every gradient
 collective. Any failure exits non-zero with a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import cpu_shim
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from groupgrad_testsupport import Rank, run_worker
 
 
 class Net(nn.Module):
@@ -144,8 +141,8 @@ def full_weights(model: Any) -> dict[str, Tensor]:
     return out
 
 
-def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: Path) -> None:
-    """Train one scenario and save this rank's results."""
+def run_scenario(cfg: dict[str, Any], this: Rank) -> dict[str, Any]:
+    """Train one scenario; return this rank's results (``run_worker``'s callback)."""
     import megatron_fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -158,6 +155,7 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
     )
     from groupgrad.modules import GroupedLinear, GroupedMLP
 
+    rank, world, device = this.rank, this.world_size, this.device.type
     torch.manual_seed(cfg["seed"])
     net = Net(cfg)
     init = {n: p.detach().to(torch.float64).clone() for n, p in net.named_parameters()}
@@ -212,58 +210,29 @@ def run_scenario(cfg: dict[str, Any], rank: int, world: int, device: str, out: P
             gathered_weights.append(gather_full_weights(model))
     finally:
         undo()
-    torch.save(
-        {
-            "config": cfg,
-            "init": init,
-            "weight_names": weight_names,
-            "data": data,
-            "weights": weights,
-            "gathered_weights": gathered_weights,
-            "gathered_grads": gathered_grads,
-            "shard_numels": {
-                name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
-                for name, param in model.module.named_parameters()
-            },
-            "calls": calls_per_micro,
-            "collectives": collectives,
+    return {
+        "config": cfg,
+        "init": init,
+        "weight_names": weight_names,
+        "data": data,
+        "weights": weights,
+        "gathered_weights": gathered_weights,
+        "gathered_grads": gathered_grads,
+        "shard_numels": {
+            name: param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+            for name, param in model.module.named_parameters()
         },
-        out / f"{cfg['name']}.rank{rank}.pt",
-    )
+        "calls": calls_per_micro,
+        "collectives": collectives,
+    }
 
 
-def main() -> None:
-    """Parse arguments, join the process group, run every scenario."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--init-file", type=Path, required=True)
-    parser.add_argument("--scenarios", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    if args.device == "cpu":
+def setup(this: Rank) -> None:
+    """Before the process group: the CUDA shim on CPU, deterministic algorithms everywhere."""
+    if this.device.type == "cpu":
         cpu_shim.install()
-    else:
-        torch.cuda.set_device(args.rank)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(
-        args.backend,
-        init_method=f"file://{args.init_file}",
-        rank=args.rank,
-        world_size=args.world_size,
-    )
-    try:
-        for cfg in json.loads(args.scenarios.read_text()):
-            run_scenario(cfg, args.rank, args.world_size, args.device, args.out)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
-
-sys.path.insert(0, str(Path(__file__).parent))
-import cpu_shim  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    run_worker(run_scenario, setup=setup)

@@ -1,4 +1,4 @@
-"""Launcher for the worker ranks and the single-process fp64 reference they are compared with.
+"""The single-process fp64 reference the ``mfsdp_worker.py`` ranks are compared with.
 
 The reference recomputes, in one process and in float64 with plain autograd
 on the full weights, what Megatron-FSDP training should produce: per step,
@@ -8,78 +8,12 @@ scales by ``1/world`` before the reduction), then an SGD update.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-WORKER = Path(__file__).with_name("mfsdp_worker.py")
-
-
-def launch(
-    workdir: Path,
-    world_size: int,
-    scenarios: list[dict[str, Any]],
-    *,
-    backend: str = "gloo",
-    device: str = "cpu",
-    timeout_s: float = 120.0,
-) -> dict[str, list[dict[str, Any]]]:
-    """Run ``world_size`` worker processes over ``scenarios``; return each scenario's rank results.
-
-    Raises:
-        AssertionError: A rank exited non-zero or ran past ``timeout_s`` (the
-            others are then killed); the message carries every rank's log tail.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "scenarios.json"
-    config.write_text(json.dumps(scenarios))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
-    procs, logs = [], []
-    for rank in range(world_size):
-        log_path = workdir / f"rank{rank}.log"
-        logs.append(log_path)
-        with log_path.open("w") as log:
-            command = [sys.executable, str(WORKER), "--rank", str(rank)]
-            command += ["--world-size", str(world_size), "--init-file", str(workdir / "store")]
-            command += ["--scenarios", str(config), "--out", str(workdir)]
-            command += ["--backend", backend, "--device", device]
-            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-
-    def tails() -> str:
-        return "\n".join(f"--- rank {r} ---\n{p.read_text()[-4000:]}" for r, p in enumerate(logs))
-
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            reason = f"exit codes {failed}" if failed else f"timeout after {timeout_s} s"
-            raise AssertionError(f"worker ranks failed ({reason}):\n{tails()}")
-        time.sleep(0.05)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, f"worker exit codes {codes}:\n{tails()}"
-
-    results = {}
-    for cfg in scenarios:
-        files = [workdir / f"{cfg['name']}.rank{r}.pt" for r in range(world_size)]
-        missing = [str(f) for f in files if not f.exists()]
-        assert not missing, f"scenario {cfg['name']!r} left no result in {missing}:\n{tails()}"
-        results[cfg["name"]] = [torch.load(f, weights_only=False) for f in files]
-    return results
+from groupgrad_testsupport import assert_as_close_as_torch, assert_close
 
 
 def _expert(weights: dict[str, Tensor], prefix: str, e: int, packed: bool) -> Tensor:
@@ -173,9 +107,7 @@ def check_weights(
             for param, tensor in got.items():
                 where = f"{name} rank {rank} step {step} {param}"
                 assert not tensor.isnan().any(), f"{where} has NaN (a chunk was never gathered)"
-                torch.testing.assert_close(
-                    tensor, want[param], rtol=tol, atol=tol / 10, msg=lambda m, w=where: f"{w}: {m}"
-                )
+                assert_close(tensor, want[param], rtol=tol, atol=tol / 10, what=where)
 
 
 def check_main_grad_calls(ranks: list[dict[str, Any]], overwrite: bool) -> None:
@@ -205,11 +137,8 @@ def check_weights_bf16(ranks: list[dict[str, Any]]) -> None:
         for step, got in enumerate(result["weights"]):
             for param, tensor in got.items():
                 where = f"{name} rank {rank} step {step} {param}"
-                assert not tensor.isnan().any(), f"{where} has NaN"
-                ours = (tensor - exact[step][param]).abs().max().item()
-                theirs = (torch_bf16[step][param] - exact[step][param]).abs().max().item()
-                assert ours <= 2 * theirs + 1e-4, (
-                    f"{where}: error {ours:.3g}, PyTorch's bf16 error {theirs:.3g}"
+                assert_as_close_as_torch(
+                    tensor, exact[step][param], torch_bf16[step][param], atol=1e-4, what=where
                 )
 
 

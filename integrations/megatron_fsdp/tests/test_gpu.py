@@ -7,33 +7,16 @@ gradient buffer is unsharded and the wgrads must accumulate.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)"),
-]
+from groupgrad_testsupport import launch, load_sibling
 
+pytestmark = pytest.mark.gpu
 
-def _load_helper(name: str) -> Any:
-    module_name = f"_groupgrad_megatron_fsdp_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).with_name(f"{name}.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
+WORKER = Path(__file__).with_name("mfsdp_worker.py")
 
 
 SHAPE = {"experts": 3, "hidden": 8, "ffn_hidden": 6, "tokens": 12}
@@ -45,9 +28,9 @@ SCENARIOS = [
 
 
 def test_training_on_gpus_matches_fp64_reference(tmp_path: Path) -> None:
-    ref = _load_helper("reference")
+    ref = load_sibling(__file__, "reference")
     world = min(2, torch.cuda.device_count())
-    results = ref.launch(tmp_path, world, SCENARIOS, backend="nccl", device="cuda")
+    results = launch(WORKER, SCENARIOS, world_size=world, workdir=tmp_path, device="cuda")
     for cfg in SCENARIOS:
         ranks = results[cfg["name"]]
         ref.check_weights(ranks, ref.expected_weights(ranks))

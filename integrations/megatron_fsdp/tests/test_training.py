@@ -21,32 +21,16 @@ The ranks run with a test-only CUDA shim (``cpu_shim.py``).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from groupgrad_testsupport import Launches, load_sibling
 
-def _load_helper(name: str) -> Any:
-    """Import a sibling helper by path (pytest's importlib mode puts no test dir on sys.path)."""
-    module_name = f"_groupgrad_megatron_fsdp_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).with_name(f"{name}.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_helper("reference")
+ref = load_sibling(__file__, "reference")
+WORKER = Path(__file__).with_name("mfsdp_worker.py")
 
 SHAPE = {"experts": 3, "hidden": 8, "ffn_hidden": 6, "tokens": 12}
 DEFAULTS = {"packed": False, "fixed": True, "steps": 2, "micro_batches": 2, "lr": 0.5}
@@ -76,23 +60,7 @@ SHARDED = {"zero3-per_expert", "zero3-packed", "zero2-per_expert", "zero3-bf16"}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[str, Any]]:
     """Launch each world size once, at the first test that needs it; a failed launch fails all."""
-    launched: dict[int, dict[str, Any]] = {}
-    failed: dict[int, str] = {}
-    scenarios = {2: [*TWO_RANKS, UNFIXED], 1: ONE_RANK}
-
-    def get(world_size: int) -> dict[str, Any]:
-        if world_size in failed:
-            pytest.fail(f"the {world_size}-rank launch failed earlier:\n{failed[world_size]}")
-        if world_size not in launched:
-            workdir = tmp_path_factory.mktemp(f"ranks{world_size}")
-            try:
-                launched[world_size] = ref.launch(workdir, world_size, scenarios[world_size])
-            except AssertionError as error:
-                failed[world_size] = str(error)
-                raise
-        return launched[world_size]
-
-    return get
+    return Launches(tmp_path_factory, WORKER, {2: [*TWO_RANKS, UNFIXED], 1: ONE_RANK})
 
 
 def _ids(case: tuple[int, str]) -> str:

@@ -1,4 +1,4 @@
-"""Launch ``sharded_worker.py`` ranks, load what they saved, and recompute it in fp64.
+"""Recompute in fp64, in one process, what the ``sharded_worker.py`` ranks returned.
 
 Legend: ``T`` tokens, ``E`` experts, ``N`` out_features, ``K`` in_features,
 ``H`` hidden, ``F`` ffn_hidden, ``W`` world size.
@@ -13,78 +13,12 @@ each step, SGD ``w -= lr * main_grad``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-
-WORKER = Path(__file__).with_name("sharded_worker.py")
-
-
-def launch(
-    workdir: Path,
-    world_size: int,
-    scenarios: list[dict[str, Any]],
-    *,
-    backend: str = "gloo",
-    device: str = "cpu",
-    timeout_s: float = 120.0,
-) -> dict[str, list[dict[str, Any]]]:
-    """Run ``world_size`` worker processes over ``scenarios``; return each scenario's rank results.
-
-    Raises:
-        AssertionError: A rank exited non-zero or ran past ``timeout_s`` (the
-            others are then killed); the message carries every rank's log tail.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "scenarios.json"
-    config.write_text(json.dumps(scenarios))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    procs, logs = [], []
-    for rank in range(world_size):
-        log_path = workdir / f"rank{rank}.log"
-        logs.append(log_path)
-        with log_path.open("w") as log:
-            command = [sys.executable, str(WORKER), "--rank", str(rank)]
-            command += ["--world-size", str(world_size), "--init-file", str(workdir / "store")]
-            command += ["--scenarios", str(config), "--out", str(workdir)]
-            command += ["--backend", backend, "--device", device]
-            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-
-    def tails() -> str:
-        return "\n".join(f"--- rank {r} ---\n{p.read_text()[-4000:]}" for r, p in enumerate(logs))
-
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            reason = f"exit codes {failed}" if failed else f"timeout after {timeout_s} s"
-            raise AssertionError(f"worker ranks failed ({reason}):\n{tails()}")
-        time.sleep(0.05)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, f"worker exit codes {codes}:\n{tails()}"
-
-    results = {}
-    for cfg in scenarios:
-        files = [workdir / f"{cfg['name']}.rank{r}.pt" for r in range(world_size)]
-        missing = [str(f) for f in files if not f.exists()]
-        assert not missing, f"scenario {cfg['name']!r} left no result in {missing}:\n{tails()}"
-        results[cfg["name"]] = [torch.load(f, weights_only=False) for f in files]
-    return results
 
 
 def expert_weights(weights: dict[str, Tensor], prefix: str, cfg: dict[str, Any]) -> list[Tensor]:

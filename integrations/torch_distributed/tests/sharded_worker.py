@@ -1,27 +1,20 @@
-"""One rank of a sharded-training run; the parent test compares what it saves to a reference.
+"""One rank of a sharded-training run; the parent test compares what it returns to a reference.
 
-Run as a script by ``test_sharded_training.py`` (one process per rank)::
-
-    python sharded_worker.py --rank R --world-size W --init-file F --scenarios S.json \
-        --out DIR [--backend gloo|nccl] [--device cpu|cuda]
-
-For each scenario in ``S.json`` it builds the module from the scenario's seed
-(the same full weights on every rank), shards it, trains ``steps`` optimizer
-steps of ``micro_batches`` micro-batches each on data of its own (seeded by
-rank, step and micro-batch), and saves to ``DIR/<name>.rank<R>.pt``: the
-initial full weights, every micro-batch's inputs, outputs, input gradients,
-``main_grad`` shards, flags and the collectives it ran (name, dtype, numel,
-op), and the gathered full weights after every step. Any failure exits
-non-zero with a traceback, which fails the parent test.
+Launched by ``test_sharded_training.py`` through ``groupgrad_testsupport.launch``
+(one process per rank). For each scenario it builds the module from the
+scenario's seed (the same full weights on every rank), shards it, trains
+``steps`` optimizer steps of ``micro_batches`` micro-batches each on data of
+its own (seeded by rank, step and micro-batch), and returns: the initial full
+weights, every micro-batch's inputs, outputs, input gradients, ``main_grad``
+shards, flags and the collectives it ran (name, dtype, numel, op), and the
+gathered full weights after every step. The scenario named ``"errors"``
+checks the errors that need a real multi-rank group instead. Any failure
+exits non-zero with a traceback, which fails the parent test.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +29,7 @@ from groupgrad.integrations.torch_distributed import (
 )
 from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol import DistributedWeight
+from groupgrad_testsupport import Rank, poison_, run_worker
 
 COLLECTIVES = {
     "all_gather_single": "all_gather",
@@ -130,7 +124,7 @@ def run_scenario(
             for param in params.values():
                 param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
                 if overwrite:  # overwriting must never read the old contents
-                    param.main_grad.fill_(math.nan)  # type: ignore[attr-defined]
+                    poison_(param.main_grad)  # type: ignore[attr-defined]
             first_call = len(log)
 
             y = module(x, splits, probs) if is_mlp else module(x, splits)
@@ -196,38 +190,15 @@ def run_error_checks(world: int, device: torch.device) -> dict:
     return {"errors_checked": 3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--init-file", type=Path, required=True)
-    parser.add_argument("--scenarios", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(args.rank)
-        device = torch.device("cuda", args.rank)
-    dist.init_process_group(
-        args.backend,
-        init_method=f"file://{args.init_file}",
-        rank=args.rank,
-        world_size=args.world_size,
-    )
-    log: list[dict[str, Any]] = []
-    record_collectives(log)
-    try:
-        for cfg in json.loads(args.scenarios.read_text()):
-            if cfg["name"] == "errors":
-                result = run_error_checks(args.world_size, device)
-            else:
-                result = run_scenario(cfg, args.rank, args.world_size, device, log)
-            torch.save(result, args.out / f"{cfg['name']}.rank{args.rank}.pt")
-    finally:
-        dist.destroy_process_group()
+COLLECTIVE_LOG: list[dict[str, Any]] = []
+
+
+def run(cfg: dict[str, Any], rank: Rank) -> dict:
+    """One scenario on this rank (``run_worker``'s callback)."""
+    if cfg["name"] == "errors":
+        return run_error_checks(rank.world_size, rank.device)
+    return run_scenario(cfg, rank.rank, rank.world_size, rank.device, COLLECTIVE_LOG)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(run, setup=lambda rank: record_collectives(COLLECTIVE_LOG))

@@ -17,8 +17,6 @@ Two launches (2 and 4 ranks) run every scenario; each test reads their results.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,24 +24,17 @@ from typing import Any
 import pytest
 import torch
 
+from groupgrad_testsupport import (
+    Launches,
+    assert_as_close_as_torch,
+    assert_close,
+    launch,
+    load_sibling,
+    max_abs_error,
+)
 
-def _load_helper(name: str) -> Any:
-    """Import a sibling helper by path (pytest's importlib mode puts no test dir on sys.path)."""
-    module_name = f"_groupgrad_torch_distributed_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).with_name(f"{name}.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_helper("reference")
+ref = load_sibling(__file__, "reference")
+WORKER = Path(__file__).with_name("sharded_worker.py")
 
 LINEAR = {"module": "linear", "experts": 3, "in_features": 8, "out_features": 12, "tokens": 12}
 MLP = {"module": "mlp", "experts": 3, "hidden": 8, "ffn_hidden": 6, "tokens": 12}
@@ -123,23 +114,22 @@ class Run:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run]:
     """Launch each world size once, at the first test that needs it; a failed launch fails all."""
-    launched: dict[int, Run] = {}
-    failed: dict[int, str] = {}
-    scenarios = {2: [*TWO_RANKS, ERRORS], 4: FOUR_RANKS}
+    launches = Launches(tmp_path_factory, WORKER, {2: [*TWO_RANKS, ERRORS], 4: FOUR_RANKS})
+    wrapped: dict[int, Run] = {}
 
     def get(world_size: int) -> Run:
-        if world_size in failed:
-            pytest.fail(f"the {world_size}-rank launch failed earlier:\n{failed[world_size]}")
-        if world_size not in launched:
-            workdir = tmp_path_factory.mktemp(f"ranks{world_size}")
-            try:
-                launched[world_size] = Run(ref.launch(workdir, world_size, scenarios[world_size]))
-            except AssertionError as error:
-                failed[world_size] = str(error)
-                raise
-        return launched[world_size]
+        if world_size not in wrapped:
+            wrapped[world_size] = Run(launches(world_size))
+        return wrapped[world_size]
 
     return get
+
+
+def _case(runs: Callable[[int], Run], case: tuple[int, str]) -> tuple[int, str, list[dict], Any]:
+    """A case's world size, name, per-rank results and fp64 reference."""
+    world, name = case
+    run = runs(world)
+    return world, name, run.results[name], run.reference(name)
 
 
 def _ids(case: tuple[int, str]) -> str:
@@ -148,19 +138,16 @@ def _ids(case: tuple[int, str]) -> str:
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: str, what: str) -> None:
     tol = 1e-5 if dtype == "float32" else 2e-2
-    torch.testing.assert_close(
-        actual.double(), expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}"
-    )
+    assert_close(actual, expected, rtol=tol, atol=tol, what=what)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_outputs_and_input_grads_match_reference(runs: Callable[[int], Run], case: tuple) -> None:
-    world, name = case
-    run = runs(world)
-    for rank, result in enumerate(run.results[name]):
+    _, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         dtype = result["config"]["dtype"]
         for index, (got, want) in enumerate(
-            zip(result["micro"], run.reference(name).micro[rank], strict=True)
+            zip(result["micro"], reference.micro[rank], strict=True)
         ):
             where = f"{name} rank {rank} micro-batch {index}"
             if dtype == "bfloat16":
@@ -184,21 +171,15 @@ def _check_bf16_rule(cfg: dict, init: dict, got: dict, want: Any, where: str) ->
         ("dx", got["dx"], x.grad, want.dx),
     ):
         assert ours.dtype == torch.bfloat16, f"{where} {label} has dtype {ours.dtype}"
-        ours_err = (ours.double() - exact).abs().max().item()
-        torch_err = (torchs.double() - exact).abs().max().item()
-        assert ours_err <= 2 * torch_err + 1e-3, (
-            f"{where} {label}: error {ours_err:.3g}, PyTorch's bf16 error {torch_err:.3g}"
-        )
+        assert_as_close_as_torch(ours, exact, torchs, atol=1e-3, what=f"{where} {label}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_main_grad_shards_hold_the_reduced_gradient_rows(
     runs: Callable[[int], Run], case: tuple
 ) -> None:
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
+    world, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         for index, got in enumerate(result["micro"]):
             for param, expected in reference.main_grads[index].items():
                 shard = got["main_grads"][param]
@@ -234,13 +215,11 @@ def test_flags_dummies_and_shapes(runs: Callable[[int], Run], case: tuple) -> No
 def test_gathered_weights_after_sgd_steps_match_reference(
     runs: Callable[[int], Run], case: tuple
 ) -> None:
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
-        assert result["init"].keys() == run.results[name][0]["init"].keys()
+    _, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
+        assert result["init"].keys() == ranks[0]["init"].keys()
         for param, full in result["init"].items():  # every rank built the same model
-            assert torch.equal(full, run.results[name][0]["init"][param]), f"{name} {param}"
+            assert torch.equal(full, ranks[0]["init"][param]), f"{name} {param}"
         for step, gathered in enumerate(result["after_step"]):
             for param, expected in reference.after_step[step].items():
                 where = f"{name} rank {rank} after step {step}: {param}"
@@ -283,10 +262,8 @@ def _layer_numels(cfg: dict[str, Any]) -> list[int]:
 @pytest.mark.parametrize("case", BF16_CASES, ids=_ids)
 def test_bf16_weights_reduce_in_fp32(runs: Callable[[int], Run], case: tuple) -> None:
     """bf16 weights, fp32 main_grad: the reduce-scatter saw fp32 and beats a bf16 one by far."""
-    world, name = case
-    run = runs(world)
-    reference = run.reference(name)
-    for rank, result in enumerate(run.results[name]):
+    world, name, ranks, reference = _case(runs, case)
+    for rank, result in enumerate(ranks):
         assert all(p.dtype == torch.bfloat16 for p in result["init"].values())
         for index, got in enumerate(result["micro"]):
             dtypes = {c["input_dtype"] for c in got["collectives"] if c["kind"] == "reduce_scatter"}
@@ -294,8 +271,8 @@ def test_bf16_weights_reduce_in_fp32(runs: Callable[[int], Run], case: tuple) ->
             for param, expected in reference.main_grads[index].items():
                 rows = ref.rows_of(expected, rank, world)
                 bf16_rows = ref.rows_of(reference.bf16_reduced[index][param], rank, world)
-                ours = (got["main_grads"][param].double() - rows).abs().max().item()
-                bf16 = (bf16_rows - rows).abs().max().item()
+                ours = max_abs_error(got["main_grads"][param], rows)
+                bf16 = max_abs_error(bf16_rows, rows)
                 scale = rows.abs().max().item()
                 where = f"{name} rank {rank} micro-batch {index} {param}"
                 assert bf16 > 1e-4 * scale, f"{where}: the bf16 baseline is too exact to compare"
@@ -308,14 +285,11 @@ def test_errors_raised_on_every_rank(runs: Callable[[int], Run]) -> None:
         assert result == {"errors_checked": 3}
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(2)
 def test_nccl_two_gpus(tmp_path: Path) -> None:
     """The bf16 and fp32 scenarios on 2 GPUs with NCCL (CUTLASS kernels where they apply)."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        pytest.skip(f"needs 2 CUDA devices for an NCCL process group, found {count}")
     chosen = [s for s in TWO_RANKS if s["name"].endswith(("bf16", "accumulate_mean", "overwrite"))]
-    run = Run(ref.launch(tmp_path, 2, chosen, backend="nccl", device="cuda", timeout_s=300))
+    run = Run(launch(WORKER, chosen, world_size=2, workdir=tmp_path, device="cuda", timeout_s=300))
     for cfg in chosen:
         name = cfg["name"]
         reference = run.reference(name)

@@ -8,12 +8,16 @@ import pytest
 import torch
 
 from groupgrad.modules import GroupedLinear
-from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad.protocol.testing import FakeDistributedWeight
+from groupgrad_testsupport import (
+    assert_compiled_matches_eager,
+    assert_within_scale,
+    attach_main_grads,
+    cuda_peak_growth,
+    distribute_fake,
+)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 E, K, N = 8, 128, 64
 SPLITS = [[0, 17, 33, 1, 0, 64, 9, 4], [12, 0, 0, 40, 31, 5, 8, 32], [16] * 8]
@@ -32,10 +36,7 @@ def _reference(x, dy, weights, splits, fwd_scale, bwd_scale):
 
 
 def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert not actual.isnan().any(), f"{what} has NaN"
-    scale = expected.abs().max().item() + 1e-6
-    err = (actual.double() - expected).abs().max().item()
-    assert err <= 2e-2 * scale + 1e-3, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
+    assert_within_scale(actual, expected, rel=2e-2, atol=1e-3, what=what)
 
 
 @pytest.mark.parametrize(
@@ -67,26 +68,10 @@ def test_grouped_linear_on_cuda(
         accumulate_into_main_grad=main_grad != "none",
         delay_wgrad_compute=delay,
     )
-    names = module.weight_names
     if kind == "distributed":
-        group = make_fake_group(
-            [getattr(module, n) for n in names],
-            main_grad_dtype=None if main_grad == "none" else torch.float32,
-        )
-        group[0].finalize_returns = "grads" if main_grad == "none" else "dummy"  # type: ignore[union-attr]
-        for name, param in zip(names, group, strict=True):
-            setattr(module, name, param)
-    params = [getattr(module, n) for n in names]
-    for p in params:
-        if main_grad != "none":
-            p.main_grad = (
-                torch.full(p.shape, float("nan"), device="cuda")
-                if main_grad == "overwrite"
-                else torch.randn(p.shape, device="cuda")
-            )
-            p.overwrite_main_grad = main_grad == "overwrite"
-            p.grad_added_to_main_grad = False
-            p.zero_out_wgrad = zero_out
+        distribute_fake(module, main_grad)
+    params = [getattr(module, n) for n in module.weight_names]
+    attach_main_grads(params, main_grad, zero_out=zero_out)
     initial = [p.main_grad.clone() for p in params] if main_grad == "accumulate" else None
     fwd, bwd = (2.0, 4.0) if kind == "distributed" else (1.0, 1.0)
     expert_weights = list(params[0].unbind(0)) if single else params
@@ -168,12 +153,7 @@ def test_main_grad_backward_allocates_nothing_weight_sized_on_cuda(single, overw
     module(x, splits).backward(dy)  # warm-up: workspace, cached dummy
     x.grad = None
     y = module(x, splits)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    grown = torch.cuda.max_memory_allocated() - before
+    grown = cuda_peak_growth(lambda: y.backward(dy))
     one_weight = 1024 * 1024 * 2
     assert grown < one_weight, f"backward allocated {grown} bytes (one bf16 weight: {one_weight})"
 
@@ -224,24 +204,13 @@ def test_torch_compile_on_cuda_matches_eager(bias: bool) -> None:
     def step(inp: torch.Tensor) -> torch.Tensor:
         return (module(inp, splits).float() * dy.float()).sum()
 
-    torch._dynamo.reset()
-    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-    loss.backward()
-    got = [loss.detach(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
-    x.grad = None
-    module.zero_grad()
-    loss = step(x)
-    loss.backward()
-    want = [loss.detach(), x.grad, *(p.grad for p in module.parameters())]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
-    # the compiled gradients against the independent fp64 oracle, not only against eager
+    assert_compiled_matches_eager(step, [x], module)
+    # the (equal) gradients against the independent fp64 oracle, not only compiled vs eager
     weights = [getattr(module, f"weight{e}") for e in range(E)]
     _, dx64, dw64 = _reference(x.detach(), dy, weights, splits, 1.0, 1.0)
-    compiled = dict(zip([n for n, _ in module.named_parameters()], got[2:], strict=True))
-    _assert_bf16_close(got[1], dx64, "compiled dx")
+    _assert_bf16_close(x.grad, dx64, "dx")
     for e in range(E):
-        _assert_bf16_close(compiled[f"weight{e}"], dw64[e], f"compiled wgrad {e}")
+        _assert_bf16_close(weights[e].grad, dw64[e], f"wgrad {e}")
         if bias:
             db64 = dy.double().split(splits)[e].sum(0)
-            _assert_bf16_close(compiled[f"bias{e}"], db64, f"compiled bias grad {e}")
+            _assert_bf16_close(getattr(module, f"bias{e}").grad, db64, f"bias grad {e}")

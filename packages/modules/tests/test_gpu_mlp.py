@@ -15,12 +15,16 @@ import torch
 from torch.nn import functional as F
 
 from groupgrad.modules import GroupedMLP
-from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad.protocol.testing import FakeDistributedWeight
+from groupgrad_testsupport import (
+    assert_compiled_matches_eager,
+    assert_within_scale,
+    attach_main_grads,
+    cuda_peak_growth,
+    distribute_fake,
+)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 E, H, FFN = 8, 128, 96
 SPLITS = [[0, 17, 33, 1, 0, 64, 9, 4], [12, 0, 0, 40, 31, 5, 8, 32], [16] * 8]
@@ -63,10 +67,7 @@ def _reference(module, x, probs, dy, splits, fwd=1.0, bwd=1.0):
 
 
 def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert not actual.isnan().any(), f"{what} has NaN"
-    scale = expected.abs().max().item() + 1e-6
-    err = (actual.double() - expected).abs().max().item()
-    assert err <= 2e-2 * scale + 1e-3, f"{what}: max error {err:.3e} vs scale {scale:.3e}"
+    assert_within_scale(actual, expected, rel=2e-2, atol=1e-3, what=what)
 
 
 @pytest.mark.parametrize(
@@ -94,25 +95,10 @@ def test_grouped_mlp_on_cuda(single, kind, main_grad, delay, device_splits) -> N
         delay_wgrad_compute=delay,
     )
     if kind == "distributed":
-        for layer in ("fc1", "fc2"):
-            linear = getattr(module, layer)
-            group = make_fake_group(
-                _weights(module, layer),
-                main_grad_dtype=None if main_grad == "none" else torch.float32,
-            )
-            group[0].finalize_returns = "grads" if main_grad == "none" else "dummy"  # type: ignore[union-attr]
-            for name, param in zip(linear.weight_names, group, strict=True):
-                setattr(linear, name, param)
+        distribute_fake(module.fc1, main_grad)
+        distribute_fake(module.fc2, main_grad)
     params = _weights(module, "fc1") + _weights(module, "fc2")
-    for p in params:
-        if main_grad != "none":
-            p.main_grad = (
-                torch.full(p.shape, float("nan"), device="cuda")
-                if main_grad == "overwrite"
-                else torch.randn(p.shape, device="cuda")
-            )
-            p.overwrite_main_grad = main_grad == "overwrite"
-            p.grad_added_to_main_grad = False
+    attach_main_grads(params, main_grad)
     initial = [p.main_grad.clone() for p in params] if main_grad == "accumulate" else None
     fwd, bwd = (2.0, 4.0) if kind == "distributed" else (1.0, 1.0)
     layer_sizes = {"dw1": (2 * FFN, H), "dw2": (H, FFN)}
@@ -203,12 +189,8 @@ def test_forward_keeps_exactly_h_beside_its_output_and_inputs() -> None:
     del y
 
 
-@pytest.mark.parametrize("single", [False, True])
-@pytest.mark.parametrize("overwrite", [False, True])
-def test_main_grad_backward_allocates_nothing_weight_sized_on_cuda(single, overwrite) -> None:
-    hidden, ffn = 2048, 2048
-    module = _main_grad_mlp(hidden, ffn, overwrite, single)
-    splits = [32] * E  # activations (256 rows) are far smaller than one expert's weight
+def _backward_peak_growth(module: GroupedMLP, hidden: int, splits: list[int]) -> int:
+    """Bytes one backward's peak adds over what forward left, after a warm-up step."""
     tokens = sum(splits)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(tokens, device="cuda", requires_grad=True)
@@ -216,12 +198,16 @@ def test_main_grad_backward_allocates_nothing_weight_sized_on_cuda(single, overw
     module(x, splits, probs).backward(dy)  # warm-up: workspace, cached dummies, Triton compile
     x.grad = probs.grad = None
     y = module(x, splits, probs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    grown = torch.cuda.max_memory_allocated() - before
+    return cuda_peak_growth(lambda: y.backward(dy))
+
+
+@pytest.mark.parametrize("single", [False, True])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_main_grad_backward_allocates_nothing_weight_sized_on_cuda(single, overwrite) -> None:
+    hidden, ffn = 2048, 2048
+    module = _main_grad_mlp(hidden, ffn, overwrite, single)
+    splits = [32] * E  # activations (256 rows) are far smaller than one expert's weight
+    grown = _backward_peak_growth(module, hidden, splits)
     one_weight = hidden * ffn * 2
     assert grown < one_weight, (
         f"backward allocated {grown} bytes (one bf16 expert weight: {one_weight})"
@@ -235,18 +221,7 @@ def test_backward_peak_is_bounded_by_its_activation_gradients() -> None:
     hidden, ffn, tokens = 1024, 2048, 8192
     module = _main_grad_mlp(hidden, ffn, overwrite=False)
     splits = [tokens // E] * E
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    probs = torch.rand(tokens, device="cuda", requires_grad=True)
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    module(x, splits, probs).backward(dy)  # warm-up
-    x.grad = probs.grad = None
-    y = module(x, splits, probs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    grown = torch.cuda.max_memory_allocated() - before
+    grown = _backward_peak_growth(module, hidden, splits)
     bound = tokens * (ffn + 2 * ffn + ffn + hidden) * 2 + tokens * 4 + (1 << 20)
     assert grown <= bound, f"backward grew by {grown} bytes; its activation gradients need {bound}"
 
@@ -267,29 +242,16 @@ def test_torch_compile_on_cuda_matches_eager() -> None:
     def step(inp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return (module(inp, splits, p).float() * dy.float()).sum()
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    loss = compiled(x, probs)
-    loss.backward()
-    params = [p for _, p in module.named_parameters()]
-    got = [loss.detach(), x.grad.clone(), probs.grad.clone(), *(p.grad.clone() for p in params)]
-    x.grad = probs.grad = None
-    module.zero_grad()
-    loss = step(x, probs)
-    loss.backward()
-    want = [loss.detach(), x.grad, probs.grad, *(p.grad for p in params)]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
-    # the compiled gradients against the independent fp64 oracle, not only against eager
+    assert_compiled_matches_eager(step, [x, probs], module)
+    # the (equal) gradients against the independent fp64 oracle, not only compiled vs eager
     ref = _reference(module, x.detach(), probs, dy, splits)
-    compiled = dict(zip([n for n, _ in module.named_parameters()], got[3:], strict=True))
-    _assert_bf16_close(got[1], ref["dx"], "compiled dx")
-    _assert_bf16_close(got[2], ref["dp"], "compiled dprobs")
+    _assert_bf16_close(x.grad, ref["dx"], "dx")
+    _assert_bf16_close(probs.grad, ref["dp"], "dprobs")
     for e in range(E):
-        _assert_bf16_close(compiled[f"fc1.weight{e}"], ref["dw1"][e], f"compiled fc1 wgrad {e}")
-        _assert_bf16_close(compiled[f"fc2.weight{e}"], ref["dw2"][e], f"compiled fc2 wgrad {e}")
+        _assert_bf16_close(getattr(module.fc1, f"weight{e}").grad, ref["dw1"][e], f"fc1 wgrad {e}")
+        _assert_bf16_close(getattr(module.fc2, f"weight{e}").grad, ref["dw2"][e], f"fc2 wgrad {e}")
         db2 = dy.double().split(splits)[e].sum(0)
-        _assert_bf16_close(compiled[f"fc2.bias{e}"], db2, f"compiled fc2 bias grad {e}")
+        _assert_bf16_close(getattr(module.fc2, f"bias{e}").grad, db2, f"fc2 bias grad {e}")
 
 
 def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None:

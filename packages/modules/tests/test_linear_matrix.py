@@ -9,55 +9,20 @@ sees which weights each GEMM used.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear
-from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad.protocol.testing import FakeDistributedWeight
+from groupgrad_testsupport import Case, attach_main_grads, distribute_fake, write_into_dummies
 
 E, K, N = 4, 16, 8
 MICRO_BATCHES = 3
 SPLITS = [[5, 0, 7, 3], [0, 4, 4, 9], [6, 2, 0, 0]]
 
 
-@dataclass(frozen=True)
-class Case:
-    layout: str  # "per_expert" | "single"
-    kind: str  # "plain" | "distributed"
-    main_grad: str  # "none" | "accumulate" | "overwrite"
-    delay: bool
-    zero_out: bool
-    bias: bool
-
-    @property
-    def id(self) -> str:
-        return "-".join(
-            [
-                self.layout,
-                self.kind,
-                self.main_grad,
-                "delay" if self.delay else "now",
-                "zero_out" if self.zero_out else "keep",
-                "bias" if self.bias else "nobias",
-            ]
-        )
-
-
-CASES = [
-    Case(*combo)
-    for combo in itertools.product(
-        ["per_expert", "single"],
-        ["plain", "distributed"],
-        ["none", "accumulate", "overwrite"],
-        [False, True],
-        [False, True],
-        [False, True],
-    )
-]
+CASES = Case.all()
 
 
 def _build(case: Case, seed: int) -> tuple[GroupedLinear, list[torch.Tensor]]:
@@ -72,29 +37,11 @@ def _build(case: Case, seed: int) -> tuple[GroupedLinear, list[torch.Tensor]]:
         delay_wgrad_compute=case.delay,
         dtype=torch.float32,
     )
-    names = module.weight_names
     if case.kind == "distributed":
-        group = make_fake_group(
-            [getattr(module, n) for n in names],
-            main_grad_dtype=None if case.main_grad == "none" else torch.float32,
-        )
-        leader = group[0]
-        assert isinstance(leader, FakeDistributedWeight)
-        leader.finalize_returns = "grads" if case.main_grad == "none" else "dummy"
-        for name, param in zip(names, group, strict=True):
-            setattr(module, name, param)
-    weights = [getattr(module, n) for n in names]
-    if case.main_grad != "none":
-        gen = torch.Generator().manual_seed(seed + 1)
-        for w in weights:
-            if case.main_grad == "overwrite":
-                w.main_grad = torch.full(w.shape, float("nan"))
-            else:
-                w.main_grad = torch.randn(w.shape, generator=gen)
-            w.overwrite_main_grad = case.main_grad == "overwrite"
-            w.grad_added_to_main_grad = False
-            if case.zero_out:
-                w.zero_out_wgrad = True
+        distribute_fake(module, case.main_grad)
+    weights = [getattr(module, n) for n in module.weight_names]
+    generator = torch.Generator().manual_seed(seed + 1)
+    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
 
 
@@ -122,19 +69,6 @@ def _reference(
     dw = [torch.stack(dws)] if case.layout == "single" else dws
     db = [torch.stack(dbs)] if case.layout == "single" else dbs
     return {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw": dw, "db": db}  # type: ignore[dict-item]
-
-
-def write_into_dummies(weights: list[torch.Tensor], zero_out: bool) -> None:
-    """Write into the shared dummy behind each ``.grad``, as hooks and frameworks do.
-
-    With ``zero_out_wgrad`` the write bypasses the version counter (a fused
-    kernel writing the storage), so only the ``zero_out_wgrad`` rule can catch
-    it; without, it is an ordinary in-place add, which the version guard sees.
-    The next step's dummies must be zero again either way.
-    """
-    for w in weights:
-        target = w.grad.data if zero_out else w.grad
-        target.add_(1.0)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -197,7 +131,7 @@ def test_grouped_linear_matrix(case: Case) -> None:
             for index, dw in enumerate(ref["dw"]):
                 _close(received[index], dw, f"wgrad handed to finalize, member {index}")
         elif case.main_grad != "none":
-            write_into_dummies(weights, case.zero_out)
+            write_into_dummies(weights, versioned=not case.zero_out)
         x.grad = None
 
     if case.kind == "distributed":

@@ -15,74 +15,26 @@ Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.nn import functional as F
 
 from groupgrad.modules import GroupedMLP
-from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad.protocol.testing import FakeDistributedWeight
+from groupgrad_testsupport import Case, attach_main_grads, distribute_fake, write_into_dummies
 
 E, H, FFN = 4, 16, 8
 SPLITS = [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]]
 WITH_PROBS = [True, False, True]
 
 
-@dataclass(frozen=True)
-class Case:
-    layout: str  # "per_expert" | "single"
-    kind: str  # "plain" | "distributed"
-    main_grad: str  # "none" | "accumulate" | "overwrite"
-    delay: bool
-    zero_out: bool
-    bias: bool
-
-    @property
-    def id(self) -> str:
-        return "-".join(
-            [
-                self.layout,
-                self.kind,
-                self.main_grad,
-                "delay" if self.delay else "now",
-                "zero_out" if self.zero_out else "keep",
-                "bias" if self.bias else "nobias",
-            ]
-        )
-
-
-CASES = [
-    Case(layout, kind, main_grad, delay, zero_out, bias)
-    for layout, kind, main_grad, delay, zero_out, bias in itertools.product(
-        ["per_expert", "single"],
-        ["plain", "distributed"],
-        ["none", "accumulate", "overwrite"],
-        [False, True],
-        [False, True],
-        [False, True],
-    )
-    if not (zero_out and main_grad == "none")  # zero_out_wgrad concerns the main_grad dummy only
-]
+# zero_out_wgrad concerns the main_grad dummy only
+CASES = [c for c in Case.all() if not (c.zero_out and c.main_grad == "none")]
 
 
 def _layer_weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
     linear = getattr(module, layer)
     return [getattr(linear, n) for n in linear.weight_names]
-
-
-def _distribute(module: GroupedMLP, layer: str, main_grad: str) -> None:
-    linear = getattr(module, layer)
-    group = make_fake_group(
-        _layer_weights(module, layer),
-        main_grad_dtype=None if main_grad == "none" else torch.float32,
-    )
-    leader = group[0]
-    assert isinstance(leader, FakeDistributedWeight)
-    leader.finalize_returns = "grads" if main_grad == "none" else "dummy"
-    for name, param in zip(linear.weight_names, group, strict=True):
-        setattr(linear, name, param)
 
 
 def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
@@ -98,20 +50,11 @@ def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
         dtype=torch.float32,
     )
     if case.kind == "distributed":
-        _distribute(module, "fc1", case.main_grad)
-        _distribute(module, "fc2", case.main_grad)
+        distribute_fake(module.fc1, case.main_grad)
+        distribute_fake(module.fc2, case.main_grad)
     weights = _layer_weights(module, "fc1") + _layer_weights(module, "fc2")
-    if case.main_grad != "none":
-        gen = torch.Generator().manual_seed(seed + 1)
-        for w in weights:
-            if case.main_grad == "overwrite":
-                w.main_grad = torch.full(w.shape, float("nan"))
-            else:
-                w.main_grad = torch.randn(w.shape, generator=gen)
-            w.overwrite_main_grad = case.main_grad == "overwrite"
-            w.grad_added_to_main_grad = False
-            if case.zero_out:
-                w.zero_out_wgrad = True
+    generator = torch.Generator().manual_seed(seed + 1)
+    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
 
 
@@ -164,13 +107,6 @@ def _reference(
     for k in ("dw1", "dw2", "db1", "db2"):
         result[k] = [torch.stack(out[k])] if case.layout == "single" else out[k]
     return result
-
-
-def write_into_dummies(weights: list[torch.Tensor], zero_out: bool) -> None:
-    """Write into the shared dummy behind each ``.grad`` (see the linear matrix's twin)."""
-    for w in weights:
-        target = w.grad.data if zero_out else w.grad
-        target.add_(1.0)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -246,7 +182,7 @@ def test_grouped_mlp_matrix(case: Case) -> None:
                 for index, dw in enumerate(ref[key]):
                     _close(received[index], dw, f"{layer} wgrad handed to finalize, member {index}")
         elif case.main_grad != "none":
-            write_into_dummies(weights, case.zero_out)
+            write_into_dummies(weights, versioned=not case.zero_out)
 
     if case.kind == "distributed":
         for layer in ("fc1", "fc2"):

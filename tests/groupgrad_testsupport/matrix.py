@@ -1,0 +1,161 @@
+"""The module matrix: one :class:`Case` per combination of the options DESIGN.md names.
+
+``GroupedLinear`` and ``GroupedMLP`` are each tested over
+{per-expert, single grouped weight} × {plain, distributed} × {no main_grad,
+accumulate, overwrite} × {delay, no delay} × {zero_out_wgrad} × {bias}::
+
+    CASES = [c for c in Case.all() if not (c.zero_out and c.main_grad == "none")]
+
+    @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+    def test_matches_reference(case: Case) -> None: ...
+
+:func:`distribute_fake` and :func:`attach_main_grads` set a module up for a
+case's ``kind`` and ``main_grad``; :func:`write_into_dummies` dirties the
+shared zero dummy as a hook would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor, nn
+
+Layout = Literal["per_expert", "single"]
+Kind = Literal["plain", "distributed"]
+MainGrad = Literal["none", "accumulate", "overwrite"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One combination of module options.
+
+    Attributes:
+        layout: ``"per_expert"``: one parameter per expert (``weight0`` ..);
+            ``"single"``: one packed ``(E, N, K)`` parameter
+            (``single_grouped_weight=True``).
+        kind: ``"plain"``: ordinary parameters; ``"distributed"``: the
+            weights are a ``DistributedWeight`` group (the protocol's fakes
+            in the single-process tests).
+        main_grad: ``"none"``: wgrads go to ``.grad``
+            (``accumulate_into_main_grad=False``); ``"accumulate"``: added into
+            a ``main_grad`` that holds earlier values; ``"overwrite"``: copied
+            into a ``main_grad`` (``overwrite_main_grad=True``) poisoned with NaN.
+        delay: ``delay_wgrad_compute=True``: wgrads run at ``backward_dw()``.
+        zero_out: ``zero_out_wgrad=True``: the zero dummy autograd receives is
+            re-zeroed before each hand-out (meaningful with a ``main_grad``).
+        bias: The module has biases.
+    """
+
+    layout: Layout
+    kind: Kind
+    main_grad: MainGrad
+    delay: bool
+    zero_out: bool
+    bias: bool
+
+    @property
+    def id(self) -> str:
+        """A pytest id such as ``per_expert-plain-accumulate-delay-keep-bias``."""
+        return "-".join(
+            [
+                self.layout,
+                self.kind,
+                self.main_grad,
+                "delay" if self.delay else "now",
+                "zero_out" if self.zero_out else "keep",
+                "bias" if self.bias else "nobias",
+            ]
+        )
+
+    @classmethod
+    def all(cls) -> list[Case]:
+        """Every combination, in the order of the fields (layout varies slowest)."""
+        return [
+            cls(*combo)
+            for combo in itertools.product(
+                get_args(Layout),
+                get_args(Kind),
+                get_args(MainGrad),
+                (False, True),
+                (False, True),
+                (False, True),
+            )
+        ]
+
+
+def distribute_fake(owner: nn.Module, main_grad: MainGrad) -> list[Tensor]:
+    """Replace ``owner``'s weights (``owner.weight_names``) with one fake ``DistributedWeight`` group.
+
+    The group comes from ``groupgrad.protocol.testing.make_fake_group``: its
+    leader's forward materialization scales the weights by 2 and its backward
+    one by 4 (so a test sees which weights each GEMM used), and its finalize
+    hands autograd the wgrads (``main_grad="none"``) or zero dummies (with an
+    fp32 ``main_grad``).
+
+    Returns:
+        The group's members, leader first (now ``owner``'s weights).
+    """
+    from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+
+    names: list[str] = list(owner.weight_names)  # type: ignore[arg-type]
+    group = make_fake_group(
+        [getattr(owner, name) for name in names],
+        main_grad_dtype=None if main_grad == "none" else torch.float32,
+    )
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight)
+    leader.finalize_returns = "grads" if main_grad == "none" else "dummy"
+    for name, param in zip(names, group, strict=True):
+        setattr(owner, name, param)
+    return group
+
+
+def attach_main_grads(
+    params: Sequence[Tensor],
+    main_grad: MainGrad,
+    *,
+    zero_out: bool = False,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Give each parameter the ``main_grad`` and flags ``main_grad`` (a :class:`Case` field) asks for.
+
+    ``"none"``: nothing. ``"accumulate"``: an fp32 ``main_grad`` of random
+    values (from ``generator``, drawn on the CPU, or from the global RNG on
+    the parameter's device when ``None``) that the wgrad is added to.
+    ``"overwrite"``: an fp32 ``main_grad`` of NaN with ``overwrite_main_grad``
+    set, so an element left unwritten shows. Both clear
+    ``grad_added_to_main_grad`` and set ``zero_out_wgrad`` where ``zero_out``.
+    """
+    if main_grad == "none":
+        return
+    for param in params:
+        if main_grad == "overwrite":
+            buffer = torch.full(param.shape, float("nan"), device=param.device)
+        elif generator is not None:
+            buffer = torch.randn(param.shape, generator=generator).to(param.device)
+        else:
+            buffer = torch.randn(param.shape, device=param.device)
+        param.main_grad = buffer  # type: ignore[attr-defined]
+        param.overwrite_main_grad = main_grad == "overwrite"  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        if zero_out:
+            param.zero_out_wgrad = True  # type: ignore[attr-defined]
+
+
+def write_into_dummies(weights: Sequence[Tensor], *, versioned: bool) -> None:
+    """Write into the shared zero dummy behind each ``.grad``, as hooks and frameworks do.
+
+    ``versioned``: an ordinary in-place add, which moves the buffer's version
+    counter (the protocol's version guard must re-zero it). Else the write
+    goes through ``.data``, which the version counter cannot see (a fused
+    kernel writing the storage): only ``zero_out_wgrad`` re-zeroes it. The
+    next hand-out must be all zeros either way.
+    """
+    for weight in weights:
+        grad = weight.grad
+        assert grad is not None, "no dummy to write into"
+        (grad if versioned else grad.data).add_(1.0)

@@ -175,6 +175,7 @@ def main() -> None:
         print(f"\nloss went from {first:.4f} to {value:.4f} in {args.steps} steps")
 
     compare_gradients(model, args, device)
+    dist.barrier()  # no rank tears its connections down while a peer still talks to it
     dist.destroy_process_group()
 
 

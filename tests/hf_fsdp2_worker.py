@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from groupgrad_testsupport import Rank, load_sibling, run_worker
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
 from groupgrad.integrations.fsdp2 import fully_shard
+from groupgrad_testsupport import Rank, load_sibling, run_worker
 
 VOCAB = 64
 

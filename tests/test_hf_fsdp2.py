@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from groupgrad_testsupport import Launches, load_sibling
 
 worker = load_sibling(__file__, "hf_fsdp2_worker")

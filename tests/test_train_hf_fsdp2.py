@@ -1,5 +1,8 @@
 """``examples/train_hf_fsdp2.py`` through its documented launch command: ``torchrun``, 2 gloo processes.
 
+``--standalone`` lets the rendezvous pick its own free port (no race with
+other runs on the machine).
+
 A few steps of a smaller model: the loss falls, and the fp32-vs-bf16 wgrad
 difference of the reduced expert gradients is printed: about bf16's rounding
 (``2**-9`` relative), neither zero (the routes would be the same) nor large.
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +19,9 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_hf_fsdp2.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_example_trains_and_reports_the_gradient_difference() -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(EXAMPLE),
         "--steps", "6", "--print-every", "3", "--layers", "1", "--batch", "4", "--seq", "16",
     ]  # fmt: skip

@@ -22,13 +22,13 @@ import reduce_scatter
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from groupgrad_testsupport import Rank, run_worker
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
+from groupgrad_testsupport import Rank, run_worker
 
 
 def _full(t: Tensor) -> Tensor:

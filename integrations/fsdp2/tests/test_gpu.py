@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from groupgrad_testsupport import Launches, load_sibling
 
 moe_model = load_sibling(__file__, "moe_model")

@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.fsdp:
         result = bench_fsdp2(shape, device, args)
+        dist.barrier()
         dist.destroy_process_group()
         if result is None:
             return 0
@@ -524,4 +525,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip interpreter teardown: with --fsdp on gloo, a gloo thread that PyTorch keeps alive
+    # past destroy_process_group() (torch.distributed.nn holds group.WORLD) can abort there.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

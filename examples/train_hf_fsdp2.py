@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -179,5 +180,21 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def exit_without_teardown() -> None:
+    """Leave the process without Python's interpreter teardown (every rank is done by now).
+
+    ``destroy_process_group()`` joins gloo's threads only when nothing else
+    references the group, and PyTorch itself may: ``torch.distributed.nn``,
+    imported lazily through ``torch._dynamo`` (which transformers pulls in),
+    keeps ``group.WORLD`` in default arguments. A gloo thread still alive
+    during interpreter finalization can then abort the process (SIGABRT)
+    after all the work was done. ``os._exit`` ends it before finalization.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from groupgrad_testsupport import assert_as_close_as_torch, assert_close
+
 BASE: dict[str, Any] = {
     "seed": 0,
     "module": "mlp",
@@ -138,16 +140,10 @@ def four_rank(shape: Mapping[str, Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ checks
 
 
-def _err(actual: Tensor, expected: Tensor) -> Tensor:
-    return (actual.double() - expected.double()).abs()
-
-
 def close(actual: Tensor, expected: Tensor, what: str, rel: float = 1e-5) -> None:
-    """Max abs error at most ``rel`` × max abs of ``expected`` (NaN fails)."""
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-    limit = rel * expected.double().abs().max()
-    err = _err(actual, expected).max()
-    assert err <= limit, f"{what}: max error {float(err):.3e} > {float(limit):.3e}"
+    """Every element within ``rel`` × the largest ``|expected|`` (NaN fails)."""
+    limit = rel * float(expected.double().abs().max())
+    assert_close(actual, expected, rtol=0.0, atol=limit, what=what)
 
 
 def bf16_rule(triples: Sequence[tuple[Tensor, Tensor, Tensor]], what: str) -> tuple[float, float]:
@@ -162,20 +158,20 @@ def bf16_rule(triples: Sequence[tuple[Tensor, Tensor, Tensor]], what: str) -> tu
     Returns:
         ``(ours / PyTorch's)`` for the max and the mean.
     """
-    ours, theirs = [], []
+    ours, theirs, exact = [], [], []
     for actual, torch_bf16, fp64 in triples:
         assert actual.shape == fp64.shape, (what, actual.shape, fp64.shape)
         scale = fp64.double().abs().max().clamp_min(1e-30)
-        ours.append(((actual.double() - fp64.double()).abs() / scale).flatten())
-        theirs.append(((torch_bf16.double() - fp64.double()).abs() / scale).flatten())
-    mine, yours = torch.cat(ours), torch.cat(theirs)
-    assert mine.max() <= 2 * yours.max() + 2**-8, (
-        f"{what}: max error {float(mine.max()):.3e} > 2 × {float(yours.max()):.3e} + 2^-8"
+        ours.append((actual.double() / scale).flatten())
+        theirs.append((torch_bf16.double() / scale).flatten())
+        exact.append((fp64.double() / scale).flatten())
+    mine, yours, oracle = torch.cat(ours), torch.cat(theirs), torch.cat(exact)
+    assert_as_close_as_torch(mine, oracle, yours, atol=2**-8, what=f"{what} (normalised)")
+    mine_err, your_err = (mine - oracle).abs(), (yours - oracle).abs()
+    assert mine_err.mean() <= 2 * your_err.mean(), (
+        f"{what}: mean error {float(mine_err.mean()):.3e} > 2 × {float(your_err.mean()):.3e}"
     )
-    assert mine.mean() <= 2 * yours.mean(), (
-        f"{what}: mean error {float(mine.mean()):.3e} > 2 × {float(yours.mean()):.3e}"
-    )
-    return float(mine.max() / yours.max()), float(mine.mean() / yours.mean())
+    return float(mine_err.max() / your_err.max()), float(mine_err.mean() / your_err.mean())
 
 
 def check_training(

@@ -55,6 +55,8 @@ _MODULE = "generated/torch.nn.Module.html#torch.nn.Module"
 _PARAMETER = "generated/torch.nn.parameter.Parameter.html#torch.nn.parameter.Parameter"
 _OPTIMIZER = "optim.html#torch.optim.Optimizer"
 _PROCESS_GROUP = "distributed.html#torch.distributed.ProcessGroup"
+_FULLY_SHARD = "distributed.fsdp.fully_shard.html#torch.distributed.fsdp.fully_shard"
+_FSDP_MODULE = "distributed.fsdp.fully_shard.html#torch.distributed.fsdp.FSDPModule"
 TORCH_ENTRIES = [
     ("py:class", "torch.Tensor", "tensors.html#torch.Tensor"),
     ("py:class", "torch.dtype", "tensor_attributes.html#torch.dtype"),
@@ -77,6 +79,8 @@ TORCH_ENTRIES = [
     ("py:class", "torch.distributed.ProcessGroup", _PROCESS_GROUP),
     ("py:class", "torch.distributed.distributed_c10d.ProcessGroup", _PROCESS_GROUP),
     ("py:module", "torch.distributed", "distributed.html#module-torch.distributed"),
+    ("py:function", "torch.distributed.fsdp.fully_shard", _FULLY_SHARD),
+    ("py:class", "torch.distributed.fsdp.FSDPModule", _FSDP_MODULE),
 ]
 
 

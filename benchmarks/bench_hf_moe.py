@@ -1,0 +1,533 @@
+"""Benchmark a Hugging Face Qwen3-MoE layer's experts: groupgrad vs transformers' grouped_mm and eager.
+
+One MoE layer of Qwen3-30B-A3B's size (E = 128 experts, hidden H = 2048,
+expert width F = 768, top-8, T = 16384 tokens: S = T·8 = 131072 routed rows),
+bf16 weights, forward + backward of the experts module of a real
+``Qwen3MoeForCausalLM`` (one layer, small vocabulary), switched with
+``model.set_experts_implementation(name)`` between:
+
+* ``groupgrad`` (this repository, ``groupgrad.integrations.transformers``);
+* ``grouped_mm``: transformers' own ``torch.nn.functional.grouped_mm`` path
+  (its default on GPUs);
+* ``eager``: transformers' per-expert loop.
+
+Each runs with the model's default bf16 ``.grad`` and again with
+``grad_dtype = torch.float32`` on the expert weights (groupgrad writes the
+fp32 wgrad from the GEMM epilogue; the others compute it in bf16 and
+autograd upcasts it). Reported: median ms of forward+backward (CUDA events,
+warm-up, interleaved rounds, two rotated input sets), TFLOP/s
+(``18·S·H·F`` FLOPs), peak memory of one step, ratios against groupgrad
+measured in the same run, and groupgrad's error against grouped_mm.
+
+Routing (fixed seed 0, the same for every implementation): expert popularity
+``p = softmax(z)``, ``z ~ N(0, 1)`` per expert (log-normal shares); each
+token's logits are ``log p + Gumbel noise``, its top-8 are its experts (8
+distinct experts drawn without replacement ∝ ``p``), and its router weights
+are the softmax of those 8 logits (``norm_topk_prob``). The JSON records the
+resulting tokens per expert (min / median / max, coefficient of variation).
+
+FSDP2 variant (``torchrun --nproc-per-node 2 benchmarks/bench_hf_moe.py
+--fsdp``): one Qwen3-30B-A3B-sized decoder layer (attention + MoE, T tokens
+per rank as 8 sequences) sharded per layer and at the root, fp32 master
+weights, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=…)``;
+forward + backward step time (median, synchronized wall clock, which
+includes the reduce-scatter) and bytes reduce-scattered per step for:
+groupgrad experts under ``groupgrad.integrations.fsdp2.fully_shard``
+(fp32 wgrads → fp32 reduce-scatter), the same experts under plain
+``fully_shard`` (bf16 wgrads upcast → fp32 reduce-scatter; bf16 → bf16
+reduce-scatter), and transformers' grouped_mm experts under plain
+``fully_shard`` (fp32 reduce-scatter).
+
+``--out DIR`` writes ``hf_moe_<gpu>.json`` / ``.png`` (``hf_moe_fsdp2_<gpu>.*``
+with ``--fsdp``). ``--smoke`` runs a tiny size on any device (CPU timings are
+perf_counter and meaningless; it checks that the script works).
+
+Usage (H200; prebuild the CUTLASS kernels first with ``python -m
+groupgrad.kernels.build`` so no warm-up call compiles):
+``python benchmarks/bench_hf_moe.py --out benchmarks/results`` and
+``torchrun --nproc-per-node 2 benchmarks/bench_hf_moe.py --fsdp --out
+benchmarks/results``. Any fallback to groupgrad's reference path on a GPU is
+printed, recorded in the JSON and makes the exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_moe_report as report
+
+import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
+
+IMPLEMENTATIONS = ("groupgrad", "grouped_mm", "eager")
+
+
+class _Fallbacks(logging.Handler):
+    """Collects groupgrad's warnings (work that fell back to the reference path) during the run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+            print(f"!! FALLBACK: {message}", flush=True)
+
+
+GRAD_DTYPES = {"bf16_grad": None, "fp32_grad": torch.float32}
+N_SETS = 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer: ``E`` experts of width ``F``, hidden ``H``, top-``k``, ``T`` tokens."""
+
+    E: int
+    H: int
+    F: int
+    k: int
+    T: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs of the experts: three GEMMs of ``2·S·H·2F`` / ``2·S·F·H`` each way."""
+        return 18.0 * self.T * self.k * self.H * self.F
+
+
+QWEN3_30B_A3B = Shape(E=128, H=2048, F=768, k=8, T=16384, heads=32, kv_heads=4, head_dim=128)
+SMOKE = Shape(E=8, H=64, F=32, k=2, T=128, heads=4, kv_heads=2, head_dim=16)
+
+
+def qwen3_moe(shape: Shape, device: torch.device, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
+    """A one-layer Qwen3-MoE of ``shape`` (vocabulary 1024), random init, on ``device``."""
+    config = Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=shape.H,
+        intermediate_size=3 * shape.H,
+        moe_intermediate_size=shape.F,
+        num_hidden_layers=1,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_experts=shape.E,
+        num_experts_per_tok=shape.k,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        experts_implementation="eager",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config)
+    return model.to(dtype)
+
+
+def skewed_routing(shape: Shape, seed: int, device: torch.device) -> tuple[Tensor, Tensor, dict]:
+    """``(top_k_index, top_k_weights, stats)``: Gumbel-top-k over log-normal expert popularity."""
+    generator = torch.Generator().manual_seed(seed)
+    log_p = torch.log_softmax(torch.randn(shape.E, generator=generator), dim=0)
+    uniform = torch.rand(shape.T, shape.E, generator=generator).clamp_min(1e-12)
+    logits = log_p + (-torch.log(-torch.log(uniform)))
+    top_logits, index = logits.topk(shape.k, dim=-1)
+    weights = torch.softmax(top_logits, dim=-1)
+    counts = torch.bincount(index.flatten(), minlength=shape.E).double()
+    stats = {
+        "tokens_per_expert_min": int(counts.min()),
+        "tokens_per_expert_median": float(counts.median()),
+        "tokens_per_expert_max": int(counts.max()),
+        "tokens_per_expert_cv": float(counts.std() / counts.mean()),
+        "experts_without_tokens": int((counts == 0).sum()),
+    }
+    return index.to(device), weights.to(device), stats
+
+
+def clear_grads(module: nn.Module) -> None:
+    for param in module.parameters():
+        param.grad = None
+
+
+def set_grad_dtype(experts: nn.Module, dtype: torch.dtype | None) -> None:
+    """``grad_dtype`` of the expert weights: ``dtype``, or the weights' own (``None``)."""
+    for param in experts.parameters():
+        param.grad_dtype = dtype if dtype is not None else param.dtype
+
+
+def timed_rounds(
+    fns: dict[str, Callable[[int], object]],
+    prepare: Callable[[str], None],
+    device: torch.device,
+    rounds: int,
+    per_round: int,
+    warmup: int,
+) -> dict[str, float]:
+    """Median ms per function, interleaved rounds (each round starts at another function).
+
+    ``prepare(name)`` runs before each call, outside the timed region
+    (switching the implementation and ``grad_dtype``). CUDA events on a GPU,
+    ``perf_counter`` elsewhere.
+    """
+    names = list(fns)
+    for name in names:
+        prepare(name)
+        for i in range(warmup):
+            fns[name](i % N_SETS)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    samples: dict[str, list] = {name: [] for name in names}
+    call = 0
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            prepare(name)
+            for _ in range(per_round):
+                if cuda:
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    start.record()
+                    fns[name](call % N_SETS)
+                    end.record()
+                    samples[name].append((start, end))
+                else:
+                    begin = time.perf_counter()
+                    fns[name](call % N_SETS)
+                    samples[name].append((time.perf_counter() - begin) * 1e3)
+                call += 1
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return {n: statistics.median(s.elapsed_time(e) for s, e in samples[n]) for n in names}
+    return {n: statistics.median(samples[n]) for n in names}
+
+
+def peak_bytes(fn: Callable[[int], object], device: torch.device) -> int | None:
+    """Memory one call allocates beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    fn(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(1 % N_SETS)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def rel_err(ours: Tensor, ref: Tensor) -> float:
+    return float((ours.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def bench_experts(shape: Shape, device: torch.device, args: argparse.Namespace) -> dict:
+    """The single-device comparison: 3 implementations × 2 gradient dtypes."""
+    model = qwen3_moe(shape, device, torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(1)
+    hidden = [
+        (0.5 * torch.randn(shape.T, shape.H, generator=generator)).to(device, torch.bfloat16)
+        for _ in range(N_SETS)
+    ]
+    dys = [
+        torch.randn(shape.T, shape.H, generator=generator).to(device, torch.bfloat16)
+        for _ in range(N_SETS)
+    ]
+    routes = [skewed_routing(shape, seed, device) for seed in range(N_SETS)]
+
+    def step(i: int) -> Tensor:
+        x = hidden[i].detach().requires_grad_(True)
+        weights = routes[i][1].to(torch.bfloat16).requires_grad_(True)
+        out = experts(x, routes[i][0], weights)
+        out.backward(dys[i])
+        clear_grads(experts)
+        return out
+
+    variants = {f"{impl}/{grad}": step for impl in IMPLEMENTATIONS for grad in GRAD_DTYPES}
+    if args.skip_eager:
+        variants = {k: v for k, v in variants.items() if not k.startswith("eager")}
+
+    def prepare(name: str) -> None:
+        impl, grad = name.split("/")
+        model.set_experts_implementation(impl)
+        set_grad_dtype(experts, GRAD_DTYPES[grad])
+
+    times = timed_rounds(variants, prepare, device, args.rounds, args.per_round, args.warmup)
+    peaks = {}
+    for name, fn in variants.items():
+        prepare(name)
+        peaks[name] = peak_bytes(fn, device)
+    errors = cross_check(model, experts, hidden[0], routes[0], dys[0])
+    ratios = {
+        name: times[name] / times[f"groupgrad/{name.split('/')[1]}"]
+        for name in times
+        if not name.startswith("groupgrad")
+    }
+    return {
+        "shape": asdict(shape),
+        "routing": routes[0][2],
+        "times_ms": times,
+        "tflops": {name: shape.flops / (ms * 1e-3) / 1e12 for name, ms in times.items()},
+        "peak_bytes": peaks,
+        "ratio_vs_groupgrad": ratios,
+        "rel_err_groupgrad_vs_grouped_mm": errors,
+    }
+
+
+def cross_check(model: nn.Module, experts: nn.Module, x: Tensor, route: tuple, dy: Tensor) -> dict:
+    """groupgrad against grouped_mm on one input set: output and wgrads (fp32 grad_dtype)."""
+    results = {}
+    for impl in ("groupgrad", "grouped_mm"):
+        model.set_experts_implementation(impl)
+        set_grad_dtype(experts, torch.float32)
+        out = experts(x, route[0], route[1].to(torch.bfloat16))
+        out.backward(dy)
+        results[impl] = {"out": out.detach()} | {
+            f"d_{n}": p.grad.detach().clone() for n, p in experts.named_parameters()
+        }
+        clear_grads(experts)
+    set_grad_dtype(experts, None)
+    ours, theirs = results["groupgrad"], results["grouped_mm"]
+    return {key: rel_err(ours[key], theirs[key]) for key in ours}
+
+
+# ------------------------------------------------------------------ FSDP2
+
+
+class _RecordingReduceScatter:
+    """A reduce-scatter comm for ``FSDPModule.set_custom_reduce_scatter`` that counts bytes.
+
+    It wraps FSDP2's default comm (imported from PyTorch's private module,
+    present in 2.10 through 2.13) and records each input's dtype and bytes;
+    with ``probe`` set it also records the fraction of input elements that
+    are exactly bf16 values (a host sync: not in timed steps).
+    """
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        self.inner = DefaultReduceScatter()
+        self.bytes = 0
+        self.dtypes: set[str] = set()
+        self.probe = False
+        self.bf16_fractions: list[float] = []
+
+    def allocate(self, size, *, dtype, device):  # type: ignore[no-untyped-def]
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+        self.bytes += input_tensor.numel() * input_tensor.element_size()
+        self.dtypes.add(str(input_tensor.dtype))
+        if self.probe:
+            exact = input_tensor.to(torch.bfloat16).to(input_tensor.dtype) == input_tensor
+            self.bf16_fractions.append(float(exact.double().mean()))
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def bench_fsdp2(shape: Shape, device: torch.device, args: argparse.Namespace) -> dict | None:
+    """Step time and reduce-scatter bytes of one decoder layer under FSDP2 (run under torchrun)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as plain_fully_shard
+
+    from groupgrad.integrations.fsdp2 import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    variants = {
+        "groupgrad_fsdp2_fp32_wgrad/fp32_reduce": ("groupgrad", fully_shard, torch.float32),
+        "groupgrad_plain_fsdp2_bf16_wgrad/fp32_reduce": (
+            "groupgrad",
+            plain_fully_shard,
+            torch.float32,
+        ),
+        "groupgrad_plain_fsdp2_bf16_wgrad/bf16_reduce": (
+            "groupgrad",
+            plain_fully_shard,
+            torch.bfloat16,
+        ),
+        "grouped_mm_plain_fsdp2_bf16_wgrad/fp32_reduce": (
+            "grouped_mm",
+            plain_fully_shard,
+            torch.float32,
+        ),
+    }
+    seq = min(2048, shape.T)
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [
+        torch.randint(0, 1024, (shape.T // seq, seq), generator=generator).to(device)
+        for _ in range(N_SETS)
+    ]
+    models, comms = {}, {}
+    for name, (impl, shard_fn, reduce_dtype) in variants.items():
+        model = qwen3_moe(shape, device, torch.float32)
+        model.set_experts_implementation(impl)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        comm = _RecordingReduceScatter()
+        for unit in (*model.model.layers, model):
+            shard_fn(unit, mp_policy=policy)
+            unit.set_custom_reduce_scatter(comm)
+        models[name], comms[name] = model, comm
+
+    def make_step(name: str) -> Callable[[int], object]:
+        model = models[name]
+
+        def step(i: int) -> None:
+            model(input_ids=batches[i], labels=batches[i]).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    steps = {name: make_step(name) for name in variants}
+    for name, step in steps.items():  # one probe step: dtype and bf16-exact fraction
+        comms[name].probe = True
+        step(0)
+        comms[name].probe = False
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for step in steps.values():
+        for i in range(args.warmup):
+            step(i % N_SETS)
+    for r in range(args.rounds):
+        names = list(variants)
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            for _ in range(args.per_round):
+                comms[name].bytes = 0
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dist.barrier()
+                begin = time.perf_counter()
+                steps[name](len(samples[name]) % N_SETS)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples[name].append((time.perf_counter() - begin) * 1e3)
+    step_bytes = {name: comms[name].bytes for name in variants}
+    result = {
+        "shape": asdict(shape),
+        "world_size": world,
+        "tokens_per_rank": shape.T,
+        "sequence_length": seq,
+        "step_ms": {name: statistics.median(s) for name, s in samples.items()},
+        "reduce_scatter_bytes_per_step": step_bytes,
+        "reduce_scatter_dtypes": {name: sorted(c.dtypes) for name, c in comms.items()},
+        "reduce_scatter_input_bf16_exact_fraction": {
+            name: c.bf16_fractions for name, c in comms.items()
+        },
+    }
+    base = result["step_ms"]["groupgrad_plain_fsdp2_bf16_wgrad/fp32_reduce"]
+    result["step_ratio_vs_plain_fp32_reduce"] = {n: t / base for n, t in result["step_ms"].items()}
+    return result if rank == 0 else None
+
+
+# ------------------------------------------------------------------ main
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    return {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write JSON + PNG into this folder")
+    parser.add_argument("--smoke", action="store_true", help=f"tiny size {SMOKE} on any device")
+    parser.add_argument("--fsdp", action="store_true", help="the FSDP2 variant (under torchrun)")
+    parser.add_argument("--tokens", type=int, default=None, help="T (default 16384)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (10)")
+    parser.add_argument(
+        "--per-round", type=int, default=2, help="timed calls per round and variant"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    parser.add_argument("--skip-eager", action="store_true", help="leave out the eager loop")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.smoke else 10)
+
+    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    if args.tokens is not None:
+        shape = Shape(**{**asdict(shape), "T": args.tokens})
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("bench_hf_moe.py needs a CUDA GPU (smoke test on CPU: --smoke)")
+    if args.fsdp:
+        dist.init_process_group("nccl" if cuda else "gloo")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda" if cuda else "cpu")
+    env = environment(device)
+    fallbacks = _Fallbacks()
+    logging.getLogger("groupgrad").addHandler(fallbacks)
+
+    if args.fsdp:
+        result = bench_fsdp2(shape, device, args)
+        dist.barrier()
+        dist.destroy_process_group()
+        if result is None:
+            return 0
+        result = {**env, **result, "rounds": args.rounds, "per_round": args.per_round}
+        result["fallbacks"] = fallbacks.messages
+        print(report.fsdp_table(result))
+        stem = "hf_moe_fsdp2_"
+    else:
+        result = {**env, **bench_experts(shape, device, args)}
+        result.update({"rounds": args.rounds, "per_round": args.per_round, "warmup": args.warmup})
+        result["fallbacks"] = fallbacks.messages
+        print(report.experts_table(result))
+        stem = "hf_moe_"
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem += env["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
+        if args.smoke:
+            stem += "_smoke"
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out / f'{stem}.json'}")
+        try:
+            (report.plot_fsdp if args.fsdp else report.plot_experts)(
+                result, args.out / f"{stem}.png"
+            )
+        except ImportError as error:  # matplotlib is imported only there
+            print(f"!! PNG not written: {error} (pip install matplotlib)")
+        else:
+            print(f"wrote {args.out / f'{stem}.png'}")
+    if fallbacks.messages and device.type == "cuda":
+        print("!! some work ran on a fallback path; the timings above are not the fast path")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip interpreter teardown: with --fsdp on gloo, a gloo thread that PyTorch keeps alive
+    # past destroy_process_group() (torch.distributed.nn holds group.WORLD) can abort there.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

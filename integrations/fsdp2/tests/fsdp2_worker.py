@@ -1,0 +1,127 @@
+"""One rank of an FSDP2 training run (a ``groupgrad_testsupport`` worker script).
+
+For each scenario it builds :class:`moe_model.MoEModel` from the scenario's
+seed (the same full weights on every rank), shards it per block and at the
+root with ``groupgrad.integrations.fsdp2.fully_shard`` (or, to show what the
+integration changes, with plain ``torch.distributed.fsdp.fully_shard``),
+trains ``steps`` SGD steps of ``micro_batches`` micro-batches (all but the
+last without gradient sync) on data of its own, and returns: every
+micro-batch's output and input gradient, the reduced gradients (gathered
+whole) and the weights after every step, and every reduce-scatter input
+FSDP2 ran, per unit, with the unit's parameter names in FSDP2's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import moe_model  # siblings: this script's folder is sys.path[0]
+import reduce_scatter
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as plain_fully_shard
+
+from groupgrad.integrations.fsdp2 import fully_shard
+from groupgrad_testsupport import Rank, run_worker
+
+
+def _full(t: Tensor) -> Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().cpu().clone()
+
+
+def shard(model: nn.Module, cfg: Mapping[str, Any], device: torch.device) -> list[str]:
+    """Shard per block (and the experts alone when asked) then the root; return the units' names."""
+    shard_fn = fully_shard if cfg["integration"] else plain_fully_shard
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if cfg["bf16"] else None, reduce_dtype=torch.float32
+    )
+    options = {"mp_policy": policy, "reshard_after_forward": cfg["reshard"]}
+    units: list[str] = []
+    for b, block in enumerate(model.blocks):
+        if cfg["experts_unit"]:
+            shard_fn(block.experts, **options)
+            units.append(f"blocks.{b}.experts")
+        shard_fn(block, **options)
+        units.append(f"blocks.{b}")
+    shard_fn(model, **options)
+    units.append("")
+    return units
+
+
+def train(
+    cfg: Mapping[str, Any], rank: int, world: int, device: torch.device, checkpoint_dir: Path
+) -> dict[str, Any]:
+    """One scenario on this rank; everything the parent compares, on the CPU."""
+    model = moe_model.build(cfg, device)
+    units = shard(model, cfg, device)
+    log: list[dict[str, Any]] = []
+    reduce_scatter.record(model, units, log)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    names = [name for name, _ in model.named_parameters()]
+    result: dict[str, Any] = {"outs": [], "dxs": [], "grads": [], "weights": []}
+    result["unit_params"] = {name: reduce_scatter.unit_param_names(model, name) for name in units}
+    for step in range(cfg["steps"]):
+        if cfg["dcp"] and step == cfg["steps"] - 1:
+            model, optimizer = _reload(model, optimizer, cfg, device, checkpoint_dir, log)
+        for micro in range(cfg["micro_batches"]):
+            model.set_requires_gradient_sync(micro == cfg["micro_batches"] - 1)
+            data = moe_model.batch(cfg, step, micro, rank)
+            x = data["x"].to(device).requires_grad_(True)
+            out = model(x, data["idx"].to(device))
+            moe_model.loss_of(out, data["target"]).backward()
+            result["outs"].append(out.detach().cpu().clone())
+            result["dxs"].append(x.grad.detach().cpu().clone())
+        params = dict(model.named_parameters())
+        result["grads"].append({name: _full(params[name].grad) for name in names})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result["weights"].append({name: _full(p) for name, p in model.named_parameters()})
+    result["reduce_scatters"] = log
+    return result
+
+
+def _reload(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: Mapping[str, Any],
+    device: torch.device,
+    checkpoint_dir: Path,
+    log: list[dict[str, Any]],
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """DCP round trip: save model + optimizer, load them into a freshly built and sharded model."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
+    fresh = moe_model.build({**cfg, "seed": cfg["seed"] + 1000}, device)  # other weights
+    reduce_scatter.record(fresh, shard(fresh, cfg, device), log)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    set_state_dict(
+        fresh, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    for (name, old), (_, new) in zip(
+        model.named_parameters(), fresh.named_parameters(), strict=True
+    ):
+        if not torch.equal(_full(old), _full(new)):
+            raise AssertionError(f"DCP round trip changed {name}")
+    dist.barrier()
+    return fresh, fresh_optimizer
+
+
+def run_scenario(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """One scenario on this rank (``run_worker`` has joined the process group)."""
+    return train(
+        scenario, rank.rank, rank.world_size, rank.device, rank.workdir / f"dcp_{scenario['name']}"
+    )
+
+
+if __name__ == "__main__":
+    run_worker(run_scenario)

@@ -1,0 +1,44 @@
+"""groupgrad.integrations.transformers: a ``"groupgrad"`` experts implementation for transformers.
+
+Importing this package registers ``"groupgrad"`` in transformers' experts
+implementation registry (:func:`register`, idempotent), so::
+
+    import groupgrad.integrations.transformers  # registers "groupgrad"
+
+    model.set_experts_implementation("groupgrad")
+
+runs the experts of Qwen3-MoE, Mixtral and the other ``@use_experts_implementation``
+models on groupgrad's grouped GEMMs: the fused :func:`~groupgrad.modules.grouped_mlp`
+for concatenated SwiGLU experts, two :func:`~groupgrad.modules.grouped_linear`
+around the model's own gate otherwise (:func:`experts_route` says which).
+Weight gradients reach autograd in each expert parameter's ``grad_dtype``
+straight from the GEMM epilogue (fp32 for bf16 weights whose ``grad_dtype``
+is fp32, e.g. under ``groupgrad.integrations.fsdp2.fully_shard``).
+
+Supported: transformers 5.17 through 5.24 (:data:`SUPPORTED_TRANSFORMERS`);
+other releases fail at import with a message naming the installed version.
+"""
+
+from groupgrad.integrations.transformers._forward import (
+    groupgrad_experts_forward,
+    tokens_per_expert,
+)
+from groupgrad.integrations.transformers._register import IMPLEMENTATION, register
+from groupgrad.integrations.transformers._route import ExpertsRoute, experts_route
+from groupgrad.integrations.transformers._version import (
+    SUPPORTED_TRANSFORMERS,
+    check_transformers_version,
+)
+
+__all__ = [
+    "IMPLEMENTATION",
+    "SUPPORTED_TRANSFORMERS",
+    "ExpertsRoute",
+    "check_transformers_version",
+    "experts_route",
+    "groupgrad_experts_forward",
+    "register",
+    "tokens_per_expert",
+]
+
+register()

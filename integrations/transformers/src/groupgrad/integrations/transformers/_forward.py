@@ -1,0 +1,147 @@
+"""The ``"groupgrad"`` experts forward: route, sort by expert, grouped GEMMs, scatter back.
+
+Legend: ``T`` tokens, ``k`` experts per token (top-k), ``S = T·k`` routed
+slots, ``E`` experts, ``H`` hidden size, ``F`` expert width.
+
+::
+
+    slots s = t·k + j          token t's j-th choice: expert top_k_index[t, j]
+    perm                       slots sorted by expert (stable)
+    x_SH  = hidden[perm // k]  each slot's token row, grouped by expert
+    y_SH  = experts(x_SH)      grouped_mlp (fused) or grouped_linear ∘ gate ∘ grouped_linear
+    out_TH = Σ_j y[slot t·k + j] · top_k_weights[t, j]   (fp32 sum, one rounding)
+
+The router weight multiplies each slot's expert output, as the model does;
+inside the fused MLP it scales the SwiGLU output instead (the same value: fc2
+is linear and has no bias there). Weight gradients go to autograd in each
+parameter's ``grad_dtype`` straight from the GEMM epilogue (the module's own
+packed parameters are passed to the grouped ops, not copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from groupgrad.integrations.transformers._route import experts_route
+from groupgrad.modules import grouped_linear, grouped_mlp
+
+__all__ = ["groupgrad_experts_forward", "tokens_per_expert"]
+
+
+def tokens_per_expert(sorted_ids_S: Tensor, num_experts: int) -> Tensor:
+    """``(E,)`` token counts of expert ids sorted ascending, without a host sync on CUDA.
+
+    CUDA uses ``histc`` on int32 (sync-free, graph-capturable, as transformers'
+    ``grouped_mm`` does); other devices count exactly with ``bincount``.
+    """
+    if sorted_ids_S.device.type == "cuda":
+        return torch.histc(sorted_ids_S.int(), bins=num_experts, min=0, max=num_experts - 1)
+    return torch.bincount(sorted_ids_S, minlength=num_experts)
+
+
+def _tensor(experts: nn.Module, name: str) -> Tensor:
+    """The experts module's tensor attribute ``name`` (a parameter), or a ``TypeError`` naming it."""
+    value = getattr(experts, name, None)
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"{type(experts).__name__}.{name} is {type(value).__name__}, expected a Tensor "
+            "(the packed expert weights transformers' experts modules hold)"
+        )
+    return value
+
+
+def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
+    """``(E, out, in)`` as the grouped GEMMs take it (a contiguous copy of a transposed store)."""
+    return weight.transpose(-2, -1).contiguous() if transposed else weight
+
+
+def groupgrad_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """Run a transformers experts module on groupgrad's grouped GEMMs.
+
+    Registered as ``"groupgrad"`` in transformers' experts-implementation
+    registry; ``model.set_experts_implementation("groupgrad")`` makes every
+    ``@use_experts_implementation`` module of the model call it in place of
+    its eager loop, with the same arguments and result.
+
+    Args:
+        self: The experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ...):
+            ``num_experts``, packed ``gate_up_proj`` ``(E, 2F, H)`` (or
+            ``up_proj``) and ``down_proj`` ``(E, H, F)``, the flags
+            described in :func:`experts_route`.
+        hidden_states: ``(T, H)`` token rows.
+        top_k_index: ``(T, k)`` int expert ids per token.
+        top_k_weights: ``(T, k)`` router weight of each choice (any floating
+            dtype; it receives a gradient in its dtype).
+
+    Returns:
+        ``(T, H)`` in ``hidden_states``' dtype: each token's router-weighted
+        sum of its experts' outputs (summed in fp32, rounded once).
+
+    Raises:
+        RuntimeError: The module runs expert-parallel (``_is_expert_parallel``),
+            which this implementation does not support.
+        ValueError: ``top_k_index`` and ``top_k_weights`` disagree in shape
+            or ``hidden_states`` is not ``(T, H)`` with ``T`` their rows.
+    """
+    if getattr(self, "_is_expert_parallel", False):
+        raise RuntimeError(
+            f"{type(self).__name__} runs expert-parallel (_is_expert_parallel=True); the "
+            "groupgrad experts implementation supports only experts local to the rank; use "
+            'experts_implementation="grouped_mm" for expert parallelism'
+        )
+    if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
+        raise ValueError(
+            f"top_k_index has shape {tuple(top_k_index.shape)} and top_k_weights "
+            f"{tuple(top_k_weights.shape)}, expected one (tokens, top_k) shape"
+        )
+    tokens, top_k = top_k_index.shape
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != tokens:
+        raise ValueError(
+            f"hidden_states has shape {tuple(hidden_states.shape)}, expected ({tokens}, hidden) "
+            "like top_k_index's rows"
+        )
+    route = experts_route(self)
+    num_experts = int(cast(int, self.num_experts))
+    # Ids past the last expert are expert-parallel sentinels (zero router weight) in
+    # transformers 5.17, which has no _is_expert_parallel flag: keep them in range.
+    expert_ids_S = top_k_index.reshape(-1).clamp(max=num_experts - 1)
+    sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
+    splits_E = tokens_per_expert(sorted_ids_S, num_experts)
+    has_gate = bool(getattr(self, "has_gate", True))
+    has_bias = bool(getattr(self, "has_bias", False))
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    up, down = _tensor(self, up_name), _tensor(self, "down_proj")
+    up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
+    down_bias = _tensor(self, "down_proj_bias") if has_bias else None
+    x_SH = hidden_states[perm_S // top_k].to(up.dtype)
+    probs_S = top_k_weights.reshape(-1)[perm_S]
+
+    if route.fused:
+        y_SH = grouped_mlp(
+            x_SH,
+            up,
+            down,
+            splits_E,
+            probs_S if route.probs_in_mlp else None,
+            fc1_bias=up_bias,
+            fc2_bias=down_bias,
+        )
+    else:
+        h_SN = grouped_linear(x_SH, _as_out_in(up, route.transposed), splits_E, up_bias)
+        gate = cast(Callable[[Tensor], Tensor], self._apply_gate if has_gate else self.act_fn)
+        a_SF = gate(h_SN)
+        y_SH = grouped_linear(a_SF, _as_out_in(down, route.transposed), splits_E, down_bias)
+    if getattr(self, "has_post_expert_norm", False):
+        y_SH = cast(Callable[[Tensor], Tensor], self.post_expert_norm)(y_SH)
+    if not route.probs_in_mlp:
+        y_SH = y_SH * probs_S.unsqueeze(-1)
+
+    unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)
+    out_TH = unsorted_SH.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32)
+    return out_TH.to(hidden_states.dtype)

@@ -1,0 +1,34 @@
+"""Which ``transformers`` releases this integration supports, checked before it registers."""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+import transformers
+
+__all__ = ["SUPPORTED_TRANSFORMERS", "check_transformers_version"]
+
+SUPPORTED_TRANSFORMERS = (Version("5.17"), Version("5.25"))
+"""``[low, high)``: the ``transformers`` releases tested (5.17 through 5.24)."""
+
+
+def check_transformers_version(installed: str | None = None) -> None:
+    """Raise unless ``transformers`` (or ``installed``, a version string) is a supported release.
+
+    The experts-implementation registry, the experts modules' attributes
+    (``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias``) and
+    the packed ``gate_up_proj`` / ``down_proj`` layout this integration relies
+    on are those of the releases in :data:`SUPPORTED_TRANSFORMERS`.
+
+    Raises:
+        RuntimeError: The version is outside ``[5.17, 5.25)`` (pre-releases
+            of 5.25 included).
+    """
+    text = transformers.__version__ if installed is None else installed
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= Version(Version(text).base_version) < high:
+        raise RuntimeError(
+            f"groupgrad.integrations.transformers supports transformers >= {low}, < {high} "
+            f"(5.17 through 5.24), but transformers {text} is installed; install a supported "
+            f'release, e.g. pip install "transformers>={low},<{high}"'
+        )

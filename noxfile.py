@@ -272,7 +272,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON_VERSIONS)
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks (kernels, mlp): JSON and PNG under benchmarks/results/; skipped without CUDA."""
+    """GPU benchmarks (kernels, mlp, megatron_moe, hf_moe, hf_moe_fsdp): JSON + PNG in benchmarks/results/."""
     reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"bench needs a CUDA device: {reason}")
@@ -282,12 +282,32 @@ def bench(session: nox.Session) -> None:
         "kernels": "benchmarks/bench_kernels.py",
         "mlp": "benchmarks/bench_mlp.py",
         "megatron_moe": "benchmarks/bench_megatron_moe.py",
+        "hf_moe": "benchmarks/bench_hf_moe.py",
     }
-    chosen, options = list(scripts), list(session.posargs)
-    if options and options[0] in scripts:
+    # FSDP2 across the machine's GPUs: one process per GPU
+    multi_gpu = {"hf_moe_fsdp": ("benchmarks/bench_hf_moe.py", "--fsdp")}
+    chosen, options = [*scripts, *multi_gpu], list(session.posargs)
+    if options and options[0] in (*scripts, *multi_gpu):
         chosen, options = [options[0]], options[1:]
     for name in chosen:
-        session.run("python", scripts[name], "--out", "benchmarks/results", *options)
+        if name in scripts:
+            session.run("python", scripts[name], "--out", "benchmarks/results", *options)
+            continue
+        script, *flags = multi_gpu[name]
+        gpus = int(
+            _ask(Path(session.bin) / "python", "import torch; print(torch.cuda.device_count())")
+        )
+        if gpus < 2:
+            session.log(f"{name} skipped: needs 2 GPUs, found {gpus}")
+            continue
+        launch = [
+            "python",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={gpus}",
+        ]
+        session.run(*launch, script, *flags, "--out", "benchmarks/results", *options)
 
 
 @nox.session(python=PYTHON_VERSIONS)

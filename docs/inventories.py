@@ -40,6 +40,11 @@ PYTHON_ENTRIES = [
         "collections.abc.Sequence",
         "library/collections.abc.html#collections.abc.Sequence",
     ),
+    (
+        "py:class",
+        "collections.abc.Mapping",
+        "library/collections.abc.html#collections.abc.Mapping",
+    ),
     ("py:class", "enum.Enum", "library/enum.html#enum.Enum"),
     ("py:module", "logging", "library/logging.html#module-logging"),
     ("py:class", "os.PathLike", "library/os.html#os.PathLike"),

@@ -151,7 +151,8 @@ def build_model(backend: str, config: Any, args: argparse.Namespace, device: tor
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
     )
-    return model.to(device)
+    # every parameter and buffer in the compute dtype, as Megatron's Float16Module casts them
+    return model.to(device=device, dtype=config.params_dtype)
 
 
 _EXPERT = re.compile(r"(.*\.experts\.)(?:grouped_mlp\.(fc[12])|linear_(fc[12]))\.weight(\d+)$")

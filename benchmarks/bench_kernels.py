@@ -105,9 +105,9 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
     )
 
 
-def _candidates(op: str, dout: str, tuning: bool) -> list[tuning.Plan]:
+def _candidates(op: str, dout: str, sweep_all: bool) -> list[tuning.Plan]:
     """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4."""
-    if not tuning:
+    if not sweep_all:
         return []
     names = tuning.compiled_variants()
     plans = []
@@ -162,7 +162,7 @@ def _row(
     }
 
 
-def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
+def bench_fprop_dgrad(case: Case, op: str, reps: int, sweep_all: bool) -> dict:
     cols_out = case.N if op == "fprop" else case.K
     a = case.x if op == "fprop" else case.dy
     w_views = [list(w.unbind(0)) for w in case.w]
@@ -197,11 +197,11 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, tuning: bool) -> dict:
         "loop": loop,
         "dense": dense,
     }
-    times, swept = _measure(headline, sweep, _candidates(op, "bf16", tuning), reps)
+    times, swept = _measure(headline, sweep, _candidates(op, "bf16", sweep_all), reps)
     return _row(op, case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
 
 
-def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
+def bench_wgrad_bf16(case: Case, reps: int, sweep_all: bool) -> dict:
     out = torch.empty(case.E, case.N, case.K, device="cuda", dtype=torch.bfloat16)
     out_views = list(out.unbind(0))
     plan = tuning.plan_for("wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
@@ -230,12 +230,12 @@ def bench_wgrad_bf16(case: Case, reps: int, tuning: bool) -> dict:
         "loop": loop,
         "dense": dense,
     }
-    times, swept = _measure(headline, sweep, _candidates("wgrad", "bf16", tuning), reps)
+    times, swept = _measure(headline, sweep, _candidates("wgrad", "bf16", sweep_all), reps)
     return _row("wgrad_bf16", case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
 
 
 def bench_wgrad_fp32(
-    case: Case, reps: int, tuning: bool, loop_kind: str, ceilings: dict[str, float]
+    case: Case, reps: int, sweep_all: bool, loop_kind: str, ceilings: dict[str, float]
 ) -> dict:
     # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
     main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
@@ -271,7 +271,7 @@ def bench_wgrad_fp32(
     err = kt.rel_error(main_grads, ref)
     del start, ref
     headline = {"ours": ours, "grouped_mm_add": grouped_mm_add, "loop_fp32": loop}
-    times, swept = _measure(headline, sweep, _candidates("wgrad", "f32", tuning), reps)
+    times, swept = _measure(headline, sweep, _candidates("wgrad", "f32", sweep_all), reps)
     bytes_rw = 2 * case.E * case.N * case.K * 4
     floor_ms = 1e3 * max(
         case.flops / (ceilings["dense_bf16_tflops"] * 1e12),

@@ -43,6 +43,25 @@ def tokens_per_expert(sorted_ids_S: Tensor, num_experts: int) -> Tensor:
     return torch.bincount(sorted_ids_S, minlength=num_experts)
 
 
+def _check_no_negative_ids(top_k_index: Tensor) -> None:
+    """A negative expert id would drop its token from the counts; refuse it.
+
+    On the CPU the check names the smallest id; on a GPU it is an asynchronous
+    device assertion (no host sync), which fails the next synchronizing call.
+    """
+    if top_k_index.numel() == 0:
+        return
+    if top_k_index.device.type == "cpu":
+        smallest = int(top_k_index.min())
+        if smallest < 0:
+            raise ValueError(
+                f"top_k_index holds expert id {smallest}, expected ids >= 0 (an id below 0 "
+                "would drop its token from every expert)"
+            )
+    else:
+        torch._assert_async(top_k_index.min() >= 0, "top_k_index holds a negative expert id")
+
+
 def _tensor(experts: nn.Module, name: str) -> Tensor:
     """The experts module's tensor attribute ``name`` (a parameter), or a ``TypeError`` naming it."""
     value = getattr(experts, name, None)
@@ -86,8 +105,12 @@ def groupgrad_experts_forward(
     Raises:
         RuntimeError: The module runs expert-parallel (``_is_expert_parallel``),
             which this implementation does not support.
-        ValueError: ``top_k_index`` and ``top_k_weights`` disagree in shape
-            or ``hidden_states`` is not ``(T, H)`` with ``T`` their rows.
+        ValueError: ``top_k_index`` and ``top_k_weights`` disagree in shape,
+            ``hidden_states`` is not ``(T, H)`` with ``T`` their rows, or an
+            expert id is negative.
+        TypeError: ``top_k_index`` is not an integer tensor or
+            ``top_k_weights`` not a floating one; a weight attribute of the
+            module is not a tensor.
     """
     if getattr(self, "_is_expert_parallel", False):
         raise RuntimeError(
@@ -100,6 +123,13 @@ def groupgrad_experts_forward(
             f"top_k_index has shape {tuple(top_k_index.shape)} and top_k_weights "
             f"{tuple(top_k_weights.shape)}, expected one (tokens, top_k) shape"
         )
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise TypeError(f"top_k_index has dtype {top_k_index.dtype}, expected an integer dtype")
+    if not top_k_weights.dtype.is_floating_point:
+        raise TypeError(
+            f"top_k_weights has dtype {top_k_weights.dtype}, expected a floating-point dtype"
+        )
+    _check_no_negative_ids(top_k_index)
     tokens, top_k = top_k_index.shape
     if hidden_states.dim() != 2 or hidden_states.shape[0] != tokens:
         raise ValueError(

@@ -26,6 +26,8 @@ What is here:
   :func:`write_into_dummies` to dirty the shared dummy as hooks do.
 * :mod:`.allocations` -- :class:`AllocationRecorder`, the fresh allocations
   of at least a given size that a block of eager code makes.
+* :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
+  nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
 
 Writing a multi-rank test

@@ -25,7 +25,8 @@ What is here:
   and :func:`assert_matrix_close` to check a step,
   :func:`write_into_dummies` to dirty the shared dummy as hooks do.
 * :mod:`.allocations` -- :class:`AllocationRecorder`, the fresh allocations
-  of at least a given size that a block of eager code makes.
+  of at least a given size that a block of eager code makes, and
+  :func:`backward_allocations`, those of one ``backward``.
 * :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
   nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
@@ -82,7 +83,7 @@ On GPUs mark the test ``@pytest.mark.gpu(2)`` and pass ``device="cuda"``
 
 from __future__ import annotations
 
-from groupgrad_testsupport.allocations import AllocationRecorder
+from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch
@@ -123,6 +124,7 @@ __all__ = [
     "assert_weight_grads",
     "assert_within_scale",
     "attach_main_grads",
+    "backward_allocations",
     "cuda_peak_growth",
     "distribute_fake",
     "experts_fp64",

@@ -1,4 +1,4 @@
-"""What a block of eager code allocates: :class:`AllocationRecorder`.
+"""What a block of eager code allocates: :class:`AllocationRecorder`, :func:`backward_allocations`.
 
 ::
 
@@ -6,11 +6,14 @@
     with recorder:
         y.backward(dy)
     assert recorder.big == [], recorder.big
+
+    assert backward_allocations(module(x, splits), dy, numel=weight.numel()) == []
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -50,3 +53,11 @@ class AllocationRecorder(TorchDispatchMode):
             if storage.nbytes() // t.element_size() >= self.numel:
                 self.big.append((str(func), tuple(t.shape)))
         return out
+
+
+def backward_allocations(y: Tensor, dy: Tensor, numel: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Run ``y.backward(dy)`` under an :class:`AllocationRecorder`; return what it recorded."""
+    recorder = AllocationRecorder(numel)
+    with recorder:
+        y.backward(dy)
+    return recorder.big

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear, grouped_linear
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
-from groupgrad_testsupport import AllocationRecorder
+from groupgrad_testsupport import backward_allocations
 
 E, K, N = 4, 16, 8
 
@@ -344,19 +344,11 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
     x = torch.randn(sum(splits), k, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(sum(splits), n, generator=gen).bfloat16()
     module(x, splits).backward(dy)  # warm-up: the cached dummy is allocated once
-    y = module(x, splits)
-    recorder = AllocationRecorder(numel=n * k)
-    with recorder:
-        y.backward(dy)
-    assert recorder.big == []
+    assert backward_allocations(module(x, splits), dy, numel=n * k) == []
 
     # the recorder does see a weight-sized wgrad when autograd owns the gradient
     module.accumulate_into_main_grad = False
-    y = module(x, splits)
-    control = AllocationRecorder(numel=n * k)
-    with control:
-        y.backward(dy)
-    assert control.big
+    assert backward_allocations(module(x, splits), dy, numel=n * k)
 
 
 # ---------------------------------------------------------------- errors

@@ -15,17 +15,8 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear
 from groupgrad.protocol.testing import FakeDistributedWeight
-from groupgrad_testsupport import (
-    Case,
-    assert_main_grads_wait_for_backward_dw,
-    assert_matrix_close,
-    assert_weight_grads,
-    attach_main_grads,
-    distribute_fake,
-    experts_fp64,
-    module_flags,
-    write_into_dummies,
-)
+from groupgrad_testsupport import matrix
+from groupgrad_testsupport.matrix import Case
 
 E, K, N = 4, 16, 8
 MICRO_BATCHES = 3
@@ -37,12 +28,12 @@ CASES = Case.all()
 
 def _build(case: Case, seed: int) -> tuple[GroupedLinear, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    module = GroupedLinear(E, K, N, **module_flags(case), dtype=torch.float32)
+    module = GroupedLinear(E, K, N, **matrix.module_flags(case), dtype=torch.float32)
     if case.kind == "distributed":
-        distribute_fake(module, case.main_grad)
+        matrix.distribute_fake(module, case.main_grad)
     weights = [getattr(module, n) for n in module.weight_names]
     generator = torch.Generator().manual_seed(seed + 1)
-    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
+    matrix.attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
 
 
@@ -51,7 +42,7 @@ def _reference(
 ) -> dict[str, torch.Tensor]:
     """fp64 per-expert reference: y, dx, per-parameter dw, per-parameter db."""
     fwd_scale, bwd_scale = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
-    w_list, b_list = experts_fp64(module)
+    w_list, b_list = matrix.experts_fp64(module)
     ys, dxs, dws, dbs = [], [], [], []
     for x_e, dy_e, w_e, b_e in zip(
         x.double().split(splits), dy.double().split(splits), w_list, b_list, strict=True
@@ -81,12 +72,12 @@ def test_grouped_linear_matrix(case: Case) -> None:
         ref = _reference(module, case, x.detach(), dy, splits)
 
         y = module(x, splits)
-        assert_matrix_close(y, ref["y"], f"y at step {step}")
+        matrix.assert_matrix_close(y, ref["y"], f"y at step {step}")
         before = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
         y.backward(dy)
-        assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
+        matrix.assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
 
-        assert_main_grads_wait_for_backward_dw(case, weights, before)
+        matrix.assert_main_grads_wait_for_backward_dw(case, weights, before)
         module.backward_dw()
 
         for index, dw in enumerate(ref["dw"]):
@@ -95,20 +86,20 @@ def test_grouped_linear_matrix(case: Case) -> None:
             sum_db[index] += ref["db"][index]
 
         labels = [f"{name} at step {step}" for name in module.weight_names]
-        assert_weight_grads(
+        matrix.assert_weight_grads(
             case, weights, labels, latest=ref["dw"], total=sum_dw, initial=initial_main_grad
         )
         for index, b in enumerate(biases):
-            assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+            matrix.assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
         if case.kind == "distributed":
             # what the layer handed the implementer, against the fp64 oracle (not the fake)
             received = weights[0].finalized[-1]
             for index, dw in enumerate(ref["dw"]):
-                assert_matrix_close(
+                matrix.assert_matrix_close(
                     received[index], dw, f"wgrad handed to finalize, member {index}"
                 )
         elif case.main_grad != "none":
-            write_into_dummies(weights, versioned=not case.zero_out)
+            matrix.write_into_dummies(weights, versioned=not case.zero_out)
         x.grad = None
 
     if case.kind == "distributed":

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
-from groupgrad_testsupport import AllocationRecorder
+from groupgrad_testsupport import backward_allocations
 
 E, H, FFN = 4, 16, 8
 
@@ -447,18 +447,10 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
     dy = torch.randn(sum(splits), hidden, generator=gen).bfloat16()
     module(x, splits, probs).backward(dy)  # warm-up: the cached dummies are allocated once
     smallest_weight = hidden * ffn
-    y = module(x, splits, probs)
-    recorder = AllocationRecorder(numel=smallest_weight)
-    with recorder:
-        y.backward(dy)
-    assert recorder.big == []
+    assert backward_allocations(module(x, splits, probs), dy, numel=smallest_weight) == []
 
     module.accumulate_into_main_grad = False  # control: autograd owns the gradient
-    y = module(x, splits, probs)
-    control = AllocationRecorder(numel=smallest_weight)
-    with control:
-        y.backward(dy)
-    assert control.big
+    assert backward_allocations(module(x, splits, probs), dy, numel=smallest_weight)
 
 
 # ---------------------------------------------------------------- errors

@@ -21,17 +21,8 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight
-from groupgrad_testsupport import (
-    Case,
-    assert_main_grads_wait_for_backward_dw,
-    assert_matrix_close,
-    assert_weight_grads,
-    attach_main_grads,
-    distribute_fake,
-    experts_fp64,
-    module_flags,
-    write_into_dummies,
-)
+from groupgrad_testsupport import matrix
+from groupgrad_testsupport.matrix import Case
 
 E, H, FFN = 4, 16, 8
 SPLITS = [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]]
@@ -49,13 +40,13 @@ def _layer_weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
 
 def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    module = GroupedMLP(E, H, FFN, **module_flags(case), dtype=torch.float32)
+    module = GroupedMLP(E, H, FFN, **matrix.module_flags(case), dtype=torch.float32)
     if case.kind == "distributed":
-        distribute_fake(module.fc1, case.main_grad)
-        distribute_fake(module.fc2, case.main_grad)
+        matrix.distribute_fake(module.fc1, case.main_grad)
+        matrix.distribute_fake(module.fc2, case.main_grad)
     weights = _layer_weights(module, "fc1") + _layer_weights(module, "fc2")
     generator = torch.Generator().manual_seed(seed + 1)
-    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
+    matrix.attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
 
 
@@ -69,8 +60,8 @@ def _reference(
 ) -> dict:
     """fp64 per-expert reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
     fwd, bwd = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
-    w1s, b1s = experts_fp64(module.fc1)
-    w2s, b2s = experts_fp64(module.fc2)
+    w1s, b1s = matrix.experts_fp64(module.fc1)
+    w2s, b2s = matrix.experts_fp64(module.fc2)
     p_all = torch.ones(x.shape[0], dtype=torch.float64) if probs is None else probs.double()
     out: dict[str, list] = {k: [] for k in ("y", "dx", "dp", "dw1", "dw2", "db1", "db2")}
     for e, (x_e, dy_e, p_e) in enumerate(
@@ -115,15 +106,15 @@ def test_grouped_mlp_matrix(case: Case) -> None:
         ref = _reference(module, case, x.detach(), probs, dy, splits)
 
         y = module(x, splits, probs)
-        assert_matrix_close(y, ref["y"], f"y at step {step}")
+        matrix.assert_matrix_close(y, ref["y"], f"y at step {step}")
         before = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
         grads_before = [None if w.grad is None else w.grad.clone() for w in weights]
         y.backward(dy)
-        assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
+        matrix.assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
         if probs is not None:
-            assert_matrix_close(probs.grad, ref["dp"], f"dprobs at step {step}")
+            matrix.assert_matrix_close(probs.grad, ref["dp"], f"dprobs at step {step}")
 
-        assert_main_grads_wait_for_backward_dw(case, weights, before)
+        matrix.assert_main_grads_wait_for_backward_dw(case, weights, before)
         if case.delay and case.main_grad == "none":
             for w, old in zip(weights, grads_before, strict=True):
                 unchanged = w.grad is None if old is None else torch.equal(w.grad, old)
@@ -137,19 +128,21 @@ def test_grouped_mlp_matrix(case: Case) -> None:
             sum_db[index] += db
 
         labels = [f"{name} at step {step}" for name in names]
-        assert_weight_grads(case, weights, labels, latest=latest, total=sum_dw, initial=initial)
+        matrix.assert_weight_grads(
+            case, weights, labels, latest=latest, total=sum_dw, initial=initial
+        )
         for index, b in enumerate(biases):
-            assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+            matrix.assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
         if case.kind == "distributed":
             # what each layer handed its implementer, against the fp64 oracle (not the fake)
             for layer, key in (("fc1", "dw1"), ("fc2", "dw2")):
                 received = _layer_weights(module, layer)[0].finalized[-1]
                 for index, dw in enumerate(ref[key]):
-                    assert_matrix_close(
+                    matrix.assert_matrix_close(
                         received[index], dw, f"{layer} wgrad handed to finalize, member {index}"
                     )
         elif case.main_grad != "none":
-            write_into_dummies(weights, versioned=not case.zero_out)
+            matrix.write_into_dummies(weights, versioned=not case.zero_out)
 
     if case.kind == "distributed":
         for layer in ("fc1", "fc2"):

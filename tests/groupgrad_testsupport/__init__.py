@@ -12,7 +12,8 @@ What is here:
   and found; the root ``conftest.py`` applies it. :func:`cuda_peak_growth`
   measures what a step adds to the CUDA memory peak.
 * :mod:`.launcher` / :mod:`.worker` -- multi-rank tests: :func:`launch`,
-  :class:`Launches`, :func:`run_worker`, :class:`Rank`.
+  :class:`Launches`, :func:`run_worker`, :class:`Rank`; :func:`torchrun`, the
+  command that runs an example or benchmark as ranks under ``torch.distributed.run``.
 * :mod:`.results` -- rank results as JSON, tensors exact to the bit.
 * :mod:`.numerics` -- :func:`assert_close`, :func:`assert_as_close_as_torch`
   (DESIGN's "at most 2× PyTorch's own error" rule), :func:`assert_within_scale`,
@@ -86,7 +87,7 @@ from __future__ import annotations
 from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
-from groupgrad_testsupport.launcher import LaunchError, Launches, launch
+from groupgrad_testsupport.launcher import LaunchError, Launches, launch, torchrun
 from groupgrad_testsupport.matrix import (
     Case,
     assert_main_grads_wait_for_backward_dw,
@@ -136,5 +137,6 @@ __all__ = [
     "poison_",
     "poisoned",
     "run_worker",
+    "torchrun",
     "write_into_dummies",
 ]

@@ -146,6 +146,21 @@ def _install_project_cpu(
     session.install(*(PACKAGES if packages is None else packages), silent=False)
 
 
+def _run_cpu_tests(session: nox.Session, *paths: str) -> None:
+    """pytest's CPU tests (not marked ``gpu``) of ``paths``, no CUDA device visible; posargs reach it."""
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "not gpu",
+        "--timeout=900",
+        *paths,
+        *session.posargs,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
 # --------------------------------------------------------------------------- sessions
 
 
@@ -155,17 +170,7 @@ def tests(session: nox.Session) -> None:
     shared = [p for p in PACKAGES if p.removeprefix("./") not in OWN_TEST_ENVIRONMENT]
     _install_project_cpu(session, "pytest>=8", "pytest-timeout", "build", packages=shared)
     own = {f"{folder}/tests" for folder in OWN_TEST_ENVIRONMENT}
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-m",
-        "not gpu",
-        "--timeout=900",
-        *(path for path in TEST_PATHS if path not in own),
-        *session.posargs,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
+    _run_cpu_tests(session, *(path for path in TEST_PATHS if path not in own))
     _build_dists(session)
     _check_dists(session)
     for folder in OWN_TEST_ENVIRONMENT:
@@ -179,17 +184,7 @@ def tests_megatron_core(session: nox.Session) -> None:
     # psutil: Megatron-Core's checkpoint writer imports it without declaring it
     packages = [*OWN_TEST_ENVIRONMENT[folder], f"./{folder}"]
     _install_project_cpu(session, "pytest>=8", "pytest-timeout", "psutil", packages=packages)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-m",
-        "not gpu",
-        "--timeout=900",
-        f"{folder}/tests",
-        *session.posargs,
-        env={"CUDA_VISIBLE_DEVICES": ""},
-    )
+    _run_cpu_tests(session, f"{folder}/tests")
 
 
 @nox.session(python=PYTHON_VERSIONS)

@@ -71,6 +71,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_moe_report as report
+import kernels_timing as kt  # the peak-memory measurement shared with bench_mlp.py
 
 import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
 
@@ -228,13 +229,7 @@ def peak_bytes(fn: Callable[[int], object], device: torch.device) -> int | None:
     """Memory one call allocates beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
-    fn(0)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn(1 % N_SETS)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return kt.peak_bytes(fn, N_SETS)
 
 
 def rel_err(ours: Tensor, ref: Tensor) -> float:

@@ -45,10 +45,8 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,24 +237,13 @@ def make_runners(shape: Shape, device: torch.device) -> dict[str, Runner]:
     return runners
 
 
-def _median_ms_cpu(fn: Callable[[int], object], reps: int, warmup: int) -> float:
-    for i in range(warmup):
-        fn(i % N_SETS)
-    samples = []
-    for i in range(reps):
-        start = time.perf_counter()
-        fn(i % N_SETS)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def timed(
     fns: dict[str, Callable[[int], object]], device: torch.device, rounds: int
 ) -> dict[str, float]:
     """Median ms of each function: interleaved CUDA-event rounds on a GPU, perf_counter on CPU."""
     if device.type == "cuda":
         return kt.interleaved_ms(fns, N_SETS, rounds=rounds, per_round=3)
-    return {name: _median_ms_cpu(fn, reps=rounds, warmup=1) for name, fn in fns.items()}
+    return {name: kt.median_ms_cpu(fn, N_SETS, reps=rounds, warmup=1) for name, fn in fns.items()}
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

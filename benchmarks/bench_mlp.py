@@ -43,9 +43,7 @@ import dataclasses
 import datetime
 import json
 import logging
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,24 +94,9 @@ class _Recorder(logging.Handler):
 
 def median_ms(fn: Callable[[int], object], device: torch.device, reps: int, warmup: int) -> float:
     """Median time of ``fn(i)`` in ms, ``i`` cycling over the input sets (CUDA events on a GPU)."""
-    for i in range(warmup):
-        fn(i % N_SETS)
     if device.type != "cuda":
-        samples = []
-        for i in range(reps):
-            start = time.perf_counter()
-            fn(i % N_SETS)
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn(i % N_SETS)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+        return kt.median_ms_cpu(fn, N_SETS, reps, warmup)
+    return kt.median_ms(fn, N_SETS, reps, warmup)
 
 
 def host_us(fn: Callable[[int], object], device: torch.device, calls: int = 5) -> float | None:
@@ -127,13 +110,7 @@ def peak_bytes(fn: Callable[[int], object], device: torch.device) -> int | None:
     """Peak memory one call allocates beyond what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
-    fn(0)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn(1 % N_SETS)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    return kt.peak_bytes(fn, N_SETS)
 
 
 @dataclasses.dataclass

@@ -28,6 +28,18 @@ def median_ms(fn: Callable[[int], object], n_sets: int, reps: int, warmup: int =
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def median_ms_cpu(fn: Callable[[int], object], n_sets: int, reps: int, warmup: int) -> float:
+    """Median wall time (ms, ``perf_counter``) of ``fn(i)``, ``i`` cycling over ``n_sets``: the CPU runs."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    samples = []
+    for i in range(reps):
+        start = time.perf_counter()
+        fn(i % n_sets)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
 def interleaved_ms(
     fns: Mapping[str, Callable[[int], object]],
     n_sets: int,
@@ -79,6 +91,21 @@ def host_us(fn: Callable[[int], object], n_sets: int, calls: int = 20) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def peak_bytes(fn: Callable[[int], object], n_sets: int) -> int:
+    """Peak CUDA memory one call of ``fn`` allocates beyond what was allocated before it.
+
+    ``fn(0)`` runs first (caches and lazy buffers settle), then ``fn(1 % n_sets)``
+    is measured.
+    """
+    fn(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(1 % n_sets)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def copy_bandwidth_gbs(gib: float = 4.0, reps: int = 20) -> float:

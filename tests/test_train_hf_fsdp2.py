@@ -13,15 +13,16 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from groupgrad_testsupport import torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_hf_fsdp2.py"
 
 
 def test_example_trains_and_reports_the_gradient_difference() -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        *torchrun(2),
         str(EXAMPLE),
         "--steps", "6", "--print-every", "3", "--layers", "1", "--batch", "4", "--seq", "16",
     ]  # fmt: skip

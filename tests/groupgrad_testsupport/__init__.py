@@ -12,15 +12,24 @@ What is here:
   and found; the root ``conftest.py`` applies it. :func:`cuda_peak_growth`
   measures what a step adds to the CUDA memory peak.
 * :mod:`.launcher` / :mod:`.worker` -- multi-rank tests: :func:`launch`,
-  :class:`Launches`, :func:`run_worker`, :class:`Rank`.
+  :class:`Launches`, :func:`run_worker`, :class:`Rank`; :func:`torchrun`, the
+  command that runs an example or benchmark as ranks under ``torch.distributed.run``.
 * :mod:`.results` -- rank results as JSON, tensors exact to the bit.
 * :mod:`.numerics` -- :func:`assert_close`, :func:`assert_as_close_as_torch`
   (DESIGN's "at most 2× PyTorch's own error" rule), :func:`assert_within_scale`,
   :func:`max_abs_error`, :func:`assert_compiled_matches_eager`,
   :func:`poisoned` / :func:`poison_` (NaN outputs).
-* :mod:`.matrix` -- :class:`Case`, the module-matrix combination, and
-  :func:`distribute_fake` / :func:`attach_main_grads` to set a module up for one,
+* :mod:`.matrix` -- :class:`Case`, the module-matrix combination;
+  :func:`module_flags`, :func:`distribute_fake` / :func:`attach_main_grads` to
+  set a module up for one, :func:`experts_fp64` for its fp64 reference;
+  :func:`assert_weight_grads`, :func:`assert_main_grads_wait_for_backward_dw`
+  and :func:`assert_matrix_close` to check a step,
   :func:`write_into_dummies` to dirty the shared dummy as hooks do.
+* :mod:`.allocations` -- :class:`AllocationRecorder`, the fresh allocations
+  of at least a given size that a block of eager code makes, and
+  :func:`backward_allocations`, those of one ``backward``.
+* :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
+  nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
 
 Writing a multi-rank test
@@ -75,13 +84,19 @@ On GPUs mark the test ``@pytest.mark.gpu(2)`` and pass ``device="cuda"``
 
 from __future__ import annotations
 
+from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
-from groupgrad_testsupport.launcher import LaunchError, Launches, launch
+from groupgrad_testsupport.launcher import LaunchError, Launches, launch, torchrun
 from groupgrad_testsupport.matrix import (
     Case,
+    assert_main_grads_wait_for_backward_dw,
+    assert_matrix_close,
+    assert_weight_grads,
     attach_main_grads,
     distribute_fake,
+    experts_fp64,
+    module_flags,
     write_into_dummies,
 )
 from groupgrad_testsupport.numerics import (
@@ -96,6 +111,7 @@ from groupgrad_testsupport.numerics import (
 from groupgrad_testsupport.worker import Rank, run_worker
 
 __all__ = [
+    "AllocationRecorder",
     "Case",
     "GpuNeed",
     "LaunchError",
@@ -104,16 +120,23 @@ __all__ = [
     "assert_as_close_as_torch",
     "assert_close",
     "assert_compiled_matches_eager",
+    "assert_main_grads_wait_for_backward_dw",
+    "assert_matrix_close",
+    "assert_weight_grads",
     "assert_within_scale",
     "attach_main_grads",
+    "backward_allocations",
     "cuda_peak_growth",
     "distribute_fake",
+    "experts_fp64",
     "launch",
     "load_sibling",
     "mark_unavailable",
     "max_abs_error",
+    "module_flags",
     "poison_",
     "poisoned",
     "run_worker",
+    "torchrun",
     "write_into_dummies",
 ]

@@ -52,6 +52,22 @@ class LaunchError(AssertionError):
     """A rank failed, timed out or left no result; the message has every rank's log tail."""
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The command that starts a script as ``nproc`` local ranks under ``torch.distributed.run``.
+
+    For tests that run an example or benchmark as a user does (``--standalone``);
+    append the script and its arguments.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+    ]
+
+
 def result_path(workdir: Path, scenario: str, rank: int) -> Path:
     """Where rank ``rank`` leaves scenario ``scenario``'s result (see :mod:`.results`)."""
     return workdir / "results" / f"{scenario}.rank{rank}.json"

@@ -9,9 +9,13 @@ accumulate, overwrite} × {delay, no delay} × {zero_out_wgrad} × {bias}::
     @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
     def test_matches_reference(case: Case) -> None: ...
 
-:func:`distribute_fake` and :func:`attach_main_grads` set a module up for a
-case's ``kind`` and ``main_grad``; :func:`write_into_dummies` dirties the
-shared zero dummy as a hook would.
+:func:`module_flags` gives a module the case's options,
+:func:`distribute_fake` and :func:`attach_main_grads` set it up for the
+case's ``kind`` and ``main_grad``; :func:`experts_fp64` reads a
+``GroupedLinear``'s experts for an fp64 reference. After each step
+:func:`assert_main_grads_wait_for_backward_dw` (before ``backward_dw()``) and
+:func:`assert_weight_grads` check where the weight gradients went, and
+:func:`write_into_dummies` dirties the shared zero dummy as a hook would.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -85,6 +89,81 @@ class Case:
                 (False, True),
             )
         ]
+
+
+def module_flags(case: Case) -> dict[str, Any]:
+    """The constructor options of ``GroupedLinear`` / ``GroupedMLP`` that ``case`` sets."""
+    return {
+        "bias": case.bias,
+        "single_grouped_weight": case.layout == "single",
+        "accumulate_into_main_grad": case.main_grad != "none",
+        "delay_wgrad_compute": case.delay,
+    }
+
+
+def experts_fp64(linear: nn.Module) -> tuple[list[Tensor], list[Tensor | None]]:
+    """Each expert's weight and bias (``None`` without bias) of a ``GroupedLinear``, in fp64."""
+    E: int = linear.num_groups  # type: ignore[assignment]
+    if linear.single_grouped_weight:
+        ws = list(linear.weight.detach().double().unbind(0))
+        bs: list[Tensor | None] = (
+            list(linear.bias.detach().double().unbind(0)) if linear.use_bias else [None] * E
+        )
+    else:
+        ws = [getattr(linear, f"weight{e}").detach().double() for e in range(E)]
+        bs = [
+            getattr(linear, f"bias{e}").detach().double() if linear.use_bias else None
+            for e in range(E)
+        ]
+    return ws, bs
+
+
+def assert_matrix_close(actual: Tensor, expected: Tensor, what: str) -> None:
+    """``actual`` (any float dtype) equals the fp64 ``expected`` to the matrix tests' 1e-5."""
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def assert_main_grads_wait_for_backward_dw(
+    case: Case, weights: Sequence[Tensor], before: Sequence[Tensor | None]
+) -> None:
+    """Before ``backward_dw()``: a delayed plain case's ``main_grad`` is as it was (``before``).
+
+    Backward handed autograd the flag and dummy only; ``main_grad`` is written
+    at ``backward_dw()``. Other cases are not checked here.
+    """
+    if case.delay and case.kind == "plain" and case.main_grad != "none":
+        for w, old in zip(weights, before, strict=True):
+            torch.testing.assert_close(w.main_grad, old, equal_nan=True)  # type: ignore[attr-defined]
+        assert all(w.grad_added_to_main_grad for w in weights)  # type: ignore[attr-defined]
+
+
+def assert_weight_grads(
+    case: Case,
+    weights: Sequence[Tensor],
+    labels: Sequence[str],
+    *,
+    latest: Sequence[Tensor],
+    total: Sequence[Tensor],
+    initial: Sequence[Tensor | None],
+) -> None:
+    """After a step, each weight's gradient is where ``case.main_grad`` puts it.
+
+    ``"none"``: ``.grad`` holds ``total`` (the fp64 sum of every step's wgrad).
+    ``"overwrite"``: ``main_grad`` holds ``latest`` (this step's); ``"accumulate"``:
+    ``initial`` (``main_grad`` before the first step) plus ``total``. With a
+    ``main_grad`` the flag is set and ``.grad`` is a zero dummy of the
+    weight's shape. ``labels`` name the weights in messages.
+    """
+    for w, label, dw, dw_sum, start in zip(weights, labels, latest, total, initial, strict=True):
+        if case.main_grad == "none":
+            assert_matrix_close(w.grad, dw_sum, f".grad of {label}")  # type: ignore[arg-type]
+            continue
+        expected = dw if case.main_grad == "overwrite" else start.double() + dw_sum  # type: ignore[union-attr]
+        assert_matrix_close(w.main_grad, expected, f"main_grad of {label}")  # type: ignore[attr-defined]
+        assert w.grad_added_to_main_grad is True, label  # type: ignore[attr-defined]
+        assert w.grad is not None, f"{label}: autograd received no dummy"
+        assert w.grad.shape == w.shape
+        assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
 
 
 def distribute_fake(owner: nn.Module, main_grad: MainGrad) -> list[Tensor]:

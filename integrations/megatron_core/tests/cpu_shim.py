@@ -26,44 +26,19 @@ What it patches, and why:
 
 from __future__ import annotations
 
-import contextlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
+# The example and the benchmark load this file by its path, outside pytest: the shared test
+# support (``<repository>/tests``) is put on ``sys.path`` here, as the root conftest.py does.
+_SUPPORT = str(Path(__file__).resolve().parents[3] / "tests")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)
 
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _Stream:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _Event:
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        pass
+from groupgrad_testsupport.cpu_streams import stub_streams  # noqa: E402
 
 
 def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -86,12 +61,7 @@ def install() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
     torch.cuda.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
-    torch.cuda.Stream = _Stream  # type: ignore[misc,assignment]
-    torch.cuda.Event = _Event  # type: ignore[misc,assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.empty_cache = lambda: None
+    stub_streams()
 
     import megatron.core.tensor_parallel.random as megatron_random
     import megatron.core.transformer.moe.moe_utils as moe_utils

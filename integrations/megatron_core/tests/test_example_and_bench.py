@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from groupgrad_testsupport import torchrun
+
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "train_megatron_core_moe.py"
 BENCH = ROOT / "benchmarks" / "bench_megatron_moe.py"
@@ -37,15 +39,7 @@ def _run(command: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
 
 def test_gpt_moe_example_losses_equal_sequential_mlp(tmp_path: Path) -> None:
     out = tmp_path / "losses.json"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    _run([*torchrun, str(EXAMPLE), "--steps", "4", "--ep", "2", "--out", str(out)], timeout=600)
+    _run([*torchrun(2), str(EXAMPLE), "--steps", "4", "--ep", "2", "--out", str(out)], timeout=600)
     losses = json.loads(out.read_text())["losses"]
     reference = losses["sequential"]
     assert len(reference) == 4

@@ -19,13 +19,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from groupgrad_testsupport import Launches, load_sibling
+from groupgrad_testsupport import Launches, load_sibling, torchrun
 
 pytestmark = pytest.mark.gpu(2)
 
@@ -60,16 +59,7 @@ def test_moe_layer_on_two_gpus_against_sequential_mlp(runs: Launches, name: str)
 
 
 def _torchrun(script: Path, *args: str, timeout: int = 900) -> str:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        *args,
-    ]
+    command = [*torchrun(2), str(script), *args]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, check=False, env=dict(os.environ)
     )

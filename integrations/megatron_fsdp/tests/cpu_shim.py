@@ -24,57 +24,19 @@ reduces with ``SUM`` (same result).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _Stream:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _Event:
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        pass
+from groupgrad_testsupport.cpu_streams import stub_streams
 
 
 def install() -> None:
     """Patch the CUDA calls listed in the module docstring; refuses when CUDA is available."""
     if torch.cuda.is_available():
         raise RuntimeError("cpu_shim is for CPU-only test processes; CUDA is available here")
-    torch.cuda.Stream = _Stream  # type: ignore[misc,assignment]
-    torch.cuda.Event = _Event  # type: ignore[misc,assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda device=None: _Stream()  # type: ignore[assignment]
+    stub_streams()
     torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.empty_cache = lambda: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 

@@ -14,34 +14,16 @@ other way).
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+from groupgrad_testsupport import load_sibling
 
-def _load_helper(name: str) -> Any:
-    """Import a sibling helper by path (pytest's importlib mode puts no test dir on sys.path)."""
-    module_name = f"_groupgrad_transformers_tests_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(
-        module_name, Path(__file__).with_name(f"{name}.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load_helper("tiny")
+tiny = load_sibling(__file__, "tiny")
 
 import groupgrad.integrations.transformers as ggt  # noqa: E402 (registers "groupgrad")
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from groupgrad.modules import GroupedLinear, grouped_linear
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad_testsupport import backward_allocations
 
 E, K, N = 4, 16, 8
 
@@ -322,39 +321,6 @@ def test_saved_tensors_hooks_cannot_strip_the_distributed_leader() -> None:
 # ---------------------------------------------------------------- allocations
 
 
-class _AllocationRecorder(TorchDispatchMode):
-    """Records every op output that owns fresh storage of at least ``numel`` elements.
-
-    The grouped kernels are custom ops, opaque to a dispatch mode: this sees
-    what the module and the protocol allocate around them (a scratch wgrad
-    buffer would be one). The GPU suite checks the kernels' own memory with
-    CUDA memory statistics.
-    """
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel = numel
-        self.big: list[tuple[str, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in inputs:
-                continue
-            if storage.nbytes() // t.element_size() >= self.numel:
-                self.big.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("single", [False, True])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwrite: bool) -> None:
@@ -378,19 +344,11 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
     x = torch.randn(sum(splits), k, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(sum(splits), n, generator=gen).bfloat16()
     module(x, splits).backward(dy)  # warm-up: the cached dummy is allocated once
-    y = module(x, splits)
-    recorder = _AllocationRecorder(numel=n * k)
-    with recorder:
-        y.backward(dy)
-    assert recorder.big == []
+    assert backward_allocations(module(x, splits), dy, numel=n * k) == []
 
     # the recorder does see a weight-sized wgrad when autograd owns the gradient
     module.accumulate_into_main_grad = False
-    y = module(x, splits)
-    control = _AllocationRecorder(numel=n * k)
-    with control:
-        y.backward(dy)
-    assert control.big
+    assert backward_allocations(module(x, splits), dy, numel=n * k)
 
 
 # ---------------------------------------------------------------- errors

@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear
 from groupgrad.protocol.testing import FakeDistributedWeight
-from groupgrad_testsupport import Case, attach_main_grads, distribute_fake, write_into_dummies
+from groupgrad_testsupport import matrix
+from groupgrad_testsupport.matrix import Case
 
 E, K, N = 4, 16, 8
 MICRO_BATCHES = 3
@@ -27,21 +28,12 @@ CASES = Case.all()
 
 def _build(case: Case, seed: int) -> tuple[GroupedLinear, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    module = GroupedLinear(
-        E,
-        K,
-        N,
-        bias=case.bias,
-        single_grouped_weight=case.layout == "single",
-        accumulate_into_main_grad=case.main_grad != "none",
-        delay_wgrad_compute=case.delay,
-        dtype=torch.float32,
-    )
+    module = GroupedLinear(E, K, N, **matrix.module_flags(case), dtype=torch.float32)
     if case.kind == "distributed":
-        distribute_fake(module, case.main_grad)
+        matrix.distribute_fake(module, case.main_grad)
     weights = [getattr(module, n) for n in module.weight_names]
     generator = torch.Generator().manual_seed(seed + 1)
-    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
+    matrix.attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
 
 
@@ -50,14 +42,7 @@ def _reference(
 ) -> dict[str, torch.Tensor]:
     """fp64 per-expert reference: y, dx, per-parameter dw, per-parameter db."""
     fwd_scale, bwd_scale = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
-    if case.layout == "single":
-        w_list = list(module.weight.detach().double().unbind(0))
-        b_list = list(module.bias.detach().double().unbind(0)) if case.bias else [None] * E
-    else:
-        w_list = [getattr(module, f"weight{e}").detach().double() for e in range(E)]
-        b_list = [
-            getattr(module, f"bias{e}").detach().double() if case.bias else None for e in range(E)
-        ]
+    w_list, b_list = matrix.experts_fp64(module)
     ys, dxs, dws, dbs = [], [], [], []
     for x_e, dy_e, w_e, b_e in zip(
         x.double().split(splits), dy.double().split(splits), w_list, b_list, strict=True
@@ -69,10 +54,6 @@ def _reference(
     dw = [torch.stack(dws)] if case.layout == "single" else dws
     db = [torch.stack(dbs)] if case.layout == "single" else dbs
     return {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw": dw, "db": db}  # type: ignore[dict-item]
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -91,16 +72,12 @@ def test_grouped_linear_matrix(case: Case) -> None:
         ref = _reference(module, case, x.detach(), dy, splits)
 
         y = module(x, splits)
-        _close(y, ref["y"], f"y at step {step}")
+        matrix.assert_matrix_close(y, ref["y"], f"y at step {step}")
         before = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
         y.backward(dy)
-        _close(x.grad, ref["dx"], f"dx at step {step}")
+        matrix.assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
 
-        if case.delay and case.kind == "plain" and case.main_grad != "none":
-            # backward handed out the flag and dummy; main_grad is written at backward_dw()
-            for w, old in zip(weights, before, strict=True):
-                torch.testing.assert_close(w.main_grad, old, equal_nan=True)
-            assert all(w.grad_added_to_main_grad for w in weights)
+        matrix.assert_main_grads_wait_for_backward_dw(case, weights, before)
         module.backward_dw()
 
         for index, dw in enumerate(ref["dw"]):
@@ -108,30 +85,21 @@ def test_grouped_linear_matrix(case: Case) -> None:
         for index in range(len(biases)):
             sum_db[index] += ref["db"][index]
 
-        for index, w in enumerate(weights):
-            label = f"{module.weight_names[index]} at step {step}"
-            if case.main_grad == "none":
-                _close(w.grad, sum_dw[index], f".grad of {label}")
-                continue
-            expected = (
-                ref["dw"][index]
-                if case.main_grad == "overwrite"
-                else initial_main_grad[index].double() + sum_dw[index]
-            )
-            _close(w.main_grad, expected, f"main_grad of {label}")
-            assert w.grad_added_to_main_grad is True, label
-            assert w.grad is not None, f"{label}: autograd received no dummy"
-            assert w.grad.shape == w.shape
-            assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
+        labels = [f"{name} at step {step}" for name in module.weight_names]
+        matrix.assert_weight_grads(
+            case, weights, labels, latest=ref["dw"], total=sum_dw, initial=initial_main_grad
+        )
         for index, b in enumerate(biases):
-            _close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+            matrix.assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
         if case.kind == "distributed":
             # what the layer handed the implementer, against the fp64 oracle (not the fake)
             received = weights[0].finalized[-1]
             for index, dw in enumerate(ref["dw"]):
-                _close(received[index], dw, f"wgrad handed to finalize, member {index}")
+                matrix.assert_matrix_close(
+                    received[index], dw, f"wgrad handed to finalize, member {index}"
+                )
         elif case.main_grad != "none":
-            write_into_dummies(weights, versioned=not case.zero_out)
+            matrix.write_into_dummies(weights, versioned=not case.zero_out)
         x.grad = None
 
     if case.kind == "distributed":

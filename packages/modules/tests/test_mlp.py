@@ -14,11 +14,10 @@ import sys
 import pytest
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
+from groupgrad_testsupport import backward_allocations
 
 E, H, FFN = 4, 16, 8
 
@@ -423,33 +422,6 @@ def test_saved_tensors_are_x_h_and_probs_and_never_the_distributed_weights() -> 
 # ---------------------------------------------------------------- allocations
 
 
-class _AllocationRecorder(TorchDispatchMode):
-    """Records every op output that owns fresh storage of at least ``numel`` elements."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel = numel
-        self.big: list[tuple[str, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in inputs:
-                continue
-            if storage.nbytes() // t.element_size() >= self.numel:
-                self.big.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("single", [False, True])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwrite: bool) -> None:
@@ -475,18 +447,10 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
     dy = torch.randn(sum(splits), hidden, generator=gen).bfloat16()
     module(x, splits, probs).backward(dy)  # warm-up: the cached dummies are allocated once
     smallest_weight = hidden * ffn
-    y = module(x, splits, probs)
-    recorder = _AllocationRecorder(numel=smallest_weight)
-    with recorder:
-        y.backward(dy)
-    assert recorder.big == []
+    assert backward_allocations(module(x, splits, probs), dy, numel=smallest_weight) == []
 
     module.accumulate_into_main_grad = False  # control: autograd owns the gradient
-    y = module(x, splits, probs)
-    control = _AllocationRecorder(numel=smallest_weight)
-    with control:
-        y.backward(dy)
-    assert control.big
+    assert backward_allocations(module(x, splits, probs), dy, numel=smallest_weight)
 
 
 # ---------------------------------------------------------------- errors

@@ -21,7 +21,8 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight
-from groupgrad_testsupport import Case, attach_main_grads, distribute_fake, write_into_dummies
+from groupgrad_testsupport import matrix
+from groupgrad_testsupport.matrix import Case
 
 E, H, FFN = 4, 16, 8
 SPLITS = [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]]
@@ -39,38 +40,14 @@ def _layer_weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
 
 def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    module = GroupedMLP(
-        E,
-        H,
-        FFN,
-        bias=case.bias,
-        single_grouped_weight=case.layout == "single",
-        accumulate_into_main_grad=case.main_grad != "none",
-        delay_wgrad_compute=case.delay,
-        dtype=torch.float32,
-    )
+    module = GroupedMLP(E, H, FFN, **matrix.module_flags(case), dtype=torch.float32)
     if case.kind == "distributed":
-        distribute_fake(module.fc1, case.main_grad)
-        distribute_fake(module.fc2, case.main_grad)
+        matrix.distribute_fake(module.fc1, case.main_grad)
+        matrix.distribute_fake(module.fc2, case.main_grad)
     weights = _layer_weights(module, "fc1") + _layer_weights(module, "fc2")
     generator = torch.Generator().manual_seed(seed + 1)
-    attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
+    matrix.attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
-
-
-def _experts(module: GroupedMLP, layer: str, kind: str) -> tuple[list[torch.Tensor], list]:
-    """Each expert's fp64 weight and bias (``None`` without bias) of ``layer``."""
-    linear = getattr(module, layer)
-    if linear.single_grouped_weight:
-        ws = list(linear.weight.detach().double().unbind(0))
-        bs = list(linear.bias.detach().double().unbind(0)) if linear.use_bias else [None] * E
-    else:
-        ws = [getattr(linear, f"weight{e}").detach().double() for e in range(E)]
-        bs = [
-            getattr(linear, f"bias{e}").detach().double() if linear.use_bias else None
-            for e in range(E)
-        ]
-    return ws, bs
 
 
 def _reference(
@@ -83,8 +60,8 @@ def _reference(
 ) -> dict:
     """fp64 per-expert reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
     fwd, bwd = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
-    w1s, b1s = _experts(module, "fc1", case.kind)
-    w2s, b2s = _experts(module, "fc2", case.kind)
+    w1s, b1s = matrix.experts_fp64(module.fc1)
+    w2s, b2s = matrix.experts_fp64(module.fc2)
     p_all = torch.ones(x.shape[0], dtype=torch.float64) if probs is None else probs.double()
     out: dict[str, list] = {k: [] for k in ("y", "dx", "dp", "dw1", "dw2", "db1", "db2")}
     for e, (x_e, dy_e, p_e) in enumerate(
@@ -109,10 +86,6 @@ def _reference(
     return result
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5, msg=what)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_grouped_mlp_matrix(case: Case) -> None:
     module, weights = _build(case, seed=11)
@@ -133,19 +106,15 @@ def test_grouped_mlp_matrix(case: Case) -> None:
         ref = _reference(module, case, x.detach(), probs, dy, splits)
 
         y = module(x, splits, probs)
-        _close(y, ref["y"], f"y at step {step}")
+        matrix.assert_matrix_close(y, ref["y"], f"y at step {step}")
         before = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
         grads_before = [None if w.grad is None else w.grad.clone() for w in weights]
         y.backward(dy)
-        _close(x.grad, ref["dx"], f"dx at step {step}")
+        matrix.assert_matrix_close(x.grad, ref["dx"], f"dx at step {step}")
         if probs is not None:
-            _close(probs.grad, ref["dp"], f"dprobs at step {step}")
+            matrix.assert_matrix_close(probs.grad, ref["dp"], f"dprobs at step {step}")
 
-        if case.delay and case.kind == "plain" and case.main_grad != "none":
-            # backward handed out the flag and dummy; main_grad is written at backward_dw()
-            for w, old in zip(weights, before, strict=True):
-                torch.testing.assert_close(w.main_grad, old, equal_nan=True)
-            assert all(w.grad_added_to_main_grad for w in weights)
+        matrix.assert_main_grads_wait_for_backward_dw(case, weights, before)
         if case.delay and case.main_grad == "none":
             for w, old in zip(weights, grads_before, strict=True):
                 unchanged = w.grad is None if old is None else torch.equal(w.grad, old)
@@ -158,31 +127,22 @@ def test_grouped_mlp_matrix(case: Case) -> None:
         for index, db in enumerate(ref["db1"] + ref["db2"] if case.bias else []):
             sum_db[index] += db
 
-        for index, w in enumerate(weights):
-            label = f"{names[index]} at step {step}"
-            if case.main_grad == "none":
-                _close(w.grad, sum_dw[index], f".grad of {label}")
-                continue
-            expected = (
-                latest[index]
-                if case.main_grad == "overwrite"
-                else initial[index].double() + sum_dw[index]
-            )
-            _close(w.main_grad, expected, f"main_grad of {label}")
-            assert w.grad_added_to_main_grad is True, label
-            assert w.grad is not None, f"{label}: autograd received no dummy"
-            assert w.grad.shape == w.shape
-            assert not w.grad.any(), f"{label}: the dummy .grad is not zero"
+        labels = [f"{name} at step {step}" for name in names]
+        matrix.assert_weight_grads(
+            case, weights, labels, latest=latest, total=sum_dw, initial=initial
+        )
         for index, b in enumerate(biases):
-            _close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
+            matrix.assert_matrix_close(b.grad, sum_db[index], f"bias grad {index} at step {step}")
         if case.kind == "distributed":
             # what each layer handed its implementer, against the fp64 oracle (not the fake)
             for layer, key in (("fc1", "dw1"), ("fc2", "dw2")):
                 received = _layer_weights(module, layer)[0].finalized[-1]
                 for index, dw in enumerate(ref[key]):
-                    _close(received[index], dw, f"{layer} wgrad handed to finalize, member {index}")
+                    matrix.assert_matrix_close(
+                        received[index], dw, f"{layer} wgrad handed to finalize, member {index}"
+                    )
         elif case.main_grad != "none":
-            write_into_dummies(weights, versioned=not case.zero_out)
+            matrix.write_into_dummies(weights, versioned=not case.zero_out)
 
     if case.kind == "distributed":
         for layer in ("fc1", "fc2"):

@@ -6,14 +6,22 @@ from torch import nn
 
 from groupgrad.modules._wgrad import WgradQueue
 
-__all__ = ["GroupedModule"]
+__all__ = ["FLAG_REPR_FIELDS", "GroupedModule"]
+
+# The repr's tail both grouped layers show: their bias and wgrad flags, in this order.
+FLAG_REPR_FIELDS: tuple[tuple[str, str], ...] = (
+    ("bias", "use_bias"),
+    ("single_grouped_weight", "single_grouped_weight"),
+    ("accumulate_into_main_grad", "accumulate_into_main_grad"),
+    ("delay_wgrad_compute", "delay_wgrad_compute"),
+)
 
 
 class GroupedModule(nn.Module):
     """Base of the grouped layers: ``delay_wgrad_compute``, :meth:`backward_dw` and the repr.
 
     Subclasses list what their repr shows in ``_repr_fields``, as
-    ``(label, attribute)`` pairs.
+    ``(label, attribute)`` pairs (their sizes, then ``FLAG_REPR_FIELDS``).
     """
 
     _repr_fields: tuple[tuple[str, str], ...] = ()

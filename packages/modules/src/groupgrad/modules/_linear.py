@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from groupgrad.modules._base import GroupedModule
+from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._linear_fn import apply_grouped_linear
 
@@ -66,10 +66,7 @@ class GroupedLinear(GroupedModule):
         ("num_groups", "num_groups"),
         ("in_features", "in_features"),
         ("out_features", "out_features"),
-        ("bias", "use_bias"),
-        ("single_grouped_weight", "single_grouped_weight"),
-        ("accumulate_into_main_grad", "accumulate_into_main_grad"),
-        ("delay_wgrad_compute", "delay_wgrad_compute"),
+        *FLAG_REPR_FIELDS,
     )
 
     def __init__(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from groupgrad.modules._base import GroupedModule
+from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
 from groupgrad.modules._group import Splits
 from groupgrad.modules._linear import GroupedLinear, check_sizes
 from groupgrad.modules._mlp_fn import (
@@ -84,10 +84,7 @@ class GroupedMLP(GroupedModule):
         ("hidden_size", "hidden_size"),
         ("ffn_hidden_size", "ffn_hidden_size"),
         ("activation", "activation"),
-        ("bias", "use_bias"),
-        ("single_grouped_weight", "single_grouped_weight"),
-        ("accumulate_into_main_grad", "accumulate_into_main_grad"),
-        ("delay_wgrad_compute", "delay_wgrad_compute"),
+        *FLAG_REPR_FIELDS,
     )
 
     def __init__(

@@ -75,7 +75,9 @@ class GroupgradGroupedLinear(GroupedLinear):
         input_size: ``K``.
         output_size: ``N``.
         parallel_mode: ``"column"`` (fc1) or ``"row"`` (fc2): the
-            checkpoint layout and the tensor-parallel labels of the weights.
+            checkpoint layout and the tensor-parallel labels of the weights;
+            ``None`` takes the class's ``default_parallel_mode`` (set by the
+            column and row subclasses).
         config: Megatron's ``TransformerConfig``.
         init_method: Initializes one expert's ``(N, K)`` weight in place.
         bias: Whether each expert has a bias.
@@ -94,13 +96,15 @@ class GroupgradGroupedLinear(GroupedLinear):
             parallelism, FP8/FP4), each named with its value.
     """
 
+    default_parallel_mode: str | None = None
+
     def __init__(
         self,
         num_gemms: int,
         input_size: int,
         output_size: int,
         *,
-        parallel_mode: str,
+        parallel_mode: str | None = None,
         config: Any,
         init_method: Callable[[Tensor], Any],
         bias: bool,
@@ -111,6 +115,8 @@ class GroupgradGroupedLinear(GroupedLinear):
         name: str | None = None,
     ) -> None:
         owner = type(self).__name__
+        if parallel_mode is None:
+            parallel_mode = self.default_parallel_mode
         if is_expert is not True:
             raise ValueError(
                 f"{owner}: is_expert is {is_expert!r}, expected True (groupgrad grouped linears "
@@ -243,76 +249,20 @@ class GroupgradGroupedLinear(GroupedLinear):
 class GroupgradColumnParallelGroupedLinear(GroupgradGroupedLinear):
     """fc1 of Megatron's grouped-experts layer on groupgrad (``TEColumnParallelGroupedLinear``'s slot).
 
-    The arguments of :class:`GroupgradGroupedLinear` without ``parallel_mode``
-    (``"column"``): the weights' tensor-parallel axis is 0 and fc1's bias is
-    split with them in the checkpoint layout.
+    The arguments of :class:`GroupgradGroupedLinear`, with ``parallel_mode``
+    ``"column"`` by default: the weights' tensor-parallel axis is 0 and fc1's
+    bias is split with them in the checkpoint layout.
     """
 
-    def __init__(
-        self,
-        num_gemms: int,
-        input_size: int,
-        output_size: int,
-        *,
-        config: Any,
-        init_method: Callable[[Tensor], Any],
-        bias: bool,
-        skip_bias_add: bool,
-        is_expert: bool = True,
-        tp_comm_buffer_name: str | None = None,
-        pg_collection: Any = None,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(
-            num_gemms,
-            input_size,
-            output_size,
-            parallel_mode="column",
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            pg_collection=pg_collection,
-            name=name,
-        )
+    default_parallel_mode = "column"
 
 
 class GroupgradRowParallelGroupedLinear(GroupgradGroupedLinear):
     """fc2 of Megatron's grouped-experts layer on groupgrad (``TERowParallelGroupedLinear``'s slot).
 
-    The arguments of :class:`GroupgradGroupedLinear` without ``parallel_mode``
-    (``"row"``): the weights' tensor-parallel axis is 1 and the bias is not
-    split in the checkpoint layout.
+    The arguments of :class:`GroupgradGroupedLinear`, with ``parallel_mode``
+    ``"row"`` by default: the weights' tensor-parallel axis is 1 and the bias
+    is not split in the checkpoint layout.
     """
 
-    def __init__(
-        self,
-        num_gemms: int,
-        input_size: int,
-        output_size: int,
-        *,
-        config: Any,
-        init_method: Callable[[Tensor], Any],
-        bias: bool,
-        skip_bias_add: bool,
-        is_expert: bool = True,
-        tp_comm_buffer_name: str | None = None,
-        pg_collection: Any = None,
-        name: str | None = None,
-    ) -> None:
-        super().__init__(
-            num_gemms,
-            input_size,
-            output_size,
-            parallel_mode="row",
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            pg_collection=pg_collection,
-            name=name,
-        )
+    default_parallel_mode = "row"

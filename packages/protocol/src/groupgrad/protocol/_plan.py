@@ -252,9 +252,11 @@ def _main_grad_plan(
             f"overwrite_main_grad differs within one group ({split}); one wgrad GEMM either "
             "overwrites or accumulates, expected the same value on every parameter"
         )
+    buffers = list(fetched.values())
     frozen = len(members) - len(live)
-    scratch = iter(torch.empty((frozen, *shape), dtype=first.dtype, device=device).unbind(0))
-    buffers = [fetched[i] if keep else next(scratch) for i, keep in enumerate(trainable)]
+    if frozen:  # scratch that nothing reads, so the one GEMM still covers every expert
+        scratch = iter(torch.empty((frozen, *shape), dtype=first.dtype, device=device).unbind(0))
+        buffers = [fetched[i] if keep else next(scratch) for i, keep in enumerate(trainable)]
     return WeightGradPlan(
         route=WgradRoute.MAIN_GRAD,
         weights=members,

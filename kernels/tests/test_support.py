@@ -134,3 +134,23 @@ def test_listed_weights_are_checked_like_listed_outputs() -> None:
     assert unsupported_reason("fprop", x, [*w_list[:1], misaligned(w_list[1]), *w_list[2:]], y) == (
         "weights[1] is not 16-byte aligned"
     )
+
+
+@pytest.mark.parametrize("members_alike", [False, True])
+def test_alike_members_are_still_checked_for_their_address(members_alike: bool) -> None:
+    # validation's lean test (contiguous, one shape, dtype and device) spares the
+    # stride comparison, never the alignment of each member
+    dy, x = rand(T, N), rand(T, K, seed=1)
+    out = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
+
+    def reason(group: list[Tensor]) -> str | None:
+        return unsupported_reason("wgrad", dy, x, group, members_alike=members_alike)
+
+    assert reason(out) is None
+    for e in range(E):
+        group = [*out[:e], misaligned(out[e]), *out[e + 1 :]]
+        assert reason(group) == f"out[{e}] is not 16-byte aligned"
+    w_list = [rand(N, K, seed=e) for e in range(E)]
+    assert unsupported_reason(
+        "fprop", x, [*w_list[:3], misaligned(w_list[3])], rand(T, N), members_alike=members_alike
+    ) == ("weights[3] is not 16-byte aligned")

@@ -89,6 +89,36 @@ def out_member(a: dict[str, Any], e: int, member: object) -> None:
     a["out"][e] = member
 
 
+def alike_overlapping(dtype: torch.dtype) -> list[Tensor]:
+    """``E`` contiguous ``(N, K)`` views of one buffer, each starting 4 elements before the last ends."""
+    flat = full(E * N * K, dtype=dtype)
+    return [flat[e * (N * K - 4) :][: N * K].view(N, K) for e in range(E)]
+
+
+def alike_member_inside_dy(a: dict[str, Any]) -> None:
+    """bf16 outputs, all alike; ``out[2]`` starts inside ``dy``'s memory."""
+    buffer = rand(T * N + N * K)
+    a["dy"] = buffer[: T * N].view(T, N)
+    a["out"] = [full(N, K) for _ in range(E)]
+    a["out"][2] = buffer[T * N - 3 :][: N * K].view(N, K)
+
+
+def alike_member_before_x(a: dict[str, Any]) -> None:
+    """bf16 outputs, all alike; ``out[1]`` ends inside ``x``'s memory."""
+    buffer = rand(N * K + T * K)
+    a["out"] = [full(N, K) for _ in range(E)]
+    a["out"][1] = buffer[: N * K].view(N, K)
+    a["x"] = buffer[N * K - 1 :][: T * K].view(T, K)
+
+
+def out_inside_alike_weight(a: dict[str, Any]) -> None:
+    """Listed weights, all alike; ``out`` starts inside ``weights[2]``."""
+    buffer = rand(N * K + T * N)
+    weights = list(a["weights"].unbind(0))
+    weights[2] = buffer[: N * K].view(N, K)
+    a["weights"], a["out"] = weights, buffer[N * K // 2 :][: T * N].view(T, N)
+
+
 CASES = [
     # fprop: x
     Case("x-not-tensor", "fprop", lambda a: a.update(x=a["x"].tolist()), TypeError,
@@ -245,6 +275,21 @@ CASES = [
          lambda a: a.update(out=[a["x"].view(-1)[: N * K].view(N, K),
                                  *[full(N, K) for _ in range(E - 1)]]),
          ValueError, r"out\[0\] overlaps x in memory"),
+    # listed groups of alike contiguous members take the lean overlap sweep
+    Case("out-alike-members-overlap", "wgrad", lambda a: a.update(out=alike_overlapping(FP32)),
+         ValueError, r"out\[\d\] overlaps out\[\d\] in memory"),
+    Case("out-alike-member-overlaps-dy", "wgrad", alike_member_inside_dy, ValueError,
+         r"out\[2\] overlaps dy in memory"),
+    Case("out-alike-member-holds-x", "wgrad", alike_member_before_x, ValueError,
+         r"out\[1\] overlaps x in memory"),
+    Case("out-overlaps-alike-weights", "fprop", out_inside_alike_weight, ValueError,
+         r"out overlaps weights\[2\] in memory"),
+    Case("out-overlaps-x-alike-weights", "fprop",
+         lambda a: a.update(weights=list(a["weights"].unbind(0)), out=a["x"][:, :N]), ValueError,
+         r"out overlaps x in memory"),
+    Case("dgrad-out-overlaps-dy-alike-weights", "dgrad",
+         lambda a: a.update(weights=list(a["weights"].unbind(0)), dy=a["out"][:, :N]),
+         ValueError, r"out overlaps dy in memory"),
     Case("accumulate-without-out", "wgrad", lambda a: a.update(out=None, accumulate=True),
          ValueError, r"accumulate=True needs out: there is nothing to accumulate into"),
     Case("accumulate-not-bool", "wgrad", lambda a: a.update(accumulate="yes"), TypeError,
@@ -282,3 +327,21 @@ def test_device_splits_on_the_reference_path_are_checked_when_read():
     with pytest.raises(ValueError, match=r"splits sums to 11 but x has 12 rows"):
         _ops.grouped_fprop_op(x, [w_ENK], torch.tensor([3, 0, 5, 3]), out)
     assert torch.equal(out, full(T, N))
+
+
+@pytest.mark.parametrize("impl", ["kernel", "ref"])
+def test_alike_members_that_only_touch_are_not_overlapping(impl):
+    """Back to back in one buffer — ``dy``, every ``out[e]``, ``x`` — is valid: ranges meet, never overlap."""
+    wgrad = KERNELS["wgrad"][impl == "ref"]
+    dy, x = rand(T, N), rand(T, K)
+    buffer = torch.empty(T * N + E * N * K + T * K, dtype=BF16)
+    dy_in = buffer[: T * N].view(T, N)
+    out = [buffer[T * N + e * N * K :][: N * K].view(N, K) for e in range(E)]
+    x_in = buffer[T * N + E * N * K :].view(T, K)
+    dy_in.copy_(dy)
+    x_in.copy_(x)
+    wgrad(dy_in, x_in, SPLITS, out=out)
+    expected = grouped_wgrad_ref(dy, x, SPLITS)
+    assert all(torch.equal(o, e) for o, e in zip(out, expected.unbind(0), strict=True))
+    assert torch.equal(dy_in, dy)
+    assert torch.equal(x_in, x)

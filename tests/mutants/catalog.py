@@ -47,6 +47,9 @@ _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
+_OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
+_SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
+_GROUPED = "kernels/src/groupgrad/kernels/_grouped.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -298,5 +301,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "            param.copy_(master)",
         "            pass",
         (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    # --- the lean checks of listed groups (host cost) must reject what the full ones do
+    Mutant(
+        "lean-overlap-ignores-inputs",
+        "the lean overlap sweep of alike members never compares them with the inputs",
+        _OVERLAP,
+        "        if starts and (is_output or group_is_output):",
+        "        if False:",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "lean-overlap-ignores-members",
+        "the lean overlap sweep of alike outputs never compares them with each other",
+        _OVERLAP,
+        "        group_is_output\n        and len(starts) > 1",
+        "        False\n        and len(starts) > 1",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "lean-support-skips-alignment",
+        "the support check of alike members trusts their addresses",
+        _SUPPORT,
+        "        alike\n        and first.numel()\n        and not any(",
+        "        alike\n        or not any(",
+        (f"{KERNELS}/test_support.py",),
+    ),
+    Mutant(
+        "lean-test-ignores-shape",
+        "the lean test of a listed group does not compare shapes",
+        _GROUPED,
+        "        set(map(_SHAPE, tensors)) == {shape}\n        and ",
+        "        ",
+        (f"{KERNELS}/test_validation.py",),
     ),
 )

@@ -42,12 +42,17 @@ CUTLASS_MODULE = "groupgrad.kernels._cutlass"
 _reasons_said: set[str] = set()
 
 
-def fprop_on_device(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
-    """CUDA kernel of ``groupgrad::grouped_fprop``: ``y_e = x_e @ w_e.T`` into ``out``."""
+def fprop_on_device(
+    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, *, members_alike: bool = False
+) -> None:
+    """CUDA kernel of ``groupgrad::grouped_fprop``: ``y_e = x_e @ w_e.T`` into ``out``.
+
+    ``members_alike``: validation found listed weights alike (see ``_support``).
+    """
     x_TK, y_TN = x, out
     if x_TK.shape[0] == 0:
         return
-    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN)
+    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN, members_alike)
     if cutlass is None:
         _say_once("fprop", reason)
         _reference.fprop(x_TK, weights, splits, y_TN)
@@ -55,12 +60,14 @@ def fprop_on_device(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tenso
         cutlass.fprop(x_TK, weights, _splits.on_device(splits, x_TK.device), y_TN)
 
 
-def dgrad_on_device(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
+def dgrad_on_device(
+    dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, *, members_alike: bool = False
+) -> None:
     """CUDA kernel of ``groupgrad::grouped_dgrad``: ``dx_e = dy_e @ w_e`` into ``out``."""
     dy_TN, dx_TK = dy, out
     if dy_TN.shape[0] == 0:
         return
-    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK)
+    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK, members_alike)
     if cutlass is None:
         _say_once("dgrad", reason)
         _reference.dgrad(dy_TN, weights, splits, dx_TK)
@@ -69,7 +76,13 @@ def dgrad_on_device(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tens
 
 
 def wgrad_on_device(
-    dy: Tensor, x: Tensor, splits: Tensor, out: list[Tensor], accumulate: bool
+    dy: Tensor,
+    x: Tensor,
+    splits: Tensor,
+    out: list[Tensor],
+    accumulate: bool,
+    *,
+    members_alike: bool = False,
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_wgrad``: ``dw_e = dy_e.T @ x_e`` into ``out``."""
     dy_TN, x_TK = dy, x
@@ -78,7 +91,7 @@ def wgrad_on_device(
             for dw in out:
                 dw.zero_()
         return
-    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out)
+    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out, members_alike)
     if cutlass is None:
         _say_once("wgrad", reason)
         _reference.wgrad(dy_TN, x_TK, splits, out, accumulate)
@@ -87,10 +100,14 @@ def wgrad_on_device(
 
 
 def cutlass_or_reason(
-    op: _support.Op, a: Tensor, b: Tensor | Sequence[Tensor], out: Tensor | Sequence[Tensor]
+    op: _support.Op,
+    a: Tensor,
+    b: Tensor | Sequence[Tensor],
+    out: Tensor | Sequence[Tensor],
+    members_alike: bool = False,
 ) -> tuple[ModuleType | None, str | None]:
     """``(backend, None)`` when CUTLASS runs this validated call, else ``(None, reason)``."""
-    reason = _support.unsupported_reason(op, a, b, out)
+    reason = _support.unsupported_reason(op, a, b, out, members_alike=members_alike)
     if reason is not None:
         return None, reason
     cutlass, reason = load_cutlass()

@@ -31,12 +31,12 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _dispatch, _reference
+from groupgrad.kernels import _dispatch, _grouped, _reference
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = {Tensor, torch.nn.Parameter}
 _DIRECT_DEVICES = ("cpu", "cuda")
 
 
@@ -102,8 +102,9 @@ def direct_call_ok(tensors: list[Tensor]) -> bool:
         return False
     if tensors[0].device.type not in _DIRECT_DEVICES:
         return False
-    grad_mode = torch.is_grad_enabled()
-    return all(type(t) in _PLAIN_TYPES and not (grad_mode and t.requires_grad) for t in tensors)
+    if not set(map(type, tensors)) <= _PLAIN_TYPES:
+        return False
+    return not (torch.is_grad_enabled() and _grouped.any_requires_grad(tensors))
 
 
 def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -118,31 +119,77 @@ def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: 
     return kernel(*args, **kwargs)
 
 
-def fprop(x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
-    """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code)."""
+def fprop(
+    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, members_alike: bool = False
+) -> None:
+    """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code).
+
+    ``members_alike``: validation found listed weights alike, which spares
+    the CUDA kernel's support check a pass over them (``_support``).
+    """
     if not direct_call_ok([x, out, splits, *weights]):
         grouped_fprop_op(x, weights, splits, out)
         return
-    kernel = _dispatch.fprop_on_device if out.is_cuda else _reference.fprop
-    run_directly("groupgrad::grouped_fprop", kernel, x, weights, splits, out)
+    if out.is_cuda:
+        run_directly(
+            "groupgrad::grouped_fprop",
+            _dispatch.fprop_on_device,
+            x,
+            weights,
+            splits,
+            out,
+            members_alike=members_alike,
+        )
+    else:
+        run_directly("groupgrad::grouped_fprop", _reference.fprop, x, weights, splits, out)
     torch.autograd.graph.increment_version(out)  # as the op's in-place bookkeeping does
 
 
-def dgrad(dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor) -> None:
+def dgrad(
+    dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, members_alike: bool = False
+) -> None:
     """``groupgrad::grouped_dgrad`` on validated arguments (directly in plain eager code)."""
     if not direct_call_ok([dy, out, splits, *weights]):
         grouped_dgrad_op(dy, weights, splits, out)
         return
-    kernel = _dispatch.dgrad_on_device if out.is_cuda else _reference.dgrad
-    run_directly("groupgrad::grouped_dgrad", kernel, dy, weights, splits, out)
+    if out.is_cuda:
+        run_directly(
+            "groupgrad::grouped_dgrad",
+            _dispatch.dgrad_on_device,
+            dy,
+            weights,
+            splits,
+            out,
+            members_alike=members_alike,
+        )
+    else:
+        run_directly("groupgrad::grouped_dgrad", _reference.dgrad, dy, weights, splits, out)
     torch.autograd.graph.increment_version(out)
 
 
-def wgrad(dy: Tensor, x: Tensor, splits: Tensor, out: list[Tensor], accumulate: bool) -> None:
+def wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Tensor,
+    out: list[Tensor],
+    accumulate: bool,
+    members_alike: bool = False,
+) -> None:
     """``groupgrad::grouped_wgrad`` on validated arguments (directly in plain eager code)."""
     if not direct_call_ok([dy, x, splits, *out]):
         grouped_wgrad_op(dy, x, splits, out, accumulate)
         return
-    kernel = _dispatch.wgrad_on_device if out[0].is_cuda else _reference.wgrad
-    run_directly("groupgrad::grouped_wgrad", kernel, dy, x, splits, out, accumulate)
+    if out[0].is_cuda:
+        run_directly(
+            "groupgrad::grouped_wgrad",
+            _dispatch.wgrad_on_device,
+            dy,
+            x,
+            splits,
+            out,
+            accumulate,
+            members_alike=members_alike,
+        )
+    else:
+        run_directly("groupgrad::grouped_wgrad", _reference.wgrad, dy, x, splits, out, accumulate)
     torch.autograd.graph.increment_version(out)

@@ -32,7 +32,7 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _grouped, _splits
+from groupgrad.kernels import _grouped, _overlap, _splits
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,13 +46,15 @@ class GroupedCall:
     ``a`` is ``x_TK`` for fprop and ``dy_TN`` for dgrad; ``out`` is ``y_TN``
     or ``dx_TK``; ``weights`` is in op-argument form (see ``_grouped``);
     ``splits`` is ``splits_E``, an int32/int64 tensor on the CPU or ``a``'s
-    device.
+    device; ``members_alike`` says that listed weights passed the lean test
+    (contiguous, one shape, dtype and device: ``_grouped.alike``).
     """
 
     a: Tensor
     weights: list[Tensor]
     splits: Tensor
     out: Tensor
+    members_alike: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class WgradCall:
     ``dy`` is ``dy_TN``, ``x`` is ``x_TK``, ``splits`` is ``splits_E``;
     ``out`` is in op-argument form (``[dw_ENK]`` or ``E`` matrices);
     ``result`` is what the public function returns (the caller's ``out``
-    object, or the freshly allocated ``(E, N, K)`` tensor).
+    object, or the freshly allocated ``(E, N, K)`` tensor); ``members_alike``
+    says that listed outputs passed the lean test (``_grouped.alike``, none
+    requiring grad).
     """
 
     dy: Tensor
@@ -71,6 +75,7 @@ class WgradCall:
     out: list[Tensor]
     accumulate: bool
     result: Tensor | Sequence[Tensor]
+    members_alike: bool = False
 
 
 def grouped_call(
@@ -83,7 +88,7 @@ def grouped_call(
     """Check an fprop/dgrad call and put its arguments into op form."""
     a_name = "x" if op == "fprop" else "dy"
     a_TX = _input_matrix(a_name, a)
-    w_group, (E, N, K) = _weights(weights, a_name, a_TX)
+    w_group, (E, N, K), alike = _weights(weights, a_name, a_TX)
     T = a_TX.shape[0]
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
     if a_TX.shape[1] != inner:
@@ -107,9 +112,13 @@ def grouped_call(
             )
         _check_row_major("out", out_TX)
         _check_writable("out", out_TX)
-        inputs = [(a_name, a_TX), *_named("weights", w_group)]
-        _check_no_overlap([("out", out_TX)], inputs)
-    return GroupedCall(a=a_TX, weights=w_group, splits=splits_E, out=out_TX)
+        singles = [(out_TX, True), (a_TX, False)]
+        if not (
+            alike and not _overlap.skipped(a_TX) and _overlap.group_apart(w_group, False, singles)
+        ):
+            inputs = [(a_name, a_TX), *_named("weights", w_group)]
+            _overlap.check_no_overlap([("out", out_TX)], inputs)
+    return GroupedCall(a_TX, w_group, splits_E, out_TX, members_alike=alike)
 
 
 def wgrad_call(
@@ -142,32 +151,39 @@ def wgrad_call(
         dtype = dy_TN.dtype if out_dtype is None else out_dtype
         dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
         return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
+    inputs = [("dy", dy_TN), ("x", x_TK)]
+    alike = False
     if isinstance(out, Tensor):
         members = [out]
         _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
-        _check_experts_apart(out)
-        outputs = [("out", out)]
+        _overlap.check_experts_apart(out)
+        _overlap.check_no_overlap([("out", out)], inputs)
     elif isinstance(out, Iterable) and not isinstance(out, str | bytes):
         members = list(out)
         if len(members) != E:
             raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
         first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
-        shape, dtype = first.shape, first.dtype
-        for e, member in enumerate(members):
-            if not _fits(member, shape, dtype, dy_TN.device) or member.requires_grad:
+        alike = _grouped.alike(members, first) and not _grouped.any_requires_grad(members)
+        if not alike:
+            for e, member in enumerate(members):
                 name = f"out[{e}]"
                 dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
-                if dw_NK.dtype != dtype:
-                    raise TypeError(f"{name} has dtype {dw_NK.dtype}, expected {dtype} like out[0]")
-        outputs = _named("out", members)
+                if dw_NK.dtype != first.dtype:
+                    raise TypeError(
+                        f"{name} has dtype {dw_NK.dtype}, expected {first.dtype} like out[0]"
+                    )
+        singles = [(dy_TN, False), (x_TK, False)]
+        if not (
+            alike and not _overlap.skipped(first) and _overlap.group_apart(members, True, singles)
+        ):
+            _overlap.check_no_overlap(_named("out", members), inputs)
     else:
         raise TypeError(
             "out must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
             f"got {type(out).__name__}"
         )
-    _check_no_overlap(outputs, [("dy", dy_TN), ("x", x_TK)])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
-    return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result)
+    return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, members_alike=alike)
 
 
 # --- pieces -----------------------------------------------------------------
@@ -190,8 +206,15 @@ def _input_matrix(name: str, value: object) -> Tensor:
     return t
 
 
-def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tuple[int, int, int]]:
-    """Check ``weights`` against the row operand ``a``; return op form and ``(E, N, K)``."""
+def _weights(
+    weights: object, a_name: str, a: Tensor
+) -> tuple[list[Tensor], tuple[int, int, int], bool]:
+    """Check ``weights`` against the row operand ``a``.
+
+    Returns:
+        The op form, ``(E, N, K)``, and whether listed members are alike
+        (``_grouped.alike``; ``False`` for a packed tensor).
+    """
     expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
     if isinstance(weights, Tensor):
         if weights.dim() != 3:
@@ -202,7 +225,7 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
         if E == 0:
             raise ValueError("weights has shape (0, N, K), expected at least one expert")
         _weight_member("weights", weights, a_name, a, None)
-        return _grouped.op_form(weights), (E, N, K)
+        return _grouped.op_form(weights), (E, N, K), False
     if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
         raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
     members = list(weights)
@@ -211,26 +234,12 @@ def _weights(weights: object, a_name: str, a: Tensor) -> tuple[list[Tensor], tup
     first = _weight_member("weights[0]", members[0], a_name, a, None)
     if first.dim() != 2:
         raise ValueError(f"weights[0] must be 2-D (N, K), got shape {tuple(first.shape)}")
-    shape, dtype, device = first.shape, first.dtype, first.device
-    for e, member in enumerate(members):
-        if not _fits(member, shape, dtype, device):
+    alike = _grouped.alike(members, first)
+    if not alike:
+        for e, member in enumerate(members):
             _weight_member(f"weights[{e}]", member, a_name, a, first)
-    N, K = shape
-    return _grouped.op_form(members), (len(members), N, K)
-
-
-def _fits(member: object, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
-    """The lean test of one listed member against the first: a contiguous tensor alike.
-
-    A member that fails it gets the detailed checks, whose messages name it.
-    """
-    return (
-        isinstance(member, Tensor)
-        and member.shape == shape
-        and member.dtype == dtype
-        and member.device == device
-        and member.is_contiguous()
-    )
+    N, K = first.shape
+    return _grouped.op_form(members), (len(members), N, K), alike
 
 
 def _weight_member(
@@ -343,69 +352,8 @@ def _check_writable(name: str, t: Tensor) -> None:
         )
 
 
-def _check_experts_apart(out: Tensor) -> None:
-    """Raise unless each expert's matrix of a row-major ``(E, N, K)`` tensor ends before the next starts.
-
-    The packed form of the overlap rule of :func:`_check_no_overlap` (outputs
-    whose address ranges meet or interleave overlap), in O(1) instead of one
-    range per expert.
-    """
-    E, N, K = out.shape
-    if E < 2 or N == 0 or K == 0:
-        return
-    span = (N - 1) * out.stride(1) + (K - 1) * out.stride(2) + 1  # elements one matrix reaches
-    if out.stride(0) < span:
-        raise ValueError(
-            f"out[1] overlaps out[0] in memory (out has strides {out.stride()} for shape "
-            f"{tuple(out.shape)}); outputs must not overlap each other or the inputs"
-        )
-
-
 def _named(prefix: str, group: list[Tensor]) -> list[tuple[str, Tensor]]:
     """Each tensor of a group in op form with the name an error message gives it."""
     if _grouped.is_packed(group):
         return [(prefix, group[0])]
     return [(f"{prefix}[{i}]", t) for i, t in enumerate(group)]
-
-
-def _span(t: Tensor) -> tuple[int, int] | None:
-    """Byte range ``[start, end)`` that ``t`` can touch, or ``None`` when empty."""
-    if t.numel() == 0:
-        return None
-    if t.is_contiguous():
-        return t.data_ptr(), t.data_ptr() + t.nbytes
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr()
-    return start, start + (last + 1) * t.element_size()
-
-
-def _check_no_overlap(outputs: list[tuple[str, Tensor]], inputs: list[tuple[str, Tensor]]) -> None:
-    """Raise if an output's memory range meets another output's or an input's.
-
-    Compares address ranges, so two outputs that interleave (for example two
-    column slices of one matrix) count as overlapping. One sweep over the
-    ranges sorted by start: O((outputs + inputs) log(...)).
-    """
-    if torch.compiler.is_compiling() or outputs[0][1].device.type == "meta":
-        return
-    spans = []
-    for is_output, named in ((True, outputs), (False, inputs)):
-        for name, t in named:
-            span = _span(t)
-            if span is not None:
-                spans.append((span[0], span[1], is_output, name))
-    spans.sort(key=lambda span: span[0])
-    reach_any: tuple[int, str] | None = None  # furthest end so far, and whose
-    reach_out: tuple[int, str] | None = None  # the same among outputs
-    for start, end, is_output, name in spans:
-        earlier = reach_any if is_output else reach_out
-        if earlier is not None and start < earlier[0]:
-            first, second = (name, earlier[1]) if is_output else (earlier[1], name)
-            raise ValueError(
-                f"{first} overlaps {second} in memory; "
-                "outputs must not overlap each other or the inputs"
-            )
-        if reach_any is None or end > reach_any[0]:
-            reach_any = (end, name)
-        if is_output and (reach_out is None or end > reach_out[0]):
-            reach_out = (end, name)

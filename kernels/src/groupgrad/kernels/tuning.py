@@ -194,7 +194,7 @@ def host_stages(
     if not isinstance(out, Tensor):
         raise TypeError(f"out must be a torch.Tensor for {op}, got {type(out).__name__}")
     call = _validate.grouped_call(op, a, b, splits, out)
-    x, w, y = call.a, call.weights, call.out
+    x, w, y, alike = call.a, call.weights, call.out, call.members_alike
     splits_E = _splits.on_device(call.splits, x.device)
     plan = _cutlass.default_plan(op, x, w, y)
     launch = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
@@ -208,12 +208,12 @@ def host_stages(
 
     return {
         "validate": lambda: _validate.grouped_call(op, a, b, splits, out),
-        "support check": lambda: _support.unsupported_reason(op, x, w, y),
-        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y),
+        "support check": lambda: _support.unsupported_reason(op, x, w, y, members_alike=alike),
+        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y, alike),
         "plan": lambda: _cutlass.default_plan(op, x, w, y),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: launch(x, w, splits_E, y),
-        "CUDA kernel of the op": lambda: kernel(x, w, call.splits, y),
+        "CUDA kernel of the op": lambda: kernel(x, w, call.splits, y, members_alike=alike),
         "custom op": lambda: custom_op(x, w, call.splits, y),
         "public": lambda: public(a, b, splits, out=out),
     }
@@ -223,7 +223,7 @@ def _wgrad_stages(
     dy: Tensor, x: object, splits: _api.Splits, out: Group, accumulate: bool
 ) -> dict[str, Callable[[], object]]:
     call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
-    dy_TN, x_TK, dw = call.dy, call.x, call.out
+    dy_TN, x_TK, dw, alike = call.dy, call.x, call.out, call.members_alike
     splits_E = _splits.on_device(call.splits, dy_TN.device)
     plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
     out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
@@ -234,13 +234,15 @@ def _wgrad_stages(
 
     return {
         "validate": lambda: _validate.wgrad_call(dy, x, splits, out, None, accumulate),
-        "support check": lambda: _support.unsupported_reason("wgrad", dy_TN, x_TK, dw),
-        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw),
+        "support check": lambda: _support.unsupported_reason(
+            "wgrad", dy_TN, x_TK, dw, members_alike=alike
+        ),
+        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, alike),
         "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: _cutlass.wgrad(dy_TN, x_TK, splits_E, dw, accumulate),
         "CUDA kernel of the op": lambda: _dispatch.wgrad_on_device(
-            dy_TN, x_TK, call.splits, dw, accumulate
+            dy_TN, x_TK, call.splits, dw, accumulate, members_alike=alike
         ),
         "custom op": lambda: torch.ops.groupgrad.grouped_wgrad(
             dy_TN, x_TK, call.splits, dw, accumulate

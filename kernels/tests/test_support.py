@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from groupgrad.kernels._listed import listed_facts
 from groupgrad.kernels._support import unsupported_reason
 
 E, N, K = 4, 16, 24
@@ -136,21 +137,24 @@ def test_listed_weights_are_checked_like_listed_outputs() -> None:
     )
 
 
-@pytest.mark.parametrize("members_alike", [False, True])
-def test_alike_members_are_still_checked_for_their_address(members_alike: bool) -> None:
-    # validation's lean test (contiguous, one shape, dtype and device) spares the
-    # stride comparison, never the alignment of each member
+@pytest.mark.parametrize("read", [False, True], ids=["members", "listed-facts"])
+def test_alike_members_are_still_checked_for_their_address(read: bool) -> None:
+    # validation's pass over a listed group (ListedFacts) spares the stride
+    # comparison of alike members, never the alignment of each one
     dy, x = rand(T, N), rand(T, K, seed=1)
     out = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
 
-    def reason(group: list[Tensor]) -> str | None:
-        return unsupported_reason("wgrad", dy, x, group, members_alike=members_alike)
+    def reason(op: str, a: Tensor, b: object, group: list[Tensor], c: object = None) -> str | None:
+        listed = listed_facts(group, group[0]) if read else None
+        assert listed is None or listed.alike
+        operands = (a, b, group) if op == "wgrad" else (a, group, c)
+        return unsupported_reason(op, *operands, listed=listed)  # type: ignore[arg-type]
 
-    assert reason(out) is None
+    assert reason("wgrad", dy, x, out) is None
     for e in range(E):
         group = [*out[:e], misaligned(out[e]), *out[e + 1 :]]
-        assert reason(group) == f"out[{e}] is not 16-byte aligned"
+        assert reason("wgrad", dy, x, group) == f"out[{e}] is not 16-byte aligned"
     w_list = [rand(N, K, seed=e) for e in range(E)]
-    assert unsupported_reason(
-        "fprop", x, [*w_list[:3], misaligned(w_list[3])], rand(T, N), members_alike=members_alike
-    ) == ("weights[3] is not 16-byte aligned")
+    assert reason("fprop", x, None, [*w_list[:3], misaligned(w_list[3])], rand(T, N)) == (
+        "weights[3] is not 16-byte aligned"
+    )

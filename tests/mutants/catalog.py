@@ -49,7 +49,7 @@ _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
 _OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
-_GROUPED = "kernels/src/groupgrad/kernels/_grouped.py"
+_LISTED = "kernels/src/groupgrad/kernels/_listed.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -323,15 +323,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "lean-support-skips-alignment",
         "the support check of alike members trusts their addresses",
         _SUPPORT,
-        "        alike\n        and first.numel()\n        and not any(",
-        "        alike\n        or not any(",
+        "        and first.numel()\n        and not any(map(ALIGNMENT_BYTES.__rmod__, listed.starts))\n",
+        "        and first.numel()\n",
         (f"{KERNELS}/test_support.py",),
     ),
     Mutant(
         "lean-test-ignores-shape",
         "the lean test of a listed group does not compare shapes",
-        _GROUPED,
-        "        set(map(_SHAPE, tensors)) == {shape}\n        and ",
+        _LISTED,
+        "        set(map(_SHAPE, tensors)) == {first.shape}\n        and ",
         "        ",
         (f"{KERNELS}/test_validation.py",),
     ),

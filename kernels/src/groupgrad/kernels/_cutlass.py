@@ -35,6 +35,7 @@ from typing import cast
 import torch
 
 from groupgrad.kernels._grouped import group_size
+from groupgrad.kernels._listed import use_native_reader
 from groupgrad.kernels._plan import Plan, plan_for
 from groupgrad.kernels.build import (
     BUILD_TIME_HINT,
@@ -90,6 +91,7 @@ def build(
     with _lock:
         module, compiled = load_or_build(spec, verbose)
         _modules[variant_set] = module
+        use_native_reader(module.listed_group_facts)  # listed groups' facts, read in C++
     return module, time.perf_counter() - start, compiled
 
 

@@ -34,6 +34,7 @@ from types import ModuleType
 from torch import Tensor
 
 from groupgrad.kernels import _reference, _splits, _support
+from groupgrad.kernels._listed import ListedFacts
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +44,22 @@ _reasons_said: set[str] = set()
 
 
 def fprop_on_device(
-    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, *, members_alike: bool = False
+    x: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    *,
+    listed: ListedFacts | None = None,
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_fprop``: ``y_e = x_e @ w_e.T`` into ``out``.
 
-    ``members_alike``: validation found listed weights alike (see ``_support``).
+    ``listed``: what validation's pass over listed weights found (``_listed``),
+    which spares the support check its own pass.
     """
     x_TK, y_TN = x, out
     if x_TK.shape[0] == 0:
         return
-    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN, members_alike)
+    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN, listed)
     if cutlass is None:
         _say_once("fprop", reason)
         _reference.fprop(x_TK, weights, splits, y_TN)
@@ -61,13 +68,18 @@ def fprop_on_device(
 
 
 def dgrad_on_device(
-    dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, *, members_alike: bool = False
+    dy: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    *,
+    listed: ListedFacts | None = None,
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_dgrad``: ``dx_e = dy_e @ w_e`` into ``out``."""
     dy_TN, dx_TK = dy, out
     if dy_TN.shape[0] == 0:
         return
-    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK, members_alike)
+    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK, listed)
     if cutlass is None:
         _say_once("dgrad", reason)
         _reference.dgrad(dy_TN, weights, splits, dx_TK)
@@ -82,7 +94,7 @@ def wgrad_on_device(
     out: list[Tensor],
     accumulate: bool,
     *,
-    members_alike: bool = False,
+    listed: ListedFacts | None = None,
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_wgrad``: ``dw_e = dy_e.T @ x_e`` into ``out``."""
     dy_TN, x_TK = dy, x
@@ -91,7 +103,7 @@ def wgrad_on_device(
             for dw in out:
                 dw.zero_()
         return
-    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out, members_alike)
+    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out, listed)
     if cutlass is None:
         _say_once("wgrad", reason)
         _reference.wgrad(dy_TN, x_TK, splits, out, accumulate)
@@ -104,10 +116,10 @@ def cutlass_or_reason(
     a: Tensor,
     b: Tensor | Sequence[Tensor],
     out: Tensor | Sequence[Tensor],
-    members_alike: bool = False,
+    listed: ListedFacts | None = None,
 ) -> tuple[ModuleType | None, str | None]:
     """``(backend, None)`` when CUTLASS runs this validated call, else ``(None, reason)``."""
-    reason = _support.unsupported_reason(op, a, b, out, members_alike=members_alike)
+    reason = _support.unsupported_reason(op, a, b, out, listed=listed)
     if reason is not None:
         return None, reason
     cutlass, reason = load_cutlass()

@@ -17,16 +17,9 @@ Legend: ``E`` experts, ``N`` out_features, ``K`` in_features.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
-
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def op_form(group: Tensor | Sequence[Tensor]) -> list[Tensor]:
@@ -53,39 +46,3 @@ def per_expert(group: Sequence[Tensor]) -> list[Tensor]:
     if is_packed(group):
         return list(group[0].unbind(0))
     return list(group)
-
-
-def alike(members: Sequence[object], first: Tensor) -> bool:
-    """Whether every member is a contiguous tensor of ``first``'s shape, dtype and device.
-
-    The lean test of a listed group, in C-speed passes over its members (a
-    list of 128 ``main_grad`` buffers is tested in a few microseconds); a
-    group that fails it gets the detailed per-member checks, whose messages
-    name the misfit.
-    """
-    shape, dtype, device = first.shape, first.dtype, first.device
-    if torch.compiler.is_compiling():  # the same test, in a loop that Dynamo traces
-        return all(
-            isinstance(t, Tensor)
-            and t.shape == shape
-            and t.dtype == dtype
-            and t.device == device
-            and t.is_contiguous()
-            for t in members
-        )
-    if not all(issubclass(kind, Tensor) for kind in set(map(type, members))):
-        return False
-    tensors: Sequence[Tensor] = members  # type: ignore[assignment]
-    return (
-        set(map(_SHAPE, tensors)) == {shape}
-        and set(map(_DTYPE, tensors)) == {dtype}
-        and set(map(_DEVICE, tensors)) == {device}
-        and all(map(Tensor.is_contiguous, tensors))
-    )
-
-
-def any_requires_grad(tensors: Sequence[Tensor]) -> bool:
-    """Whether any of ``tensors`` requires grad (one C-speed pass outside ``torch.compile``)."""
-    if torch.compiler.is_compiling():
-        return any(t.requires_grad for t in tensors)
-    return any(map(_REQUIRES_GRAD, tensors))

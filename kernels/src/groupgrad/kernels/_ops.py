@@ -25,18 +25,18 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _dispatch, _grouped, _reference
+from groupgrad.kernels import _dispatch, _reference
+from groupgrad.kernels._listed import PLAIN_TYPES, ListedFacts, any_requires_grad
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-_PLAIN_TYPES = {Tensor, torch.nn.Parameter}
 _DIRECT_DEVICES = ("cpu", "cuda")
 
 
@@ -85,7 +85,9 @@ def _grouped_wgrad_fake(
 # --------------------------------------------------------------------------- calls
 
 
-def direct_call_ok(tensors: list[Tensor]) -> bool:
+def direct_call_ok(
+    tensors: list[Tensor], group: Sequence[Tensor] = (), listed: ListedFacts | None = None
+) -> bool:
     """Whether a call on these tensors may run the device kernel without the op machinery.
 
     True in plain eager code only: every tensor a plain ``Tensor`` or
@@ -93,6 +95,13 @@ def direct_call_ok(tensors: list[Tensor]) -> bool:
     tensors), on the CPU or a CUDA device, no ``torch.compile`` tracing, no
     dispatch or function mode active, and no input that autograd would record
     (grad mode off, or nothing requiring grad).
+
+    Args:
+        tensors: the call's tensors, the first one's device deciding.
+        group: the members of a group of matrices, checked like ``tensors``.
+        listed: what one pass over ``group`` found (``_listed``); when its
+            members are alike, their types and ``requires_grad`` are read
+            from it instead of from each member.
     """
     if (
         torch.compiler.is_compiling()
@@ -102,9 +111,15 @@ def direct_call_ok(tensors: list[Tensor]) -> bool:
         return False
     if tensors[0].device.type not in _DIRECT_DEVICES:
         return False
-    if not set(map(type, tensors)) <= _PLAIN_TYPES:
+    grad_mode = torch.is_grad_enabled()
+    if listed is not None and listed.alike:
+        if not listed.plain or (grad_mode and listed.requires_grad):
+            return False
+    else:
+        tensors = [*tensors, *group]
+    if not set(map(type, tensors)) <= PLAIN_TYPES:
         return False
-    return not (torch.is_grad_enabled() and _grouped.any_requires_grad(tensors))
+    return not (grad_mode and any_requires_grad(tensors))
 
 
 def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -120,50 +135,35 @@ def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: 
 
 
 def fprop(
-    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, members_alike: bool = False
+    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, listed: ListedFacts | None = None
 ) -> None:
     """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code).
 
-    ``members_alike``: validation found listed weights alike, which spares
-    the CUDA kernel's support check a pass over them (``_support``).
+    ``listed``: what validation's pass over listed weights found (``_listed``),
+    read by the direct-call test and the CUDA kernel's support check instead
+    of the members.
     """
-    if not direct_call_ok([x, out, splits, *weights]):
+    if not direct_call_ok([x, out, splits], weights, listed):
         grouped_fprop_op(x, weights, splits, out)
         return
-    if out.is_cuda:
-        run_directly(
-            "groupgrad::grouped_fprop",
-            _dispatch.fprop_on_device,
-            x,
-            weights,
-            splits,
-            out,
-            members_alike=members_alike,
-        )
-    else:
-        run_directly("groupgrad::grouped_fprop", _reference.fprop, x, weights, splits, out)
+    kernels = (_dispatch.fprop_on_device, _reference.fprop)
+    _run_direct("groupgrad::grouped_fprop", kernels, (x, weights, splits, out), listed)
     torch.autograd.graph.increment_version(out)  # as the op's in-place bookkeeping does
 
 
 def dgrad(
-    dy: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, members_alike: bool = False
+    dy: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    listed: ListedFacts | None = None,
 ) -> None:
     """``groupgrad::grouped_dgrad`` on validated arguments (directly in plain eager code)."""
-    if not direct_call_ok([dy, out, splits, *weights]):
+    if not direct_call_ok([dy, out, splits], weights, listed):
         grouped_dgrad_op(dy, weights, splits, out)
         return
-    if out.is_cuda:
-        run_directly(
-            "groupgrad::grouped_dgrad",
-            _dispatch.dgrad_on_device,
-            dy,
-            weights,
-            splits,
-            out,
-            members_alike=members_alike,
-        )
-    else:
-        run_directly("groupgrad::grouped_dgrad", _reference.dgrad, dy, weights, splits, out)
+    kernels = (_dispatch.dgrad_on_device, _reference.dgrad)
+    _run_direct("groupgrad::grouped_dgrad", kernels, (dy, weights, splits, out), listed)
     torch.autograd.graph.increment_version(out)
 
 
@@ -173,23 +173,27 @@ def wgrad(
     splits: Tensor,
     out: list[Tensor],
     accumulate: bool,
-    members_alike: bool = False,
+    listed: ListedFacts | None = None,
 ) -> None:
     """``groupgrad::grouped_wgrad`` on validated arguments (directly in plain eager code)."""
-    if not direct_call_ok([dy, x, splits, *out]):
+    if not direct_call_ok([dy, x, splits], out, listed):
         grouped_wgrad_op(dy, x, splits, out, accumulate)
         return
-    if out[0].is_cuda:
-        run_directly(
-            "groupgrad::grouped_wgrad",
-            _dispatch.wgrad_on_device,
-            dy,
-            x,
-            splits,
-            out,
-            accumulate,
-            members_alike=members_alike,
-        )
-    else:
-        run_directly("groupgrad::grouped_wgrad", _reference.wgrad, dy, x, splits, out, accumulate)
+    kernels = (_dispatch.wgrad_on_device, _reference.wgrad)
+    _run_direct("groupgrad::grouped_wgrad", kernels, (dy, x, splits, out, accumulate), listed)
     torch.autograd.graph.increment_version(out)
+
+
+def _run_direct(
+    name: str,
+    kernels: tuple[Callable[..., None], Callable[..., None]],
+    args: tuple[object, ...],
+    listed: ListedFacts | None,
+) -> None:
+    """Run the op's CUDA kernel (``kernels[0]``, given ``listed``) or reference, by ``out``'s device."""
+    out = args[3]
+    on_cuda = out.is_cuda if isinstance(out, Tensor) else out[0].is_cuda  # type: ignore[index]
+    if on_cuda:
+        run_directly(name, kernels[0], *args, listed=listed)
+    else:
+        run_directly(name, kernels[1], *args)

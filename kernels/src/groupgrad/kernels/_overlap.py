@@ -69,12 +69,14 @@ def check_no_overlap(outputs: Sequence[Named], inputs: Sequence[Named]) -> None:
 
 
 def group_apart(
-    group: Sequence[Tensor], group_is_output: bool, singles: Sequence[tuple[Tensor, bool]]
+    starts: Sequence[int], width: int, group_is_output: bool, singles: Sequence[tuple[Tensor, bool]]
 ) -> bool:
     """Whether :func:`check_no_overlap` passes, for alike contiguous group members.
 
     Args:
-        group: contiguous tensors of one shape and dtype (``nbytes`` alike).
+        starts: the members' data addresses, ascending (``_listed.ListedFacts``).
+        width: the bytes each member spans (contiguous members of one shape and
+            dtype: ``nbytes`` alike); 0 for empty members, which touch nothing.
         group_is_output: the members are outputs (they must also be apart
             from each other) or inputs.
         singles: the other operands, each with whether it is an output.
@@ -84,8 +86,8 @@ def group_apart(
         when one does (the caller then runs :func:`check_no_overlap`, which
         raises naming them).
     """
-    width = group[0].nbytes if group else 0
-    starts = sorted(map(Tensor.data_ptr, group)) if width else []
+    if not width:
+        starts = ()
     if (
         group_is_output
         and len(starts) > 1

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._grouped import is_packed
+from groupgrad.kernels._listed import ListedFacts
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
@@ -45,7 +46,7 @@ def unsupported_reason(
     b: Tensor | Sequence[Tensor],
     out: Tensor | Sequence[Tensor],
     *,
-    members_alike: bool = False,
+    listed: ListedFacts | None = None,
 ) -> str | None:
     """Why the CUTLASS kernels cannot take these (validated) operands, or ``None`` when they can.
 
@@ -54,10 +55,10 @@ def unsupported_reason(
         a: the row operand: ``x_TK`` (fprop) or ``dy_TN`` (dgrad, wgrad).
         b: the weights' group (fprop, dgrad) or ``x_TK`` (wgrad).
         out: ``y_TN`` (fprop), ``dx_TK`` (dgrad) or the outputs' group (wgrad).
-        members_alike: the members of a listed group are known to be
-            contiguous tensors of one shape, dtype and device (validation's
-            lean test, ``_grouped.alike``); then only the first member is
-            checked in full and the others for their address alone.
+        listed: what validation's pass over a listed group found
+            (``_listed``): when its members are alike (contiguous, one shape,
+            dtype and device), only the first is checked in full and the
+            others for their address alone.
 
     Returns:
         The reason, naming the operand and its value, or ``None``.
@@ -93,7 +94,7 @@ def unsupported_reason(
         reason = _placement_reason(name, t, a.device)
         if reason is not None:
             return reason
-    return None if packed else _listed_reason(group_name, group, a.device, members_alike)
+    return None if packed else _listed_reason(group_name, group, a.device, listed)
 
 
 def _placement_reason(name: str, t: Tensor, device: torch.device) -> str | None:
@@ -121,24 +122,26 @@ def _member_reason(name: str, t: Tensor, device: torch.device) -> str | None:
 
 
 def _listed_reason(
-    name: str, group: Sequence[Tensor], device: torch.device, alike: bool
+    name: str, group: Sequence[Tensor], device: torch.device, listed: ListedFacts | None
 ) -> str | None:
     """:func:`_member_reason` for every member of a listed group, in one lean pass.
 
     The first member is checked in full; each other one is compared with it
     (same shape and strides, same device, aligned address) and checked in
-    full, naming it, only when the comparison fails. Members known to be
-    ``alike`` (contiguous, one non-empty shape, one device) share the first's
-    strides, so only their addresses are compared.
+    full, naming it, only when the comparison fails. Members that ``listed``
+    found alike (contiguous, one non-empty shape, one device) share the
+    first's strides, so only their addresses (``listed.starts``) are read.
     """
     first = group[0]
     reason = _member_reason(f"{name}[0]", first, device)
     if reason is not None:
         return reason
     if (
-        alike
+        listed is not None
+        and listed.alike
+        and len(listed.starts) == len(group)
         and first.numel()
-        and not any(map(ALIGNMENT_BYTES.__rmod__, map(Tensor.data_ptr, group)))
+        and not any(map(ALIGNMENT_BYTES.__rmod__, listed.starts))
     ):
         return None
     shape, strides = first.shape, first.stride()

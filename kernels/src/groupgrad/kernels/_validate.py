@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import _grouped, _overlap, _splits
+from groupgrad.kernels._listed import ListedFacts, listed_facts
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -46,15 +47,15 @@ class GroupedCall:
     ``a`` is ``x_TK`` for fprop and ``dy_TN`` for dgrad; ``out`` is ``y_TN``
     or ``dx_TK``; ``weights`` is in op-argument form (see ``_grouped``);
     ``splits`` is ``splits_E``, an int32/int64 tensor on the CPU or ``a``'s
-    device; ``members_alike`` says that listed weights passed the lean test
-    (contiguous, one shape, dtype and device: ``_grouped.alike``).
+    device; ``listed`` holds what one pass over listed weights found
+    (``_listed``; ``None`` for packed weights).
     """
 
     a: Tensor
     weights: list[Tensor]
     splits: Tensor
     out: Tensor
-    members_alike: bool = False
+    listed: ListedFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,8 @@ class WgradCall:
     ``dy`` is ``dy_TN``, ``x`` is ``x_TK``, ``splits`` is ``splits_E``;
     ``out`` is in op-argument form (``[dw_ENK]`` or ``E`` matrices);
     ``result`` is what the public function returns (the caller's ``out``
-    object, or the freshly allocated ``(E, N, K)`` tensor); ``members_alike``
-    says that listed outputs passed the lean test (``_grouped.alike``, none
-    requiring grad).
+    object, or the freshly allocated ``(E, N, K)`` tensor); ``listed`` holds
+    what one pass over listed outputs found (``_listed``; ``None`` otherwise).
     """
 
     dy: Tensor
@@ -75,7 +75,7 @@ class WgradCall:
     out: list[Tensor]
     accumulate: bool
     result: Tensor | Sequence[Tensor]
-    members_alike: bool = False
+    listed: ListedFacts | None = None
 
 
 def grouped_call(
@@ -88,7 +88,7 @@ def grouped_call(
     """Check an fprop/dgrad call and put its arguments into op form."""
     a_name = "x" if op == "fprop" else "dy"
     a_TX = _input_matrix(a_name, a)
-    w_group, (E, N, K), alike = _weights(weights, a_name, a_TX)
+    w_group, (E, N, K), listed = _weights(weights, a_name, a_TX)
     T = a_TX.shape[0]
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
     if a_TX.shape[1] != inner:
@@ -114,11 +114,14 @@ def grouped_call(
         _check_writable("out", out_TX)
         singles = [(out_TX, True), (a_TX, False)]
         if not (
-            alike and not _overlap.skipped(a_TX) and _overlap.group_apart(w_group, False, singles)
+            listed is not None
+            and listed.alike
+            and listed.starts
+            and _overlap.group_apart(listed.starts, w_group[0].nbytes, False, singles)
         ):
             inputs = [(a_name, a_TX), *_named("weights", w_group)]
             _overlap.check_no_overlap([("out", out_TX)], inputs)
-    return GroupedCall(a_TX, w_group, splits_E, out_TX, members_alike=alike)
+    return GroupedCall(a_TX, w_group, splits_E, out_TX, listed)
 
 
 def wgrad_call(
@@ -152,7 +155,7 @@ def wgrad_call(
         dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
         return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
     inputs = [("dy", dy_TN), ("x", x_TK)]
-    alike = False
+    listed = None
     if isinstance(out, Tensor):
         members = [out]
         _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
@@ -163,8 +166,8 @@ def wgrad_call(
         if len(members) != E:
             raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
         first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
-        alike = _grouped.alike(members, first) and not _grouped.any_requires_grad(members)
-        if not alike:
+        listed = listed_facts(members, first)
+        if not listed.alike or listed.requires_grad:
             for e, member in enumerate(members):
                 name = f"out[{e}]"
                 dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
@@ -174,7 +177,9 @@ def wgrad_call(
                     )
         singles = [(dy_TN, False), (x_TK, False)]
         if not (
-            alike and not _overlap.skipped(first) and _overlap.group_apart(members, True, singles)
+            listed.alike
+            and listed.starts
+            and _overlap.group_apart(listed.starts, first.nbytes, True, singles)
         ):
             _overlap.check_no_overlap(_named("out", members), inputs)
     else:
@@ -183,7 +188,7 @@ def wgrad_call(
             f"got {type(out).__name__}"
         )
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
-    return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, members_alike=alike)
+    return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, listed)
 
 
 # --- pieces -----------------------------------------------------------------
@@ -208,12 +213,12 @@ def _input_matrix(name: str, value: object) -> Tensor:
 
 def _weights(
     weights: object, a_name: str, a: Tensor
-) -> tuple[list[Tensor], tuple[int, int, int], bool]:
+) -> tuple[list[Tensor], tuple[int, int, int], ListedFacts | None]:
     """Check ``weights`` against the row operand ``a``.
 
     Returns:
-        The op form, ``(E, N, K)``, and whether listed members are alike
-        (``_grouped.alike``; ``False`` for a packed tensor).
+        The op form, ``(E, N, K)``, and what one pass over listed members
+        found (``_listed``; ``None`` for a packed tensor).
     """
     expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
     if isinstance(weights, Tensor):
@@ -225,7 +230,7 @@ def _weights(
         if E == 0:
             raise ValueError("weights has shape (0, N, K), expected at least one expert")
         _weight_member("weights", weights, a_name, a, None)
-        return _grouped.op_form(weights), (E, N, K), False
+        return _grouped.op_form(weights), (E, N, K), None
     if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
         raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
     members = list(weights)
@@ -234,12 +239,12 @@ def _weights(
     first = _weight_member("weights[0]", members[0], a_name, a, None)
     if first.dim() != 2:
         raise ValueError(f"weights[0] must be 2-D (N, K), got shape {tuple(first.shape)}")
-    alike = _grouped.alike(members, first)
-    if not alike:
+    listed = listed_facts(members, first)
+    if not listed.alike:
         for e, member in enumerate(members):
             _weight_member(f"weights[{e}]", member, a_name, a, first)
     N, K = first.shape
-    return _grouped.op_form(members), (len(members), N, K), alike
+    return _grouped.op_form(members), (len(members), N, K), listed
 
 
 def _weight_member(

@@ -194,7 +194,7 @@ def host_stages(
     if not isinstance(out, Tensor):
         raise TypeError(f"out must be a torch.Tensor for {op}, got {type(out).__name__}")
     call = _validate.grouped_call(op, a, b, splits, out)
-    x, w, y, alike = call.a, call.weights, call.out, call.members_alike
+    x, w, y, listed = call.a, call.weights, call.out, call.listed
     splits_E = _splits.on_device(call.splits, x.device)
     plan = _cutlass.default_plan(op, x, w, y)
     launch = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
@@ -208,12 +208,12 @@ def host_stages(
 
     return {
         "validate": lambda: _validate.grouped_call(op, a, b, splits, out),
-        "support check": lambda: _support.unsupported_reason(op, x, w, y, members_alike=alike),
-        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y, alike),
+        "support check": lambda: _support.unsupported_reason(op, x, w, y, listed=listed),
+        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y, listed),
         "plan": lambda: _cutlass.default_plan(op, x, w, y),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: launch(x, w, splits_E, y),
-        "CUDA kernel of the op": lambda: kernel(x, w, call.splits, y, members_alike=alike),
+        "CUDA kernel of the op": lambda: kernel(x, w, call.splits, y, listed=listed),
         "custom op": lambda: custom_op(x, w, call.splits, y),
         "public": lambda: public(a, b, splits, out=out),
     }
@@ -223,7 +223,7 @@ def _wgrad_stages(
     dy: Tensor, x: object, splits: _api.Splits, out: Group, accumulate: bool
 ) -> dict[str, Callable[[], object]]:
     call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
-    dy_TN, x_TK, dw, alike = call.dy, call.x, call.out, call.members_alike
+    dy_TN, x_TK, dw, listed = call.dy, call.x, call.out, call.listed
     splits_E = _splits.on_device(call.splits, dy_TN.device)
     plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
     out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
@@ -235,14 +235,14 @@ def _wgrad_stages(
     return {
         "validate": lambda: _validate.wgrad_call(dy, x, splits, out, None, accumulate),
         "support check": lambda: _support.unsupported_reason(
-            "wgrad", dy_TN, x_TK, dw, members_alike=alike
+            "wgrad", dy_TN, x_TK, dw, listed=listed
         ),
-        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, alike),
+        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, listed),
         "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: _cutlass.wgrad(dy_TN, x_TK, splits_E, dw, accumulate),
         "CUDA kernel of the op": lambda: _dispatch.wgrad_on_device(
-            dy_TN, x_TK, call.splits, dw, accumulate, members_alike=alike
+            dy_TN, x_TK, call.splits, dw, accumulate, listed=listed
         ),
         "custom op": lambda: torch.ops.groupgrad.grouped_wgrad(
             dy_TN, x_TK, call.splits, dw, accumulate

@@ -292,6 +292,41 @@ void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& sp
               accumulate);
 }
 
+// What the Python checks of a listed group read from its members (see
+// groupgrad/kernels/_listed.py), in one pass: None when a member is not
+// exactly a torch.Tensor or nn.Parameter (Python then reads them itself), else
+// (alike, requires_grad, starts). alike: every member is contiguous, with
+// storage, and has the first member's sizes, dtype and device; requires_grad:
+// some member requires grad; starts: the members' data addresses in ascending
+// order (empty unless alike). Must answer exactly what the Python reader does.
+py::object listed_group_facts(const py::list& members) {
+  const Py_ssize_t count = PyList_GET_SIZE(members.ptr());
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!THPVariable_CheckExact(PyList_GET_ITEM(members.ptr(), i))) {
+      return py::none();
+    }
+  }
+  bool alike = count > 0;
+  bool requires_grad = false;
+  std::vector<int64_t> starts;
+  starts.reserve(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count && alike; ++i) {
+    const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(members.ptr(), i));
+    const at::Tensor& first = THPVariable_Unpack(PyList_GET_ITEM(members.ptr(), 0));
+    alike = t.sizes() == first.sizes() && t.scalar_type() == first.scalar_type() &&
+            t.device() == first.device() && t.is_contiguous() && t.has_storage();
+    requires_grad = requires_grad || t.requires_grad();
+    if (alike) {
+      starts.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+    }
+  }
+  if (!alike) {
+    starts.clear();
+  }
+  std::sort(starts.begin(), starts.end());
+  return py::make_tuple(alike, requires_grad, starts);
+}
+
 std::vector<std::string> variant_names() {
   std::vector<std::string> names;
   for (const auto& entry : registry()) {
@@ -314,4 +349,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"), py::arg("raster_along_n"),
         py::arg("max_swizzle"));
   m.def("variants", &groupgrad::variant_names, "names of the compiled kernel variants");
+  m.def("listed_group_facts", &groupgrad::listed_group_facts,
+        "(alike, requires_grad, sorted addresses) of a listed group, or None", py::arg("members"));
 }

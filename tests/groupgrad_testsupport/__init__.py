@@ -31,6 +31,11 @@ What is here:
 * :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
   nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
+* :mod:`.gemms` -- ``GEMMS``, the kernels' public grouped GEMMs and their
+  ``*_ref`` twins, and :func:`public_kernel_names` (imports ``groupgrad.kernels``:
+  import it by its module name).
+* :mod:`.experts` -- :func:`run_experts`, one forward and backward of a
+  Hugging Face-style experts module, every gradient by name.
 
 Writing a multi-rank test
 -------------------------

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import statistics
@@ -72,6 +71,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_moe_report as report
 import kernels_timing as kt  # the peak-memory measurement shared with bench_mlp.py
+import results_files
 
 import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
 
@@ -499,20 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report.experts_table(result))
         stem = "hf_moe_"
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem += env["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
-        if args.smoke:
-            stem += "_smoke"
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out / f'{stem}.json'}")
-        try:
-            (report.plot_fsdp if args.fsdp else report.plot_experts)(
-                result, args.out / f"{stem}.png"
-            )
-        except ImportError as error:  # matplotlib is imported only there
-            print(f"!! PNG not written: {error} (pip install matplotlib)")
-        else:
-            print(f"wrote {args.out / f'{stem}.png'}")
+        stem = results_files.gpu_stem(stem, env["gpu"]) + ("_smoke" if args.smoke else "")
+        plot = report.plot_fsdp if args.fsdp else report.plot_experts
+        results_files.write_results(args.out, stem, result, plot)  # goes on without the PNG
     if fallbacks.messages and device.type == "cuda":
         print("!! some work ran on a fallback path; the timings above are not the fast path")
         return 2

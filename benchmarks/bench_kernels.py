@@ -162,6 +162,25 @@ def _row(
     }
 
 
+def _bf16_row(
+    op: str,
+    case: Case,
+    plan: tuning.Plan,
+    out: torch.Tensor,
+    headline: Mapping[str, Callable[[int], object]],
+    run: Callable[[int, tuning.Plan | None], None],
+    plans: list[tuning.Plan],
+    reps: int,
+) -> dict:
+    """One bf16 row: ours (``headline["ours"]``, writing ``out``) checked against
+    ``headline["grouped_mm"]``, then timed with the baselines and the sweep's plans."""
+    ours = headline["ours"]
+    ours(0)
+    err = kt.rel_error(out, headline["grouped_mm"](0))  # type: ignore[arg-type]
+    times, swept = _measure(headline, run, plans, reps)
+    return _row(op, case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
+
+
 def bench_fprop_dgrad(case: Case, op: str, reps: int, sweep_all: bool) -> dict:
     cols_out = case.N if op == "fprop" else case.K
     a = case.x if op == "fprop" else case.dy
@@ -189,16 +208,9 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, sweep_all: bool) -> dict:
         w_NK = case.w[i][0]
         return a[i] @ (w_NK.T if op == "fprop" else w_NK)
 
-    ours(0)
-    err = kt.rel_error(out, grouped_mm(0))
-    headline: dict[str, Callable[[int], object]] = {
-        "ours": ours,
-        "grouped_mm": grouped_mm,
-        "loop": loop,
-        "dense": dense,
-    }
-    times, swept = _measure(headline, sweep, _candidates(op, "bf16", sweep_all), reps)
-    return _row(op, case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
+    headline = {"ours": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
+    plans = _candidates(op, "bf16", sweep_all)
+    return _bf16_row(op, case, plan, out, headline, sweep, plans, reps)
 
 
 def bench_wgrad_bf16(case: Case, reps: int, sweep_all: bool) -> dict:
@@ -222,16 +234,9 @@ def bench_wgrad_bf16(case: Case, reps: int, sweep_all: bool) -> dict:
     def dense(i: int) -> torch.Tensor:  # (N, T) @ (T, K): the same FLOPs
         return case.dy[i].t() @ case.x[i]
 
-    ours(0)
-    err = kt.rel_error(out, grouped_mm(0))
-    headline: dict[str, Callable[[int], object]] = {
-        "ours": ours,
-        "grouped_mm": grouped_mm,
-        "loop": loop,
-        "dense": dense,
-    }
-    times, swept = _measure(headline, sweep, _candidates("wgrad", "bf16", sweep_all), reps)
-    return _row("wgrad_bf16", case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
+    headline = {"ours": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
+    plans = _candidates("wgrad", "bf16", sweep_all)
+    return _bf16_row("wgrad_bf16", case, plan, out, headline, sweep, plans, reps)
 
 
 def bench_wgrad_fp32(

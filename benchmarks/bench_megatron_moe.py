@@ -43,8 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
-import json
+import runpy
 import sys
 import tempfile
 from collections.abc import Callable
@@ -57,6 +56,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kernels_timing as kt  # interleaved CUDA-event timing shared with the other benchmarks
+import results_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "integrations" / "megatron_core" / "tests" / "cpu_shim.py"
@@ -88,12 +88,7 @@ SMOKE_SHAPES = [
 
 def load_cpu_shim() -> None:
     """Install the test-only CUDA shim (CPU smoke mode only)."""
-    spec = importlib.util.spec_from_file_location("groupgrad_megatron_core_cpu_shim", SHIM)
-    assert spec is not None, SHIM
-    assert spec.loader is not None, SHIM
-    shim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shim)
-    shim.install()
+    runpy.run_path(str(SHIM))["install"]()  # a file by its path, not an importable module
 
 
 def setup(device: torch.device) -> None:
@@ -398,16 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(result))
     dist.destroy_process_group()
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = "megatron_moe_" + result["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out / f'{stem}.json'}")
-        try:
-            plot(result, args.out / f"{stem}.png")
-        except ImportError as error:  # matplotlib is imported only here
-            print(f"!! PNG not written: {error} (pip install matplotlib)")
+        stem = results_files.gpu_stem("megatron_moe_", result["gpu"])
+        if not results_files.write_results(args.out, stem, result, plot):
             return 3
-        print(f"wrote {args.out / f'{stem}.png'}")
     return 0
 
 

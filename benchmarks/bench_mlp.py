@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import logging
 import sys
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import kernels_timing as kt  # splits and error helpers shared with bench_kernels.py
 import mlp_report
+import results_files
 
 from groupgrad.kernels import (
     grouped_dgrad,
@@ -426,16 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"rows": rows, "fallbacks": recorder.messages})
     print(mlp_report.markdown_table(result))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = "mlp_" + env["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
-        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out / f'{stem}.json'}")
-        try:
-            mlp_report.plot(result, args.out / f"{stem}.png")
-        except ImportError as error:  # matplotlib is imported only here
-            print(f"!! PNG not written: {error} (pip install matplotlib)")
+        stem = results_files.gpu_stem("mlp_", env["gpu"])
+        if not results_files.write_results(args.out, stem, result, mlp_report.plot):
             return 3
-        print(f"wrote {args.out / f'{stem}.png'}")
     if recorder.messages:
         print("!! some work ran on a fallback path; the timings above are not the fast path:")
         for message in recorder.messages:

@@ -12,16 +12,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import (
-    _ops,
-    grouped_dgrad,
-    grouped_dgrad_ref,
-    grouped_fprop,
-    grouped_fprop_ref,
-    grouped_wgrad,
-    grouped_wgrad_ref,
-)
+from groupgrad.kernels import _ops
+from groupgrad_testsupport.gemms import GEMMS
 
+KERNEL, REF = GEMMS["kernel"], GEMMS["ref"]
 E, N, K = 4, 16, 24
 SPLITS = [5, 0, 11, 3]
 T = sum(SPLITS)
@@ -104,15 +98,15 @@ def test_compile_fprop_and_dgrad(splits_form):
     w_list = list(rand(E, N, K, seed=8).unbind(0))
 
     def step(x, dy, w_ENK, w_list, out_TN):
-        y = grouped_fprop(x, w_ENK, splits, out=out_TN)
-        return y * 2, grouped_dgrad(dy, w_list, splits)
+        y = KERNEL.fprop(x, w_ENK, splits, out=out_TN)
+        return y * 2, KERNEL.dgrad(dy, w_list, splits)
 
     out_TN = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
     y2, dx = compiled(step)(x, dy, w_ENK, w_list, out_TN)
-    expected_y = grouped_fprop_ref(x, w_ENK, SPLITS)
+    expected_y = REF.fprop(x, w_ENK, SPLITS)
     assert torch.equal(out_TN, expected_y)  # the mutation reached the caller's out
     assert torch.equal(y2, expected_y * 2)
-    assert torch.equal(dx, grouped_dgrad_ref(dy, w_list, SPLITS))
+    assert torch.equal(dx, REF.dgrad(dy, w_list, SPLITS))
     # and the reference itself against an independent fp64 loop
     assert_near_fp64(out_TN, torch.cat(fp64_per_expert(x, w_ENK, lambda a, w: a @ w.T)))
     assert_near_fp64(dx, torch.cat(fp64_per_expert(dy, w_list, lambda a, w: a @ w)))
@@ -123,7 +117,7 @@ def test_compile_wgrad_into_main_grads(out_form):
     dy, x = rand(T, N, seed=9), rand(T, K, seed=10)
     main_ENK = rand(E, N, K, dtype=torch.float32, seed=11)
     initial = main_ENK.clone()
-    expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=True)
+    expected = REF.wgrad(dy, x, SPLITS, out=main_ENK.clone(), accumulate=True)
     out: Tensor | list[Tensor] = main_ENK
     if out_form == "list":
         out = [t.clone() for t in main_ENK.unbind(0)]
@@ -131,14 +125,14 @@ def test_compile_wgrad_into_main_grads(out_form):
         out = list(main_ENK.unbind(0))
 
     def step(dy, x, out):
-        fresh = grouped_wgrad(dy, x, SPLITS, out_dtype=torch.float32)
-        return grouped_wgrad(dy, x, SPLITS, out=out, accumulate=True), fresh
+        fresh = KERNEL.wgrad(dy, x, SPLITS, out_dtype=torch.float32)
+        return KERNEL.wgrad(dy, x, SPLITS, out=out, accumulate=True), fresh
 
     result, fresh = compiled(step)(dy, x, out)
     assert result is out
     got = out if isinstance(out, Tensor) else torch.stack(out)
     assert torch.equal(got, expected)
-    assert torch.equal(fresh, grouped_wgrad_ref(dy, x, SPLITS, out_dtype=torch.float32))
+    assert torch.equal(fresh, REF.wgrad(dy, x, SPLITS, out_dtype=torch.float32))
     dw64 = torch.stack(
         [
             dy_e.double().T @ x_e.double()
@@ -168,14 +162,14 @@ def test_plain_eager_calls_run_the_kernel_directly_and_bump_versions(ops_forbidd
     y = torch.full((T, N), float("nan"), dtype=torch.bfloat16)
     dx = torch.full((T, K), float("nan"), dtype=torch.bfloat16)
     main = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
-    expected_main = grouped_wgrad_ref(dy, x, SPLITS, out=[t.clone() for t in main], accumulate=True)
+    expected_main = REF.wgrad(dy, x, SPLITS, out=[t.clone() for t in main], accumulate=True)
     versions = [t._version for t in (y, dx, *main)]
-    grouped_fprop(x, w_ENK, splits_tensor(), out=y)
-    grouped_dgrad(dy, torch.nn.Parameter(w_ENK, requires_grad=False), SPLITS, out=dx)
+    KERNEL.fprop(x, w_ENK, splits_tensor(), out=y)
+    KERNEL.dgrad(dy, torch.nn.Parameter(w_ENK, requires_grad=False), SPLITS, out=dx)
     with torch.no_grad():  # grad mode off: inputs that require grad are fine
-        grouped_wgrad(dy.requires_grad_(), x, SPLITS, out=main, accumulate=True)
-    assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))
-    assert torch.equal(dx, grouped_dgrad_ref(dy, w_ENK, SPLITS))
+        KERNEL.wgrad(dy.requires_grad_(), x, SPLITS, out=main, accumulate=True)
+    assert torch.equal(y, REF.fprop(x, w_ENK, SPLITS))
+    assert torch.equal(dx, REF.dgrad(dy, w_ENK, SPLITS))
     assert torch.equal(torch.stack(main), torch.stack(expected_main))
     assert all(t._version > v for t, v in zip((y, dx, *main), versions, strict=True))
 
@@ -183,7 +177,7 @@ def test_plain_eager_calls_run_the_kernel_directly_and_bump_versions(ops_forbidd
 def test_direct_calls_show_in_the_profiler_under_the_op_name(ops_forbidden):
     x, w_ENK = rand(T, K), rand(E, N, K, seed=1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        grouped_fprop(x, w_ENK, SPLITS)
+        KERNEL.fprop(x, w_ENK, SPLITS)
     assert "groupgrad::grouped_fprop" in {event.name for event in prof.events()}
 
 
@@ -191,7 +185,7 @@ def test_calls_autograd_would_record_go_through_the_op(monkeypatch):
     seen = []
     monkeypatch.setattr(_ops, "grouped_fprop_op", lambda *args: seen.append(args))
     x = rand(T, K).requires_grad_()
-    grouped_fprop(x, rand(E, N, K, seed=1), SPLITS)
+    KERNEL.fprop(x, rand(E, N, K, seed=1), SPLITS)
     assert len(seen) == 1
 
 
@@ -203,7 +197,7 @@ def test_tracing_and_subclasses_go_through_the_op(monkeypatch):
     dy, x = rand(T, N), rand(T, K, seed=1)
     with FakeTensorMode() as mode:  # a dispatch mode, and fake tensors
         fake_dy, fake_x = mode.from_tensor(dy), mode.from_tensor(x)
-        grouped_wgrad(fake_dy, fake_x, SPLITS, out_dtype=torch.float32)
+        KERNEL.wgrad(fake_dy, fake_x, SPLITS, out_dtype=torch.float32)
     assert len(seen) == 1
     assert not _ops.direct_call_ok([fake_dy, fake_x])
     assert not _ops.direct_call_ok([dy.to("meta")])

@@ -14,19 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import (
-    grouped_dgrad,
-    grouped_dgrad_ref,
-    grouped_fprop,
-    grouped_fprop_ref,
-    grouped_wgrad,
-    grouped_wgrad_ref,
-)
-
-IMPLS = {
-    "kernel": (grouped_fprop, grouped_dgrad, grouped_wgrad),
-    "ref": (grouped_fprop_ref, grouped_dgrad_ref, grouped_wgrad_ref),
-}
+from groupgrad_testsupport.gemms import GEMMS
 
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -52,7 +40,7 @@ def _fp64_all(x: Tensor, w: Tensor, dy: Tensor, splits: list[int]):
 
 
 def _run_all(impl: str, x: Tensor, w: Tensor, dy: Tensor, splits):
-    fprop, dgrad, wgrad = IMPLS[impl]
+    fprop, dgrad, wgrad = GEMMS[impl]
     T, K = x.shape
     E, N, _ = w.shape
     y = fprop(x, w, splits, out=_nan(T, N, dtype=x.dtype))
@@ -66,7 +54,7 @@ def _assert_exact_enough(got: Tensor, want: Tensor, what: str) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=what)
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize(
     ("case", "splits", "K", "N"),
     [
@@ -88,7 +76,7 @@ def test_small_edges_match_fp64(impl: str, case: str, splits: list[int], K: int,
     _assert_exact_enough(dw, want_dw, f"{case}: dw (empty experts exactly zero)")
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", list(GEMMS))
 def test_4096_experts_most_of_them_empty(impl: str) -> None:
     E, K, N = 4096, 8, 8
     splits = [0] * E
@@ -103,7 +91,7 @@ def test_4096_experts_most_of_them_empty(impl: str) -> None:
     _assert_exact_enough(dw, want_dw, "dw")
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", list(GEMMS))
 def test_padded_rows_in_weights_and_outputs_are_honoured(impl: str) -> None:
     splits, K, N = [3, 0, 4], 8, 4
     T, E = sum(splits), len(splits)
@@ -111,7 +99,7 @@ def test_padded_rows_in_weights_and_outputs_are_honoured(impl: str) -> None:
     storage = _nan(E, N, K + 8)  # each row padded by 8 NaN elements the GEMM must not read
     w = storage[:, :, :K]
     w.copy_(_rand(E, N, K, seed=9))
-    fprop, _, wgrad = IMPLS[impl]
+    fprop, _, wgrad = GEMMS[impl]
     y = fprop(x, list(w.unbind(0)), splits)
     out_storage = _nan(E, N, K + 8)
     outs = list(out_storage[:, :, :K].unbind(0))
@@ -122,7 +110,7 @@ def test_padded_rows_in_weights_and_outputs_are_honoured(impl: str) -> None:
     assert out_storage[:, :, K:].isnan().all(), "the padding of the outputs was written"
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_non_finite_inputs_stay_within_their_expert(impl: str, poison: float) -> None:
     splits, K, N = [3, 4, 2], 8, 4

@@ -103,48 +103,35 @@ def _plan(variant: tuning.Variant | None) -> tuning.Plan | None:
 # ---------------------------------------------------------------- fprop / dgrad
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
-@pytest.mark.parametrize(
-    "variant", [*_variants("fprop"), None], ids=lambda v: v.name if v else "auto"
-)
-def test_fprop(variant: tuning.Variant | None, pattern: str, layout: str) -> None:
-    dtype = DTYPES[variant.dtype_in] if variant else torch.bfloat16
-    gen = _gen("fprop", variant, pattern, layout)
-    E, K, N = 6, 256, 384
-    splits = _splits(pattern, E, gen)
-    T = sum(splits)
-    x = _randn(T, K, dtype=dtype, gen=gen)
-    group, w = _group_list(
-        E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype)
-    )
-    out = poisoned((T, N), dtype=dtype, device="cuda")
-    _cutlass.fprop(x, group, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
-    for e, (lo, hi) in enumerate(_bounds(splits)):
-        ref = x[lo:hi].double() @ w[e].double().T
-        _check(out[lo:hi], ref, x[lo:hi] @ w[e].T, f"fprop expert {e}")
+# op: (K, N); fprop reads x (T, K) and writes y = x @ w.T (T, N), dgrad reads
+# dy (T, N) and writes dx = dy @ w (T, K)
+FPROP_DGRAD_SIZES = {"fprop": (256, 384), "dgrad": (384, 256)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
 @pytest.mark.parametrize(
-    "variant", [*_variants("dgrad"), None], ids=lambda v: v.name if v else "auto"
+    ("op", "variant"),
+    [(op, v) for op in FPROP_DGRAD_SIZES for v in [*_variants(op), None]],
+    ids=lambda v: (v.name if v else "auto") if not isinstance(v, str) else v,
 )
-def test_dgrad(variant: tuning.Variant | None, pattern: str, layout: str) -> None:
+def test_fprop_dgrad(op: str, variant: tuning.Variant | None, pattern: str, layout: str) -> None:
     dtype = DTYPES[variant.dtype_in] if variant else torch.bfloat16
-    gen = _gen("dgrad", variant, pattern, layout)
-    E, K, N = 6, 384, 256
+    gen = _gen(op, variant, pattern, layout)
+    E, (K, N) = 6, FPROP_DGRAD_SIZES[op]
     splits = _splits(pattern, E, gen)
     T = sum(splits)
-    dy = _randn(T, N, dtype=dtype, gen=gen)
+    a = _randn(T, K if op == "fprop" else N, dtype=dtype, gen=gen)  # x or dy
     group, w = _group_list(
         E, N, K, dtype, layout, lambda i: torch.randn(N, K, generator=gen).to(dtype)
     )
-    out = poisoned((T, K), dtype=dtype, device="cuda")
-    _cutlass.dgrad(dy, group, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
+    out = poisoned((T, N if op == "fprop" else K), dtype=dtype, device="cuda")
+    run = getattr(_cutlass, op)
+    run(a, group, torch.tensor(splits, device="cuda"), out, plan=_plan(variant))
     for e, (lo, hi) in enumerate(_bounds(splits)):
-        ref = dy[lo:hi].double() @ w[e].double()
-        _check(out[lo:hi], ref, dy[lo:hi] @ w[e], f"dgrad expert {e}")
+        b = w[e].T if op == "fprop" else w[e]
+        ref = a[lo:hi].double() @ b.double()
+        _check(out[lo:hi], ref, a[lo:hi] @ b, f"{op} expert {e}")
 
 
 # ---------------------------------------------------------------- wgrad

@@ -20,14 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import (
-    grouped_dgrad,
-    grouped_dgrad_ref,
-    grouped_fprop,
-    grouped_fprop_ref,
-    grouped_wgrad,
-    grouped_wgrad_ref,
-)
+from groupgrad_testsupport.gemms import GEMMS
 
 # Token counts per expert: empty experts at the start, middle and end, skew, one expert.
 SPLITS = {
@@ -42,9 +35,7 @@ SPLITS = {
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 N, K = 24, 40
 
-FPROP = {"kernel": grouped_fprop, "ref": grouped_fprop_ref}
-DGRAD = {"kernel": grouped_dgrad, "ref": grouped_dgrad_ref}
-WGRAD = {"kernel": grouped_wgrad, "ref": grouped_wgrad_ref}
+KERNEL, REF = GEMMS["kernel"], GEMMS["ref"]
 
 
 @dataclass
@@ -138,40 +129,31 @@ def wgrad_torch(p: Problem, out_dtype: torch.dtype) -> Tensor:
 # --- fprop and dgrad ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ref"])
+# op: (seed, its operand, the output's width, the fp64 oracle, PyTorch's own computation)
+FPROP_DGRAD = {
+    "fprop": (0, lambda p: p.x, N, fprop64, fprop_torch),  # y = x @ w.T, (T, N)
+    "dgrad": (1, lambda p: p.dy, K, dgrad64, dgrad_torch),  # dx = dy @ w, (T, K)
+}
+
+
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pattern", list(SPLITS))
 @pytest.mark.parametrize("weights_form", ["packed", "scattered"])
 @pytest.mark.parametrize("out_form", ["none", "given"])
-def test_fprop_matches_fp64(impl, dtype, pattern, weights_form, out_form):
-    p = make_problem(SPLITS[pattern], dtype)
+@pytest.mark.parametrize("op", list(FPROP_DGRAD))
+def test_fprop_and_dgrad_match_fp64(op, impl, dtype, pattern, weights_form, out_form):
+    seed, operand, width, oracle, torch_own = FPROP_DGRAD[op]
+    p = make_problem(SPLITS[pattern], dtype, seed=seed)
     weights = p.w if weights_form == "packed" else scattered(p.w)
-    out = nan_like((p.T, N), dtype) if out_form == "given" else None
-    y = FPROP[impl](p.x, weights, p.splits, out=out)
-    assert y.dtype == dtype
-    assert y.shape == (p.T, N)
+    out = nan_like((p.T, width), dtype) if out_form == "given" else None
+    result = getattr(GEMMS[impl], op)(operand(p), weights, p.splits, out=out)
+    assert result.dtype == dtype
+    assert result.shape == (p.T, width)
     if out is not None:
-        assert y is out
+        assert result is out
     if p.T:
-        assert_close(y, fprop64(p), fprop_torch(p))
-
-
-@pytest.mark.parametrize("impl", ["kernel", "ref"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pattern", list(SPLITS))
-@pytest.mark.parametrize("weights_form", ["packed", "scattered"])
-@pytest.mark.parametrize("out_form", ["none", "given"])
-def test_dgrad_matches_fp64(impl, dtype, pattern, weights_form, out_form):
-    p = make_problem(SPLITS[pattern], dtype, seed=1)
-    weights = p.w if weights_form == "packed" else scattered(p.w)
-    out = nan_like((p.T, K), dtype) if out_form == "given" else None
-    dx = DGRAD[impl](p.dy, weights, p.splits, out=out)
-    assert dx.dtype == dtype
-    assert dx.shape == (p.T, K)
-    if out is not None:
-        assert dx is out
-    if p.T:
-        assert_close(dx, dgrad64(p), dgrad_torch(p))
+        assert_close(result, oracle(p), torch_own(p))
 
 
 # --- wgrad ------------------------------------------------------------------------
@@ -205,7 +187,7 @@ def stacked(out: object) -> Tensor:
     return out if isinstance(out, Tensor) else torch.stack(list(out))  # type: ignore[call-overload]
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ref"])
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pattern", list(SPLITS))
 @pytest.mark.parametrize(("form", "out_dtype"), WGRAD_OUTS, ids=lambda v: str(v))
@@ -214,7 +196,7 @@ def test_wgrad_overwrite_matches_fp64(impl, dtype, pattern, form, out_dtype):
     out_dtype = out_dtype or dtype
     out = wgrad_out(form, out_dtype, p.E, nan_like)
     kwargs = {"out_dtype": out_dtype} if form == "out_dtype" else {}
-    dw = WGRAD[impl](p.dy, p.x, p.splits, out=out, **kwargs)
+    dw = GEMMS[impl].wgrad(p.dy, p.x, p.splits, out=out, **kwargs)
     if out is not None:
         assert dw is out
     dw_ENK = stacked(dw)
@@ -226,7 +208,7 @@ def test_wgrad_overwrite_matches_fp64(impl, dtype, pattern, form, out_dtype):
     assert_close(dw_ENK, wgrad64(p), wgrad_torch(p, out_dtype))
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ref"])
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("pattern", list(SPLITS))
 @pytest.mark.parametrize(("form", "out_dtype"), WGRAD_OUTS[2:], ids=lambda v: str(v))
@@ -236,7 +218,7 @@ def test_wgrad_accumulate_matches_fp64(impl, dtype, pattern, form, out_dtype):
     gen = torch.Generator().manual_seed(4)
     out = wgrad_out(form, out_dtype, p.E, lambda s, d: torch.randn(s, generator=gen).to(d))
     before = stacked(out).clone()
-    dw = WGRAD[impl](p.dy, p.x, p.splits, out=out, accumulate=True)
+    dw = GEMMS[impl].wgrad(p.dy, p.x, p.splits, out=out, accumulate=True)
     assert dw is out
     dw_ENK = stacked(dw)
     for e, count in enumerate(p.splits):
@@ -250,7 +232,7 @@ def test_wgrad_accumulates_across_calls():
     p = make_problem([5, 0, 9, 3], torch.bfloat16, seed=5)
     main_grads = [torch.zeros(N, K) for _ in range(p.E)]
     for _ in range(3):
-        grouped_wgrad(p.dy, p.x, p.splits, out=main_grads, accumulate=True)
+        KERNEL.wgrad(p.dy, p.x, p.splits, out=main_grads, accumulate=True)
     expected = 3 * wgrad64(p)
     assert_close(torch.stack(main_grads), expected, 3 * wgrad_torch(p, torch.float32))
 
@@ -271,31 +253,31 @@ def splits_forms(splits: list[int]) -> dict[str, object]:
 def test_splits_forms_agree(form):
     p = make_problem(SPLITS["empty_middle"], torch.bfloat16, seed=6)
     splits = splits_forms(p.splits)
-    assert torch.equal(grouped_fprop(p.x, p.w, splits[form]), grouped_fprop(p.x, p.w, p.splits))
-    assert torch.equal(grouped_dgrad(p.dy, p.w, splits[form]), grouped_dgrad(p.dy, p.w, p.splits))
-    assert torch.equal(grouped_wgrad(p.dy, p.x, splits[form]), grouped_wgrad(p.dy, p.x, p.splits))
+    assert torch.equal(KERNEL.fprop(p.x, p.w, splits[form]), KERNEL.fprop(p.x, p.w, p.splits))
+    assert torch.equal(KERNEL.dgrad(p.dy, p.w, splits[form]), KERNEL.dgrad(p.dy, p.w, p.splits))
+    assert torch.equal(KERNEL.wgrad(p.dy, p.x, splits[form]), KERNEL.wgrad(p.dy, p.x, p.splits))
 
 
 def test_wgrad_returns_the_same_sequence_object():
     p = make_problem([4, 0, 6], torch.bfloat16, seed=7)
     as_tuple = tuple(torch.empty(N, K) for _ in range(p.E))
-    assert grouped_wgrad(p.dy, p.x, p.splits, out=as_tuple) is as_tuple
-    assert grouped_wgrad_ref(p.dy, p.x, p.splits, out=as_tuple) is as_tuple
+    assert KERNEL.wgrad(p.dy, p.x, p.splits, out=as_tuple) is as_tuple
+    assert REF.wgrad(p.dy, p.x, p.splits, out=as_tuple) is as_tuple
 
 
 def test_default_output_dtype_is_the_input_dtype():
     p = make_problem([4, 0, 6], torch.float16, seed=8)
-    assert grouped_wgrad(p.dy, p.x, p.splits).dtype == torch.float16
-    assert grouped_wgrad(p.dy, p.x, p.splits, out_dtype=torch.bfloat16).dtype == (torch.bfloat16)
+    assert KERNEL.wgrad(p.dy, p.x, p.splits).dtype == torch.float16
+    assert KERNEL.wgrad(p.dy, p.x, p.splits, out_dtype=torch.bfloat16).dtype == (torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_and_twin_agree_bitwise_on_cpu(dtype):
     p = make_problem(SPLITS["skewed"], dtype, seed=9)
-    assert torch.equal(grouped_fprop(p.x, p.w, p.splits), grouped_fprop_ref(p.x, p.w, p.splits))
-    assert torch.equal(grouped_dgrad(p.dy, p.w, p.splits), grouped_dgrad_ref(p.dy, p.w, p.splits))
-    kernel = grouped_wgrad(p.dy, p.x, p.splits, out_dtype=torch.float32)
-    twin = grouped_wgrad_ref(p.dy, p.x, p.splits, out_dtype=torch.float32)
+    assert torch.equal(KERNEL.fprop(p.x, p.w, p.splits), REF.fprop(p.x, p.w, p.splits))
+    assert torch.equal(KERNEL.dgrad(p.dy, p.w, p.splits), REF.dgrad(p.dy, p.w, p.splits))
+    kernel = KERNEL.wgrad(p.dy, p.x, p.splits, out_dtype=torch.float32)
+    twin = REF.wgrad(p.dy, p.x, p.splits, out_dtype=torch.float32)
     assert torch.equal(kernel, twin)
 
 
@@ -305,14 +287,14 @@ def test_wgrad_does_not_read_overwritten_out():
     results = []
     for fill in (float("nan"), float("inf"), -3.0):
         out = torch.full((p.E, N, K), fill)
-        results.append(grouped_wgrad(p.dy, p.x, p.splits, out=out))
+        results.append(KERNEL.wgrad(p.dy, p.x, p.splits, out=out))
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 def test_inputs_are_not_modified():
     p = make_problem([7, 0, 5, 2], torch.bfloat16, seed=11)
     copies = [t.clone() for t in (p.x, p.w, p.dy)]
-    grouped_fprop(p.x, p.w, p.splits)
-    grouped_dgrad(p.dy, p.w, p.splits)
-    grouped_wgrad(p.dy, p.x, p.splits)
+    KERNEL.fprop(p.x, p.w, p.splits)
+    KERNEL.dgrad(p.dy, p.w, p.splits)
+    KERNEL.wgrad(p.dy, p.x, p.splits)
     assert all(torch.equal(a, b) for a, b in zip(copies, (p.x, p.w, p.dy), strict=True))

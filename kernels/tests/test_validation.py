@@ -19,24 +19,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import (
-    grouped_dgrad,
-    grouped_dgrad_ref,
-    grouped_fprop,
-    grouped_fprop_ref,
-    grouped_wgrad,
-    grouped_wgrad_ref,
-)
+from groupgrad_testsupport.gemms import GEMMS
 
 SPLITS = [3, 0, 5, 4]
 E, T, N, K = 4, 12, 8, 16
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SENTINEL = 7.0
-KERNELS = {
-    "fprop": (grouped_fprop, grouped_fprop_ref),
-    "dgrad": (grouped_dgrad, grouped_dgrad_ref),
-    "wgrad": (grouped_wgrad, grouped_wgrad_ref),
-}
 
 
 def rand(*shape: int, dtype: torch.dtype = BF16) -> Tensor:
@@ -305,16 +293,16 @@ def snapshot(out: object) -> list[Tensor]:
     return []
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ref"])
+@pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_rejected_call_raises_and_writes_nothing(case, impl):
     args = valid_args(case.op)
-    KERNELS[case.op][impl == "ref"](**args)  # the unchanged call is valid
+    getattr(GEMMS[impl], case.op)(**args)  # the unchanged call is valid
     args = valid_args(case.op)
     case.change(args)
     before = snapshot(args.get("out"))
     with pytest.raises(case.error, match=case.match):
-        KERNELS[case.op][impl == "ref"](**args)
+        getattr(GEMMS[impl], case.op)(**args)
     after = snapshot(args.get("out"))
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "out was written"
 

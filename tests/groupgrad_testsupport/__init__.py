@@ -31,6 +31,13 @@ What is here:
 * :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
   nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
+* :mod:`.offload` -- :func:`offloaded_saved_tensors`, what autograd saves in a
+  block, copied out as an activation offloader would.
+* :mod:`.gemms` -- ``GEMMS``, the kernels' public grouped GEMMs and their
+  ``*_ref`` twins, and :func:`public_kernel_names` (imports ``groupgrad.kernels``:
+  import it by its module name).
+* :mod:`.experts` -- :func:`run_experts`, one forward and backward of a
+  Hugging Face-style experts module, every gradient by name.
 
 Writing a multi-rank test
 -------------------------
@@ -90,6 +97,7 @@ from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch, torchrun
 from groupgrad_testsupport.matrix import (
     Case,
+    assert_group_backward_ran_once,
     assert_main_grads_wait_for_backward_dw,
     assert_matrix_close,
     assert_weight_grads,
@@ -120,6 +128,7 @@ __all__ = [
     "assert_as_close_as_torch",
     "assert_close",
     "assert_compiled_matches_eager",
+    "assert_group_backward_ran_once",
     "assert_main_grads_wait_for_backward_dw",
     "assert_matrix_close",
     "assert_weight_grads",

@@ -15,7 +15,8 @@ case's ``kind`` and ``main_grad``; :func:`experts_fp64` reads a
 ``GroupedLinear``'s experts for an fp64 reference. After each step
 :func:`assert_main_grads_wait_for_backward_dw` (before ``backward_dw()``) and
 :func:`assert_weight_grads` check where the weight gradients went, and
-:func:`write_into_dummies` dirties the shared zero dummy as a hook would.
+:func:`write_into_dummies` dirties the shared zero dummy as a hook would;
+:func:`assert_group_backward_ran_once` checks a fake group's leader after a backward.
 """
 
 from __future__ import annotations
@@ -191,6 +192,16 @@ def distribute_fake(owner: nn.Module, main_grad: MainGrad) -> list[Tensor]:
     for name, param in zip(names, group, strict=True):
         setattr(owner, name, param)
     return group
+
+
+def assert_group_backward_ran_once(group: Sequence[Tensor]) -> None:
+    """After one backward: the fake group's leader materialized it for backward once and finalized it once."""
+    from groupgrad.protocol.testing import FakeDistributedWeight
+
+    leader = group[0]
+    assert isinstance(leader, FakeDistributedWeight), type(leader)
+    assert leader.calls["materialize_group_for_backward"] == 1
+    assert leader.calls["finalize_group_grads"] == 1
 
 
 def attach_main_grads(

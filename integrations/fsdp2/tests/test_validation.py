@@ -6,7 +6,7 @@ shard at all). Every rejected call leaves the module unsharded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,37 +81,57 @@ def test_layer_options_fsdp2_cannot_serve(options: dict[str, Any], match: str) -
     assert _unsharded(block)
 
 
-def test_a_grouped_linear_switched_to_main_grad_later_is_named() -> None:
+def _fc2_switched_to_main_grad_later() -> nn.Module:
     block = Block()
     block.mlp.fc2.accumulate_into_main_grad = True
-    with pytest.raises(ValueError, match=r"GroupedLinear 'mlp.fc2' has accumulate_into_main_grad"):
-        fully_shard(block, mp_policy=BF16_FP32)
+    return block
 
 
-def test_a_distributed_weight_has_two_owners() -> None:
+def _distributed_weight() -> nn.Module:
     layer = GroupedLinear(2, 4, 6, bias=False)
     layer.weight0 = FakeDistributedWeight(layer.weight0.detach().clone())
-    with pytest.raises(ValueError, match=r"parameter 'weight0' is a DistributedWeight"):
-        fully_shard(layer, mp_policy=BF16_FP32)
+    return layer
 
 
-def test_a_dtensor_parameter_is_rejected() -> None:
+def _dtensor_parameter() -> nn.Module:
     layer = GroupedLinear(2, 4, 6, bias=False, single_grouped_weight=True)
     mesh = init_device_mesh("cpu", (1,))
     layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(
-        ValueError, match=r"parameter 'weight' of GroupedLinear '<module>' is already a DTensor"
-    ):
-        fully_shard(layer, mp_policy=BF16_FP32)
+    return layer
 
 
-def test_a_sub_unit_sharded_by_plain_fsdp2_is_named() -> None:
+def _sub_unit_sharded_by_plain_fsdp2() -> nn.Module:
     block = Block()
     torch_fully_shard(block.mlp, mp_policy=BF16_FP32)
-    with pytest.raises(
-        ValueError, match=r"submodule 'mlp' holds groupgrad layers .* sharded by torch"
-    ):
-        fully_shard(block, mp_policy=BF16_FP32)
+    return block
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (
+            _fc2_switched_to_main_grad_later,
+            r"GroupedLinear 'mlp.fc2' has accumulate_into_main_grad",
+        ),
+        (  # a DistributedWeight would have two owners
+            _distributed_weight,
+            r"parameter 'weight0' is a DistributedWeight",
+        ),
+        (
+            _dtensor_parameter,
+            r"parameter 'weight' of GroupedLinear '<module>' is already a DTensor",
+        ),
+        (
+            _sub_unit_sharded_by_plain_fsdp2,
+            r"submodule 'mlp' holds groupgrad layers .* sharded by torch",
+        ),
+    ],
+    ids=lambda v: v.__name__.strip("_") if callable(v) else None,
+)
+def test_a_setup_fsdp2_cannot_serve_is_named(build: Callable[[], nn.Module], match: str) -> None:
+    module = build()
+    with pytest.raises(ValueError, match=match):
+        fully_shard(module, mp_policy=BF16_FP32)
 
 
 def test_a_sub_unit_sharded_by_the_integration_is_accepted() -> None:

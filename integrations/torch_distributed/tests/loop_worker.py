@@ -22,15 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from groupgrad.integrations.torch_distributed import (
-    MasterWeights,
-    ddp_ignore_sharded,
-    full_state_dict,
-    gather_full_weights,
-    load_full_state_dict,
-    named_sharded_parameters,
-    shard_expert_weights,
-)
+from groupgrad.integrations import torch_distributed as td
 from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad_testsupport import Rank, run_worker
 
@@ -74,14 +66,14 @@ def run_ddp(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     model = MoE(cfg, rank.device)
     init = {n: cpu(p) for n, p in model.named_parameters()}
     if cfg["wrap"] == "whole":  # the usual order: shard the model DDP will wrap
-        shard_expert_weights(model)
+        td.shard_expert_weights(model)
     else:  # DDP wraps a parent of the sharded module
-        shard_expert_weights(model.experts)
+        td.shard_expert_weights(model.experts)
         if cfg["wrap"] == "parent":
-            ddp_ignore_sharded(model)
-    shards_before = {n: cpu(p) for n, p in named_sharded_parameters(model)}
+            td.ddp_ignore_sharded(model)
+    shards_before = {n: cpu(p) for n, p in td.named_sharded_parameters(model)}
     ddp = DistributedDataParallel(model)
-    shards_after_wrap = {n: cpu(p) for n, p in named_sharded_parameters(model)}
+    shards_after_wrap = {n: cpu(p) for n, p in td.named_sharded_parameters(model)}
     untouched = all(torch.equal(shards_before[n], shards_after_wrap[n]) for n in shards_before)
     data = torch.Generator().manual_seed(cfg["seed"] * 100 + rank.rank)
     x = torch.randn(cfg["tokens"], cfg["hidden"], generator=data).to(rank.device)
@@ -95,7 +87,7 @@ def run_ddp(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     names = {id(p): n for n, p in model.named_parameters()}
     reduced: set[str] = set()
     _record_buckets(ddp, names, reduced)
-    masters = MasterWeights(p for _, p in named_sharded_parameters(model))
+    masters = td.MasterWeights(p for _, p in td.named_sharded_parameters(model))
     optimizer = torch.optim.SGD(
         [*masters.parameters(), *model.router.parameters()], lr=cfg["lr"], momentum=0.9
     )
@@ -106,7 +98,7 @@ def run_ddp(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
         y, expert = ddp(x)
         y.square().mean().backward()
         expert_grads_zero = all(
-            p.grad is None or not p.grad.any() for _, p in named_sharded_parameters(model)
+            p.grad is None or not p.grad.any() for _, p in td.named_sharded_parameters(model)
         )
         masters.step(optimizer)
         optimizer.zero_grad()
@@ -115,7 +107,7 @@ def run_ddp(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
                 "x": cpu(x),
                 "expert": cpu(expert),
                 "router": {f"router.{n}": cpu(p) for n, p in model.router.named_parameters()},
-                "experts": {n: cpu(w) for n, w in gather_full_weights(model).items()},
+                "experts": {n: cpu(w) for n, w in td.gather_full_weights(model).items()},
                 "expert_grads_zero": expert_grads_zero,
             }
         )
@@ -133,8 +125,8 @@ def run_ddp_root_layer(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     torch.manual_seed(cfg["seed"])
     layer = GroupedLinear(3, 8, 4 * rank.world_size, bias=True, device=rank.device)
     init = {n: cpu(p) for n, p in layer.named_parameters()}
-    shard_expert_weights(layer)
-    shards_before = {n: cpu(p) for n, p in named_sharded_parameters(layer)}
+    td.shard_expert_weights(layer)
+    shards_before = {n: cpu(p) for n, p in td.named_sharded_parameters(layer)}
     ddp = DistributedDataParallel(layer)
     reduced: set[str] = set()
     _record_buckets(ddp, {id(p): n for n, p in layer.named_parameters()}, reduced)
@@ -147,11 +139,11 @@ def run_ddp_root_layer(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
         "x": cpu(x),
         "dy": cpu(dy),
         "untouched_by_wrap": all(
-            torch.equal(shards_before[n], cpu(p)) for n, p in named_sharded_parameters(layer)
+            torch.equal(shards_before[n], cpu(p)) for n, p in td.named_sharded_parameters(layer)
         ),
         "reduced_by_ddp": sorted(reduced),
         "bias_grads": {f"bias{e}": cpu(getattr(layer, f"bias{e}").grad) for e in range(3)},
-        "main_grads": {n: cpu(p.main_grad) for n, p in named_sharded_parameters(layer)},
+        "main_grads": {n: cpu(p.main_grad) for n, p in td.named_sharded_parameters(layer)},
     }
 
 
@@ -174,8 +166,8 @@ def run_masters(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
         single_grouped_weight=cfg["packed"],
     )
     init = {n: cpu(p) for n, p in layer.named_parameters()}
-    shard_expert_weights(layer)
-    masters = MasterWeights(p for _, p in named_sharded_parameters(layer))
+    td.shard_expert_weights(layer)
+    masters = td.MasterWeights(p for _, p in td.named_sharded_parameters(layer))
     optimizer = torch.optim.AdamW(
         masters.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"]
     )
@@ -188,21 +180,25 @@ def run_masters(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
             dy = integer_data(data, cfg["tokens"], N, rank.device)
             layer(x, cfg["splits"]).backward(dy)
             micro.append({"x": cpu(x), "dy": cpu(dy)})
-        main_grads = {n: cpu(p.main_grad) for n, p in named_sharded_parameters(layer)}
+        main_grads = {n: cpu(p.main_grad) for n, p in td.named_sharded_parameters(layer)}
         masters.step(optimizer)
         steps.append(
             {
                 "micro": micro,
                 "main_grads": main_grads,
-                "weights": {n: cpu(w) for n, w in gather_full_weights(layer).items()},
-                "shards": {n: cpu(p) for n, p in named_sharded_parameters(layer)},
+                "weights": {n: cpu(w) for n, w in td.gather_full_weights(layer).items()},
+                "shards": {n: cpu(p) for n, p in td.named_sharded_parameters(layer)},
                 "masters": [cpu(m) for m in masters.parameters()],
                 "main_grads_zeroed": all(
-                    not p.main_grad.any() for _, p in named_sharded_parameters(layer)
+                    not p.main_grad.any() for _, p in td.named_sharded_parameters(layer)
                 ),
             }
         )
-    return {"init": init, "names": [n for n, _ in named_sharded_parameters(layer)], "steps": steps}
+    return {
+        "init": init,
+        "names": [n for n, _ in td.named_sharded_parameters(layer)],
+        "steps": steps,
+    }
 
 
 def run_frozen(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
@@ -214,8 +210,8 @@ def run_frozen(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
         delay_wgrad_compute=cfg["delay"],
     )  # fmt: skip
     init = {n: cpu(p) for n, p in layer.named_parameters()}
-    shard_expert_weights(layer)
-    params = dict(named_sharded_parameters(layer))
+    td.shard_expert_weights(layer)
+    params = dict(td.named_sharded_parameters(layer))
     for name, param in params.items():
         param.overwrite_main_grad = cfg["overwrite"]  # type: ignore[attr-defined]
         if name in cfg["frozen"]:
@@ -266,13 +262,13 @@ def run_checkpoint_save(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     folder = Path(cfg["folder"])
     model = _checkpoint_model(cfg["seed"], rank.device)
     truth = {n: cpu(t) for n, t in model.state_dict().items()}
-    shard_expert_weights(model)
+    td.shard_expert_weights(model)
     state = model.state_dict()
     kinds = {n: type(v).__name__ for n, v in state.items()}
     placements = {n: str(v.placements) for n, v in state.items() if isinstance(v, DTensor)}
     dcp.save(state, checkpoint_id=folder / "dcp")
     torch.save(model.state_dict(), folder / f"rank{rank.rank}.pt")
-    full = full_state_dict(model)
+    full = td.full_state_dict(model)
     if rank.rank == 0:
         torch.save(full, folder / "full.pt")
     return {
@@ -285,11 +281,11 @@ def run_checkpoint_save(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
 
 def _loaded(model: nn.Module) -> dict[str, Any]:
     return {
-        "full": {n: cpu(t) for n, t in full_state_dict(model).items()},
-        "shard_shapes": {n: tuple(p.shape) for n, p in named_sharded_parameters(model)},
+        "full": {n: cpu(t) for n, t in td.full_state_dict(model).items()},
+        "shard_shapes": {n: tuple(p.shape) for n, p in td.named_sharded_parameters(model)},
         "main_grad_shapes": {
             n: tuple(p.main_grad.shape)  # type: ignore[attr-defined]
-            for n, p in named_sharded_parameters(model)
+            for n, p in td.named_sharded_parameters(model)
         },
     }
 
@@ -298,20 +294,20 @@ def run_checkpoint_load(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     """Load what the 2-rank launch saved into a model built from another seed."""
     folder = Path(cfg["folder"])
     model = _checkpoint_model(cfg["seed"] + 1, rank.device)
-    shard_expert_weights(model)
+    td.shard_expert_weights(model)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=folder / "dcp")
     model.load_state_dict(state)
     found: dict[str, Any] = {"dcp": _loaded(model)}
 
     model = _checkpoint_model(cfg["seed"] + 2, rank.device)
-    shard_expert_weights(model)
-    load_full_state_dict(model, torch.load(folder / "full.pt", map_location=rank.device))
+    td.shard_expert_weights(model)
+    td.load_full_state_dict(model, torch.load(folder / "full.pt", map_location=rank.device))
     found["full_file"] = _loaded(model)
 
     if rank.world_size == cfg["saved_on"]:  # per-rank torch.save files: same world size only
         model = _checkpoint_model(cfg["seed"] + 3, rank.device)
-        shard_expert_weights(model)
+        td.shard_expert_weights(model)
         model.load_state_dict(torch.load(folder / f"rank{rank.rank}.pt", map_location=rank.device))
         found["own_file"] = _loaded(model)
         other = (rank.rank + 1) % rank.world_size

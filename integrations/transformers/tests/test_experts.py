@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from groupgrad_testsupport import load_sibling
+from groupgrad_testsupport.experts import run_experts as experts_step
 
 tiny = load_sibling(__file__, "tiny")
 
@@ -55,16 +56,8 @@ def autograd_nodes(out: Tensor) -> set[str]:
 def run_experts(
     experts: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor, dy: Tensor
 ) -> dict[str, Tensor]:
-    """Forward and backward of one experts module; every result by name."""
-    hidden = hidden.detach().clone().requires_grad_(True)
-    weights = weights.detach().clone().requires_grad_(True)
-    for param in experts.parameters():
-        param.grad = None
-    out = experts(hidden, index, weights)
-    out.backward(dy.to(out.dtype))
-    results = {"out": out.detach(), "d_hidden": hidden.grad, "d_weights": weights.grad}
-    for name, param in experts.named_parameters():
-        results[f"d_{name}"] = param.grad
+    """Forward and backward of one experts module; every result by name, and its autograd nodes."""
+    out, results = experts_step(experts, hidden, index, weights, dy)
     results["_nodes"] = autograd_nodes(out)  # type: ignore[assignment]
     return results
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import groupgrad.integrations.transformers as ggt
+from groupgrad_testsupport.experts import run_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -73,16 +74,9 @@ def _inputs(name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def _run(experts: nn.Module, implementation: str, inputs: tuple[Tensor, ...]) -> dict[str, Tensor]:
     experts.config._experts_implementation = implementation
-    hidden, index, weights, dy = inputs
-    hidden = hidden.detach().clone().requires_grad_(True)
-    weights = weights.detach().clone().requires_grad_(True)
-    for p in experts.parameters():
-        p.grad = None
-    out = experts(hidden, index, weights)
-    out.backward(dy.to(out.dtype))
+    _, found = run_experts(experts, *inputs)
     torch.cuda.synchronize()
-    found = {"out": out.detach(), "d_hidden": hidden.grad, "d_weights": weights.grad}
-    return found | {f"d_{n}": p.grad for n, p in experts.named_parameters()}
+    return found
 
 
 @pytest.fixture

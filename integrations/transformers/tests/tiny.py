@@ -99,28 +99,24 @@ def _filled(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
+def _experts_module(config_class: type, experts_class: type, seed: int, **sizes: Any) -> nn.Module:
+    """A bare experts module of ``EXPERTS`` experts (top-``TOP_K``), ``sizes`` in the config's names."""
+    config = config_class(
+        hidden_size=HIDDEN, num_experts_per_tok=TOP_K, experts_implementation="eager", **sizes
+    )
+    return _filled(experts_class(config), seed)
+
+
 def gpt_oss_experts(seed: int) -> nn.Module:
     """GPT-OSS experts: transposed ``(E, in, out)`` weights, interleaved gate/up, biases, own gate."""
-    config = GptOssConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=EXPERT_WIDTH,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        experts_implementation="eager",
-    )
-    return _filled(GptOssExperts(config), seed)
+    sizes = {"intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS}
+    return _experts_module(GptOssConfig, GptOssExperts, seed, **sizes)
 
 
 def nemotron_h_experts(seed: int) -> nn.Module:
     """Nemotron-H experts: no gate (``up_proj``, relu²), ``(E, out, in)`` weights."""
-    config = NemotronHConfig(
-        hidden_size=HIDDEN,
-        moe_intermediate_size=EXPERT_WIDTH,
-        n_routed_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        experts_implementation="eager",
-    )
-    return _filled(NemotronHExperts(config), seed)
+    sizes = {"moe_intermediate_size": EXPERT_WIDTH, "n_routed_experts": EXPERTS}
+    return _experts_module(NemotronHConfig, NemotronHExperts, seed, **sizes)
 
 
 EXPERTS_MODULES = {

@@ -8,7 +8,12 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear, grouped_linear
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
-from groupgrad_testsupport import backward_allocations
+from groupgrad_testsupport import (
+    assert_group_backward_ran_once,
+    attach_main_grads,
+    backward_allocations,
+)
+from groupgrad_testsupport.offload import offloaded_saved_tensors
 
 E, K, N = 4, 16, 8
 
@@ -301,21 +306,12 @@ def test_saved_tensors_hooks_cannot_strip_the_distributed_leader() -> None:
     )
     for name, param in zip(module.weight_names, group, strict=True):
         setattr(module, name, param)
-    packed: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:  # an offloader: keeps a plain-tensor copy
-        packed.append(t)
-        return t.detach().clone().as_subclass(torch.Tensor)
-
     x, dy = _inputs([2, 2, 2, 2])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with offloaded_saved_tensors() as packed:
         y = module(x, [2, 2, 2, 2])
     assert not any(isinstance(t, FakeDistributedWeight) for t in packed)
     y.backward(dy)
-    leader = group[0]
-    assert isinstance(leader, FakeDistributedWeight)
-    assert leader.calls["materialize_group_for_backward"] == 1
-    assert leader.calls["finalize_group_grads"] == 1
+    assert_group_backward_ran_once(group)
 
 
 # ---------------------------------------------------------------- allocations
@@ -336,10 +332,8 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
         single_grouped_weight=single,
         accumulate_into_main_grad=True,
     )
-    for w in (getattr(module, name) for name in module.weight_names):
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
-        w.grad_added_to_main_grad = False
-        w.overwrite_main_grad = overwrite
+    weights = [getattr(module, name) for name in module.weight_names]
+    attach_main_grads(weights, "overwrite" if overwrite else "accumulate")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(sum(splits), k, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(sum(splits), n, generator=gen).bfloat16()

@@ -17,7 +17,12 @@ from torch.nn import functional as F
 
 from groupgrad.modules import GroupedLinear, GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
-from groupgrad_testsupport import backward_allocations
+from groupgrad_testsupport import (
+    assert_group_backward_ran_once,
+    attach_main_grads,
+    backward_allocations,
+)
+from groupgrad_testsupport.offload import offloaded_saved_tensors
 
 E, H, FFN = 4, 16, 8
 
@@ -395,16 +400,10 @@ def test_leader_only_groups_for_both_layers(delay: bool) -> None:
 def test_saved_tensors_are_x_h_and_probs_and_never_the_distributed_weights() -> None:
     module = GroupedMLP(E, H, FFN, accumulate_into_main_grad=True)
     groups = [_distribute(module.fc1), _distribute(module.fc2)]
-    packed: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:  # an offloader: keeps a plain-tensor copy
-        packed.append(t)
-        return t.detach().clone().as_subclass(torch.Tensor)
-
     splits = [2, 0, 3, 3]
     tokens = sum(splits)
     x, probs, dy = _inputs(splits)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with offloaded_saved_tensors() as packed:
         y = module(x, splits, probs)
     assert not any(isinstance(t, FakeDistributedWeight) for t in packed)
     # exactly what the docs promise: x (T, H), h (T, 2F), probs (T,) — no activation, no weights
@@ -413,10 +412,7 @@ def test_saved_tensors_are_x_h_and_probs_and_never_the_distributed_weights() -> 
     assert packed[2] is probs
     y.backward(dy)
     for group in groups:
-        leader = group[0]
-        assert isinstance(leader, FakeDistributedWeight)
-        assert leader.calls["materialize_group_for_backward"] == 1
-        assert leader.calls["finalize_group_grads"] == 1
+        assert_group_backward_ran_once(group)
 
 
 # ---------------------------------------------------------------- allocations
@@ -436,11 +432,10 @@ def test_main_grad_backward_allocates_nothing_weight_sized(single: bool, overwri
         single_grouped_weight=single,
         accumulate_into_main_grad=True,
     )
-    for linear in (module.fc1, module.fc2):
-        for w in (getattr(linear, n) for n in linear.weight_names):
-            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
-            w.grad_added_to_main_grad = False
-            w.overwrite_main_grad = overwrite
+    weights = [
+        getattr(linear, n) for linear in (module.fc1, module.fc2) for n in linear.weight_names
+    ]
+    attach_main_grads(weights, "overwrite" if overwrite else "accumulate")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(sum(splits), hidden, generator=gen).bfloat16().requires_grad_()
     probs = torch.rand(sum(splits), generator=gen).requires_grad_()

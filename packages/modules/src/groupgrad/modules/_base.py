@@ -18,7 +18,7 @@ FLAG_REPR_FIELDS: tuple[tuple[str, str], ...] = (
 
 
 class GroupedModule(nn.Module):
-    """Base of the grouped layers: ``delay_wgrad_compute``, :meth:`backward_dw` and the repr.
+    """Base of the grouped layers: their common options, :meth:`backward_dw` and the repr.
 
     Subclasses list what their repr shows in ``_repr_fields``, as
     ``(label, attribute)`` pairs (their sizes, then ``FLAG_REPR_FIELDS``).
@@ -26,8 +26,13 @@ class GroupedModule(nn.Module):
 
     _repr_fields: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, delay_wgrad_compute: bool) -> None:
+    def __init__(
+        self, num_groups: int, bias: bool, single_grouped_weight: bool, delay_wgrad_compute: bool
+    ) -> None:
         super().__init__()
+        self.num_groups = num_groups
+        self.use_bias = bias
+        self.single_grouped_weight = single_grouped_weight
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_queue = WgradQueue()
 

@@ -82,13 +82,10 @@ class GroupedLinear(GroupedModule):
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
-        super().__init__(delay_wgrad_compute)
         check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
-        self.num_groups = num_groups
+        super().__init__(num_groups, bias, single_grouped_weight, delay_wgrad_compute)
         self.in_features = in_features
         self.out_features = out_features
-        self.use_bias = bias
-        self.single_grouped_weight = single_grouped_weight
         self.accumulate_into_main_grad = accumulate_into_main_grad
 
         factory: dict[str, Any] = {"dtype": dtype, "device": device}

@@ -48,6 +48,8 @@ __all__ = [
     "bias_grad",
     "bias_grads",
     "grouped_linear",
+    "layer_dgrad",
+    "layer_fprop",
 ]
 
 
@@ -88,6 +90,40 @@ def bias_grads(
     return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
 
 
+def layer_fprop(
+    x: Tensor,
+    splits: Splits,
+    spec: WeightGroupSpec,
+    weights: Sequence[Tensor],
+    cast_dtype: torch.dtype | None,
+) -> tuple[Tensor, WgradTarget, int]:
+    """One layer's grouped fprop ``x_e @ w_e.T`` on its weights materialized for forward.
+
+    The materialized weights (cast to ``cast_dtype`` where autocast asks) are
+    dropped on return, never saved: backward materializes them again.
+
+    Returns:
+        The output, the layer's :class:`WgradTarget` for backward, and ``E``.
+    """
+    materialized = materialize_weight_for_forward(list(weights))
+    target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
+    materialized = as_gemm_dtype(materialized, cast_dtype)
+    y = grouped_fprop(x, spec.gemm_weights(materialized), splits)
+    return y, target, spec.num_groups(materialized)
+
+
+def layer_dgrad(
+    dy: Tensor,
+    splits: Splits,
+    spec: WeightGroupSpec,
+    weights: Sequence[Tensor],
+    cast_dtype: torch.dtype | None,
+) -> Tensor:
+    """One layer's grouped dgrad ``dy_e @ w_e`` on its weights materialized again for backward."""
+    materialized = as_gemm_dtype(materialize_weight_for_backward(list(weights)), cast_dtype)
+    return grouped_dgrad(dy, spec.gemm_weights(materialized), splits)
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     """``y_e = x_e @ w_e.T (+ b_e)`` for every expert, with the ``main_grad`` contract in backward.
 
@@ -114,17 +150,12 @@ class GroupedLinearFunction(torch.autograd.Function):
         biases = params[len(params) - num_biases :]
         splits = snapshot_splits(splits)
         with no_autocast(x_TK.device):
-            materialized = materialize_weight_for_forward(list(weights))
-            ctx.target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
-            materialized = as_gemm_dtype(materialized, cast_dtype)
-            y_TN = grouped_fprop(x_TK, spec.gemm_weights(materialized), splits)
-            num_groups = spec.num_groups(materialized)
+            y_TN, ctx.target, num_groups = layer_fprop(x_TK, splits, spec, weights, cast_dtype)
             expert_T = None
             if biases:
                 expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
                 y_TN = add_bias(y_TN, stack_bias(biases, spec.packed), expert_T)
         ctx.num_groups = num_groups
-        del materialized  # never saved: backward materializes again
 
         ctx.save_for_backward(x_TK, expert_T)
         ctx.splits = splits
@@ -144,10 +175,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_autocast(dy_TN.device):
             dx_TK = None
             if ctx.needs_input_grad[0]:
-                materialized = materialize_weight_for_backward(list(weights))
-                materialized = as_gemm_dtype(materialized, ctx.cast_dtype)
-                dx_TK = grouped_dgrad(dy_TN, spec.gemm_weights(materialized), ctx.splits)
-                del materialized
+                dx_TK = layer_dgrad(dy_TN, ctx.splits, spec, weights, ctx.cast_dtype)
 
             deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
             wgrads = ctx.target.step(dy_TN, x_TK, ctx.splits, deferred)

@@ -101,15 +101,12 @@ class GroupedMLP(GroupedModule):
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
-        super().__init__(delay_wgrad_compute)
         check_sizes(num_groups=num_groups, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation, "GroupedMLP")
-        self.num_groups = num_groups
+        super().__init__(num_groups, bias, single_grouped_weight, delay_wgrad_compute)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
-        self.use_bias = bias
-        self.single_grouped_weight = single_grouped_weight
 
         def layer(in_features: int, out_features: int) -> GroupedLinear:
             return GroupedLinear(

@@ -49,23 +49,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop, swiglu_probs, swiglu_probs_backward
+from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
-    as_gemm_dtype,
     autocast_input,
     expert_index,
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._linear_fn import add_bias, bias_grads, stack_bias
+from groupgrad.modules._linear_fn import (
+    add_bias,
+    bias_grads,
+    layer_dgrad,
+    layer_fprop,
+    stack_bias,
+)
 from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
 from groupgrad.protocol import (
     WeightGradPlan,
     is_distributed_weight,
-    materialize_weight_for_backward,
-    materialize_weight_for_forward,
 )
 
 __all__ = [
@@ -136,12 +139,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         T = x_TH.shape[0]
         splits = snapshot_splits(splits)
         with no_autocast(x_TH.device):
-            fc1_weights = materialize_weight_for_forward(list(w1))
-            ctx.fc1 = WgradTarget(layout.fc1, tuple(fc1_weights[0].shape), tuple(w1))
-            fc1_weights = as_gemm_dtype(fc1_weights, cast_dtype)
-            h_T2F = grouped_fprop(x_TH, layout.fc1.gemm_weights(fc1_weights), splits)
-            num_groups = layout.fc1.num_groups(fc1_weights)
-            del fc1_weights  # never saved: backward materializes again
+            h_T2F, ctx.fc1, num_groups = layer_fprop(x_TH, splits, layout.fc1, w1, cast_dtype)
             expert_T = None
             if layout.num_biases:
                 expert_T = expert_index(splits, num_groups, T, x_TH.device)
@@ -149,11 +147,8 @@ class GroupedMLPFunction(torch.autograd.Function):
 
             a_TF = swiglu_probs(h_T2F, probs_T)
 
-            fc2_weights = materialize_weight_for_forward(list(w2))
-            ctx.fc2 = WgradTarget(layout.fc2, tuple(fc2_weights[0].shape), tuple(w2))
-            fc2_weights = as_gemm_dtype(fc2_weights, cast_dtype)
-            y_TH = grouped_fprop(a_TF, layout.fc2.gemm_weights(fc2_weights), splits)
-            del fc2_weights, a_TF  # a is recomputed by backward's SwiGLU pass
+            y_TH, ctx.fc2, _ = layer_fprop(a_TF, splits, layout.fc2, w2, cast_dtype)
+            del a_TF  # recomputed by backward's SwiGLU pass
             if expert_T is not None:
                 y_TH = add_bias(y_TH, stack_bias(b2, layout.fc2.packed), expert_T)
 
@@ -191,9 +186,7 @@ def _mlp_backward(
     if deferred is None:
         plans = [fc1.early_plan(dtype, dy_TH.device), fc2.early_plan(dtype, dy_TH.device)]
 
-    fc2_weights = as_gemm_dtype(materialize_weight_for_backward(list(w2)), ctx.cast_dtype)
-    da_TF = grouped_dgrad(dy_TH, layout.fc2.gemm_weights(fc2_weights), splits)
-    del fc2_weights
+    da_TF = layer_dgrad(dy_TH, splits, layout.fc2, w2, ctx.cast_dtype)
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
     del da_TF
     fc2_wgrads = fc2.step(dy_TH, a_TF, splits, deferred, ("dy", "fc2's input"), plans[1])
@@ -202,9 +195,7 @@ def _mlp_backward(
 
     dx_TH = None
     if ctx.needs_input_grad[0]:
-        fc1_weights = as_gemm_dtype(materialize_weight_for_backward(list(w1)), ctx.cast_dtype)
-        dx_TH = grouped_dgrad(dh_T2F, layout.fc1.gemm_weights(fc1_weights), splits)
-        del fc1_weights
+        dx_TH = layer_dgrad(dh_T2F, splits, layout.fc1, w1, ctx.cast_dtype)
     fc1_wgrads = fc1.step(dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x"), plans[0])
     fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
 

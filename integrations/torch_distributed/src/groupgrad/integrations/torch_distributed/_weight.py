@@ -35,6 +35,9 @@ class ShardedExpertWeight(nn.Parameter):
     """
 
     is_distributed_weight = True
+    shard_group: ExpertShardGroup
+    main_grad: Tensor | None
+    grad_added_to_main_grad: bool
 
     def __new__(
         cls,
@@ -43,20 +46,12 @@ class ShardedExpertWeight(nn.Parameter):
         main_grad_dtype: torch.dtype = torch.float32,
         requires_grad: bool = True,
     ) -> ShardedExpertWeight:
-        return super().__new__(cls, shard, requires_grad)
-
-    def __init__(
-        self,
-        shard: Tensor,
-        shard_group: ExpertShardGroup,
-        main_grad_dtype: torch.dtype = torch.float32,
-        requires_grad: bool = True,
-    ) -> None:
-        self.shard_group = shard_group
-        self.main_grad: Tensor | None = torch.zeros(
-            shard.shape, dtype=main_grad_dtype, device=shard.device
-        )
-        self.grad_added_to_main_grad = False
+        # built whole here: a Parameter subclass needs __new__, and one signature is enough
+        weight = super().__new__(cls, shard, requires_grad)
+        weight.shard_group = shard_group
+        weight.main_grad = torch.zeros(shard.shape, dtype=main_grad_dtype, device=shard.device)
+        weight.grad_added_to_main_grad = False
+        return weight
 
     def __deepcopy__(self, memo: dict[int, object]) -> ShardedExpertWeight:
         raise RuntimeError(

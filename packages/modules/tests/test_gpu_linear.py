@@ -16,11 +16,12 @@ from groupgrad_testsupport import (
     cuda_peak_growth,
     distribute_fake,
 )
+from groupgrad_testsupport.cuda_graphs import STEP_SPLITS, capture, replay_with_new_splits
 
 pytestmark = pytest.mark.gpu
 
 E, K, N = 8, 128, 64
-SPLITS = [[0, 17, 33, 1, 0, 64, 9, 4], [12, 0, 0, 40, 31, 5, 8, 32], [16] * 8]
+SPLITS = STEP_SPLITS
 
 
 def _reference(x, dy, weights, splits, fwd_scale, bwd_scale):
@@ -166,27 +167,15 @@ def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None
     static_dy = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     static_splits = torch.tensor([64] * E, device="cuda")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            module(static_x, static_splits).backward(static_dy)
-    torch.cuda.current_stream().wait_stream(side)
-    static_x.grad = None  # captured backward then allocates dx and replays overwrite it
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step() -> None:
         module(static_x, static_splits).backward(static_dy)
 
-    for splits in ([0, 100, 12, 200, 0, 100, 50, 50], [512, 0, 0, 0, 0, 0, 0, 0]):
-        static_splits.copy_(torch.tensor(splits))
-        with torch.no_grad():
-            static_x.copy_(torch.randn_like(static_x))
-            static_dy.copy_(torch.randn_like(static_dy))
-        for p in params:
-            p.main_grad.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    graph = capture(step, grads_of=[static_x])
+    main_grads = [p.main_grad for p in params]
+    refill = [static_x, static_dy]
+    for splits in replay_with_new_splits(
+        graph, static_splits, refill=refill, main_grads=main_grads
+    ):
         _, dx_ref, dw_ref = _reference(static_x.detach(), static_dy, params, splits, 1.0, 1.0)
         _assert_bf16_close(static_x.grad, dx_ref, f"dx for splits {splits}")
         for e, p in enumerate(params):

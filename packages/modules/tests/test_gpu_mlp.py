@@ -23,11 +23,12 @@ from groupgrad_testsupport import (
     cuda_peak_growth,
     distribute_fake,
 )
+from groupgrad_testsupport.cuda_graphs import STEP_SPLITS, capture, replay_with_new_splits
 
 pytestmark = pytest.mark.gpu
 
 E, H, FFN = 8, 128, 96
-SPLITS = [[0, 17, 33, 1, 0, 64, 9, 4], [12, 0, 0, 40, 31, 5, 8, 32], [16] * 8]
+SPLITS = STEP_SPLITS
 
 
 def _weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
@@ -263,34 +264,18 @@ def test_cuda_graph_capture_of_forward_and_backward_with_device_splits() -> None
     static_dy = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
     static_splits = torch.tensor([64] * E, device="cuda")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            module(static_x, static_splits, static_probs).backward(static_dy)
-    torch.cuda.current_stream().wait_stream(side)
-
-    static_x.grad = static_probs.grad = (
-        None  # .grad is then allocated in (and rewritten by) the graph
-    )
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step() -> None:
         module(static_x, static_splits, static_probs).backward(static_dy)
 
-    for splits in ([0, 100, 12, 200, 0, 100, 50, 50], [512, 0, 0, 0, 0, 0, 0, 0]):
-        static_splits.copy_(torch.tensor(splits))
-        with torch.no_grad():
-            static_x.copy_(torch.randn_like(static_x))
-            static_probs.copy_(torch.rand_like(static_probs))
-            static_dy.copy_(torch.randn_like(static_dy))
-        for p in params:
-            p.main_grad.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    graph = capture(step, grads_of=[static_x, static_probs])
+    main_grads = [p.main_grad for p in params]
+    refill = [static_x, static_probs, static_dy]
+    for splits in replay_with_new_splits(
+        graph, static_splits, refill=refill, main_grads=main_grads
+    ):
         ref = _reference(module, static_x.detach(), static_probs, static_dy, splits)
         _assert_bf16_close(static_x.grad, ref["dx"], f"dx for splits {splits}")
         _assert_bf16_close(static_probs.grad, ref["dp"], f"dprobs for splits {splits}")
-        main_grads = [p.main_grad for p in params]
         for e in range(E):
             _assert_bf16_close(main_grads[e], ref["dw1"][e], f"fc1 main_grad {e}, {splits}")
             _assert_bf16_close(main_grads[E + e], ref["dw2"][e], f"fc2 main_grad {e}, {splits}")

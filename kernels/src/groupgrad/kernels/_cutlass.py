@@ -233,11 +233,7 @@ def fprop(
     plan: Plan | None = None,
 ) -> None:
     """``out[rows of e] = x_TK[rows of e] @ w[e].T`` for every group e (writes ``out``)."""
-    if plan is None:
-        plan = default_plan("fprop", x_TK, w, out)
-    _extension(plan.variant).fprop(
-        x_TK, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
-    )
+    _launch_rows("fprop", x_TK, w, splits_E, out, plan)
 
 
 def dgrad(
@@ -249,11 +245,17 @@ def dgrad(
     plan: Plan | None = None,
 ) -> None:
     """``out[rows of e] = dy_TN[rows of e] @ w[e]`` for every group e (writes ``out``)."""
+    _launch_rows("dgrad", dy_TN, w, splits_E, out, plan)
+
+
+def _launch_rows(
+    op: str, a: torch.Tensor, w: Group, splits_E: torch.Tensor, out: torch.Tensor, plan: Plan | None
+) -> None:
+    """Launch fprop or dgrad (the extension's entry of that name) with ``plan`` or the default."""
     if plan is None:
-        plan = default_plan("dgrad", dy_TN, w, out)
-    _extension(plan.variant).dgrad(
-        dy_TN, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle
-    )
+        plan = default_plan(op, a, w, out)
+    launch = getattr(_extension(plan.variant), op)
+    launch(a, list(w), splits_E, out, plan.variant, plan.raster_along_n, plan.max_swizzle)
 
 
 def wgrad(

@@ -30,6 +30,7 @@ import importlib
 import logging
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Literal
 
 from torch import Tensor
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 CUTLASS_MODULE = "groupgrad.kernels._cutlass"
 
 _reasons_said: set[str] = set()
+_REFERENCE_ROW_GEMMS = {"fprop": _reference.fprop, "dgrad": _reference.dgrad}
 
 
 def fprop_on_device(
@@ -56,15 +58,7 @@ def fprop_on_device(
     ``listed``: what validation's pass over listed weights found (``_listed``),
     which spares the support check its own pass.
     """
-    x_TK, y_TN = x, out
-    if x_TK.shape[0] == 0:
-        return
-    cutlass, reason = cutlass_or_reason("fprop", x_TK, weights, y_TN, listed)
-    if cutlass is None:
-        _say_once("fprop", reason)
-        _reference.fprop(x_TK, weights, splits, y_TN)
-    else:
-        cutlass.fprop(x_TK, weights, _splits.on_device(splits, x_TK.device), y_TN)
+    _row_grouped_on_device("fprop", x, weights, splits, out, listed)
 
 
 def dgrad_on_device(
@@ -76,15 +70,26 @@ def dgrad_on_device(
     listed: ListedFacts | None = None,
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_dgrad``: ``dx_e = dy_e @ w_e`` into ``out``."""
-    dy_TN, dx_TK = dy, out
-    if dy_TN.shape[0] == 0:
+    _row_grouped_on_device("dgrad", dy, weights, splits, out, listed)
+
+
+def _row_grouped_on_device(
+    op: Literal["fprop", "dgrad"],
+    a: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    listed: ListedFacts | None,
+) -> None:
+    """fprop or dgrad: each expert's rows of ``a`` times its weight into ``out`` (CUTLASS or reference)."""
+    if a.shape[0] == 0:
         return
-    cutlass, reason = cutlass_or_reason("dgrad", dy_TN, weights, dx_TK, listed)
+    cutlass, reason = cutlass_or_reason(op, a, weights, out, listed)
     if cutlass is None:
-        _say_once("dgrad", reason)
-        _reference.dgrad(dy_TN, weights, splits, dx_TK)
+        _say_once(op, reason)
+        _REFERENCE_ROW_GEMMS[op](a, weights, splits, out)
     else:
-        cutlass.dgrad(dy_TN, weights, _splits.on_device(splits, dy_TN.device), dx_TK)
+        getattr(cutlass, op)(a, weights, _splits.on_device(splits, a.device), out)
 
 
 def wgrad_on_device(

@@ -60,24 +60,31 @@ def _per_expert_and_counts(
 @_autocast_off
 def fprop(x_TK: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, y_TN: Tensor) -> None:
     """``y_e = x_e @ w_e.T`` for each expert ``e``; overwrites ``y_TN``."""
-    w_list, splits = _per_expert_and_counts(w_group, splits_E, x_TK, "x")
-    start = 0
-    for w_NK, count in zip(w_list, splits, strict=True):
-        if count:
-            rows = slice(start, start + count)
-            y_TN[rows].copy_(x_TK[rows].float() @ w_NK.float().T)
-        start += count
+    _rows_times_weights(x_TK, "x", w_group, splits_E, y_TN, transpose_weights=True)
 
 
 @_autocast_off
 def dgrad(dy_TN: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, dx_TK: Tensor) -> None:
     """``dx_e = dy_e @ w_e`` for each expert ``e``; overwrites ``dx_TK``."""
-    w_list, splits = _per_expert_and_counts(w_group, splits_E, dy_TN, "dy")
+    _rows_times_weights(dy_TN, "dy", w_group, splits_E, dx_TK, transpose_weights=False)
+
+
+def _rows_times_weights(
+    a_TX: Tensor,
+    a_name: str,
+    w_group: Sequence[Tensor],
+    splits_E: Tensor,
+    out_TX: Tensor,
+    transpose_weights: bool,
+) -> None:
+    """Each expert's rows of ``a_TX`` times its weight (``w_e.T`` or ``w_e``), in fp32, into ``out_TX``."""
+    w_list, splits = _per_expert_and_counts(w_group, splits_E, a_TX, a_name)
     start = 0
     for w_NK, count in zip(w_list, splits, strict=True):
         if count:
             rows = slice(start, start + count)
-            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())
+            w = w_NK.float().T if transpose_weights else w_NK.float()
+            out_TX[rows].copy_(a_TX[rows].float() @ w)
         start += count
 
 

@@ -84,6 +84,18 @@ ArgumentBuffers allocate_arguments(int groups, size_t workspace_bytes, const at:
   return b;
 }
 
+// Points a GemmLaunch (reads) or SetupParams (writes) at the argument arrays.
+template <class Arrays>
+void point_at(const ArgumentBuffers& b, Arrays& arrays) {
+  arrays.problem_shapes = b.problem_shapes;
+  arrays.ptr_A = b.ptr_A;
+  arrays.ld_A = b.ld_A;
+  arrays.ptr_B = b.ptr_B;
+  arrays.ld_B = b.ld_B;
+  arrays.ptr_D = b.ptr_D;
+  arrays.ld_D = b.ld_D;
+}
+
 struct Tuning {
   bool raster_along_n = false;
   int max_swizzle = 1;
@@ -133,22 +145,9 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   const size_t workspace_bytes = variant.workspace_size(launch);
 
   ArgumentBuffers buffers = allocate_arguments(groups, workspace_bytes, anchor.device());
-  launch.problem_shapes = buffers.problem_shapes;
-  launch.ptr_A = buffers.ptr_A;
-  launch.ld_A = buffers.ld_A;
-  launch.ptr_B = buffers.ptr_B;
-  launch.ld_B = buffers.ld_B;
-  launch.ptr_D = buffers.ptr_D;
-  launch.ld_D = buffers.ld_D;
-
+  point_at(buffers, launch);  // the GEMM reads the arrays that the setup kernel writes
+  point_at(buffers, setup);
   setup.splits = splits.data_ptr<int64_t>();
-  setup.problem_shapes = buffers.problem_shapes;
-  setup.ptr_A = buffers.ptr_A;
-  setup.ld_A = buffers.ld_A;
-  setup.ptr_B = buffers.ptr_B;
-  setup.ld_B = buffers.ld_B;
-  setup.ptr_D = buffers.ptr_D;
-  setup.ld_D = buffers.ld_D;
   const bool packed = is_packed(group);
   if (packed) {
     const at::Tensor& t = group[0];
@@ -221,50 +220,44 @@ bool register_variant(const KernelVariant& variant) {
   return true;
 }
 
-// y_TN[rows of e] = x_TK[rows of e] @ w[e]^T
-void fprop(const at::Tensor& x_TK, const std::vector<at::Tensor>& w, const at::Tensor& splits_E,
-           const at::Tensor& y_TN, const std::string& variant_name, bool raster_along_n,
-           int64_t max_swizzle) {
+// fprop: out_TN[rows of e] = a = x_TK[rows of e] @ w[e]^T
+// dgrad: out_TK[rows of e] = a = dy_TN[rows of e] @ w[e]
+// (a's rows grouped by expert, each times its weight, into the row-grouped out).
+void row_gemm(GemmOp op, const at::Tensor& a, const std::vector<at::Tensor>& w,
+              const at::Tensor& splits_E, const at::Tensor& out, const std::string& variant_name,
+              bool raster_along_n, int64_t max_swizzle) {
   const KernelVariant& variant = find_variant(variant_name);
-  check_matrix(x_TK, "x", x_TK.device());
-  check_matrix(y_TN, "out", x_TK.device());
-  check_group(w, "weights", y_TN.size(1), x_TK.size(1), x_TK.scalar_type(), x_TK.device());
+  const bool fprop = op == GemmOp::kFprop;
+  check_matrix(a, fprop ? "x" : "dy", a.device());
+  check_matrix(out, "out", a.device());
+  const int64_t out_features = fprop ? out.size(1) : a.size(1);  // N
+  const int64_t in_features = fprop ? a.size(1) : out.size(1);   // K
+  check_group(w, "weights", out_features, in_features, a.scalar_type(), a.device());
   SetupParams setup;
-  setup.op = GemmOp::kFprop;
-  setup.tokens = x_TK.size(0);
-  setup.out_features = y_TN.size(1);
-  setup.in_features = x_TK.size(1);
-  setup.dense_a = static_cast<const char*>(x_TK.data_ptr());
-  setup.ld_dense_a = x_TK.stride(0);
-  setup.dense_d = static_cast<char*>(y_TN.data_ptr());
-  setup.ld_dense_d = y_TN.stride(0);
-  setup.in_bytes = element_bytes(x_TK);
-  setup.out_bytes = element_bytes(y_TN);
-  run_grouped(variant, setup, w, splits_E, x_TK, make_tuning(raster_along_n, max_swizzle),
+  setup.op = op;
+  setup.tokens = a.size(0);
+  setup.out_features = out_features;
+  setup.in_features = in_features;
+  setup.dense_a = static_cast<const char*>(a.data_ptr());
+  setup.ld_dense_a = a.stride(0);
+  setup.dense_d = static_cast<char*>(out.data_ptr());
+  setup.ld_dense_d = out.stride(0);
+  setup.in_bytes = element_bytes(a);
+  setup.out_bytes = element_bytes(out);
+  run_grouped(variant, setup, w, splits_E, a, make_tuning(raster_along_n, max_swizzle),
               /*accumulate=*/false);
 }
 
-// dx_TK[rows of e] = dy_TN[rows of e] @ w[e]
+void fprop(const at::Tensor& x_TK, const std::vector<at::Tensor>& w, const at::Tensor& splits_E,
+           const at::Tensor& y_TN, const std::string& variant_name, bool raster_along_n,
+           int64_t max_swizzle) {
+  row_gemm(GemmOp::kFprop, x_TK, w, splits_E, y_TN, variant_name, raster_along_n, max_swizzle);
+}
+
 void dgrad(const at::Tensor& dy_TN, const std::vector<at::Tensor>& w, const at::Tensor& splits_E,
            const at::Tensor& dx_TK, const std::string& variant_name, bool raster_along_n,
            int64_t max_swizzle) {
-  const KernelVariant& variant = find_variant(variant_name);
-  check_matrix(dy_TN, "dy", dy_TN.device());
-  check_matrix(dx_TK, "out", dy_TN.device());
-  check_group(w, "weights", dy_TN.size(1), dx_TK.size(1), dy_TN.scalar_type(), dy_TN.device());
-  SetupParams setup;
-  setup.op = GemmOp::kDgrad;
-  setup.tokens = dy_TN.size(0);
-  setup.out_features = dy_TN.size(1);
-  setup.in_features = dx_TK.size(1);
-  setup.dense_a = static_cast<const char*>(dy_TN.data_ptr());
-  setup.ld_dense_a = dy_TN.stride(0);
-  setup.dense_d = static_cast<char*>(dx_TK.data_ptr());
-  setup.ld_dense_d = dx_TK.stride(0);
-  setup.in_bytes = element_bytes(dy_TN);
-  setup.out_bytes = element_bytes(dx_TK);
-  run_grouped(variant, setup, w, splits_E, dy_TN, make_tuning(raster_along_n, max_swizzle),
-              /*accumulate=*/false);
+  row_gemm(GemmOp::kDgrad, dy_TN, w, splits_E, dx_TK, variant_name, raster_along_n, max_swizzle);
 }
 
 // out[e] = dy_TN[rows of e]^T @ x_TK[rows of e]  (accumulate: out[e] += ...)

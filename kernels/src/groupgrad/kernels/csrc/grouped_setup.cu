@@ -68,21 +68,11 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
     if (threadIdx.x == 0) {
       int* shape = p.problem_shapes + 3 * g;
       switch (p.op) {
-        case GemmOp::kFprop:
+        case GemmOp::kFprop:  // (m, N) = (m, K) x (N, K)^T
+        case GemmOp::kDgrad:  // (m, K) = (m, N) x (N, K)
           shape[0] = static_cast<int>(m);
-          shape[1] = static_cast<int>(p.out_features);
-          shape[2] = static_cast<int>(p.in_features);
-          p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
-          p.ld_A[g] = p.ld_dense_a;
-          p.ptr_B[g] = matrix;
-          p.ld_B[g] = ld;
-          p.ptr_D[g] = p.dense_d + start * p.ld_dense_d * p.out_bytes;
-          p.ld_D[g] = p.ld_dense_d;
-          break;
-        case GemmOp::kDgrad:
-          shape[0] = static_cast<int>(m);
-          shape[1] = static_cast<int>(p.in_features);
-          shape[2] = static_cast<int>(p.out_features);
+          shape[1] = static_cast<int>(p.op == GemmOp::kFprop ? p.out_features : p.in_features);
+          shape[2] = static_cast<int>(p.op == GemmOp::kFprop ? p.in_features : p.out_features);
           p.ptr_A[g] = p.dense_a + start * p.ld_dense_a * p.in_bytes;
           p.ld_A[g] = p.ld_dense_a;
           p.ptr_B[g] = matrix;

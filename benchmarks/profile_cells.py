@@ -1,0 +1,103 @@
+"""One call of one implementation of one benchmark cell, for Nsight Compute to profile.
+
+``bench_kernels.py`` says which cells miss their targets; this script runs one
+of them so that ``ncu`` can say why. It builds the cell's inputs exactly as
+the benchmark does (same config, split kind and seed), warms the chosen
+implementation up outside the profiled window, then runs it once between
+``cudaProfilerStart`` and ``cudaProfilerStop``. Profile only that window::
+
+    ncu --profile-from-start off --csv --log-file OUT.csv \\
+        --section SpeedOfLight \\
+        --metrics sm__cycles_active.avg,sm__cycles_active.max,launch__grid_size \\
+        python benchmarks/profile_cells.py --op wgrad_fp32 --config 3 --splits heavy --impl ours
+
+Implementations: ``ours`` (the public API: setup and GEMM kernels),
+``grouped_mm`` (``torch._grouped_mm``; for wgrad_fp32 followed by the fp32
+add, as the benchmark's baseline) and ``loop`` (the per-expert cuBLAS loop;
+fp32 output for wgrad_fp32). ``sm__cycles_active.avg / .max`` is the load
+balance across SMs (1 when every SM is busy for as long as the busiest one).
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels_timing as kt
+from bench_kernels import CONFIGS
+
+from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
+
+OPS = ("fprop", "dgrad", "wgrad_fp32")
+IMPLS = ("ours", "grouped_mm", "loop")
+
+
+def _call(
+    op: str, impl: str, E: int, K: int, N: int, T: int, kind: str, seed: int
+) -> Callable[[], object]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    splits = kt.splits_for(kind, T, E, seed)
+    splits_dev = torch.tensor(splits, device="cuda")
+    offs = torch.cumsum(splits_dev, 0).to(torch.int32)
+    bounds = [(sum(splits[:e]), sum(splits[: e + 1])) for e in range(E)]
+    x = torch.randn(T, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dy = torch.randn(T, N, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
+    if op == "wgrad_fp32":
+        main_grads = [torch.zeros(N, K, device="cuda") for _ in range(E)]
+        packed = torch.zeros(E, N, K, device="cuda")
+        loop_kind = kt.fp32_addmm_loop_kind()
+        return {
+            "ours": lambda: grouped_wgrad(dy, x, splits_dev, out=main_grads, accumulate=True),
+            "grouped_mm": lambda: packed.add_(torch._grouped_mm(dy.t(), x, offs=offs)),
+            "loop": lambda: [
+                kt.fp32_accumulate(loop_kind, main_grads[e], dy[lo:hi].t(), x[lo:hi])
+                for e, (lo, hi) in enumerate(bounds)
+            ],
+        }[impl]
+    a, out = (x, torch.empty(T, N, device="cuda", dtype=torch.bfloat16)) if op == "fprop" else (
+        dy, torch.empty(T, K, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+    public = grouped_fprop if op == "fprop" else grouped_dgrad
+
+    def loop() -> None:
+        for e, (lo, hi) in enumerate(bounds):
+            torch.mm(a[lo:hi], w[e].T if op == "fprop" else w[e], out=out[lo:hi])
+
+    b = w.transpose(-2, -1) if op == "fprop" else w
+    return {
+        "ours": lambda: public(a, w, splits_dev, out=out),
+        "grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
+        "loop": loop,
+    }[impl]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=OPS, required=True)
+    parser.add_argument(
+        "--config", type=int, required=True, help="index into bench_kernels.CONFIGS"
+    )
+    parser.add_argument("--splits", choices=kt.SPLIT_KINDS, required=True)
+    parser.add_argument("--impl", choices=IMPLS, required=True)
+    args = parser.parse_args()
+    E, K, N, T = CONFIGS[args.config]
+    run = _call(args.op, args.impl, E, K, N, T, args.splits, seed=args.config)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled {args.op} E={E} K={K} N={N} T={T} {args.splits} {args.impl}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,12 +17,19 @@ add, as the benchmark's baseline) and ``loop`` (the per-expert cuBLAS loop;
 fp32 output for wgrad_fp32). ``sm__cycles_active.avg / .max`` is the load
 balance across SMs (1 when every SM is busy for as long as the busiest one).
 
+``--summarize DIR`` reads the CSV files ``ncu_<op>_<config>_<splits>_<impl>.csv``
+there (``--log-file`` names as above), prints one line per file — total GPU
+time, and for its longest kernel the time, grid, SM balance and SM and DRAM
+throughput — and writes them to ``DIR/profile.json``.
+
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -78,15 +85,54 @@ def _call(
     }[impl]
 
 
+def summarize(folder: Path) -> list[dict]:
+    """One record per ``ncu`` CSV file of ``folder``: the call's kernels and its longest one."""
+    records = []
+    for path in sorted(folder.glob("ncu_*.csv")):
+        lines = path.read_text().splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+        kernels: dict[tuple[str, str, str], dict[str, float]] = {}
+        for row in csv.DictReader(lines[header:]):
+            key = (row["ID"], row["Kernel Name"], row["Grid Size"])
+            value = float(row["Metric Value"].replace(",", ""))
+            kernels.setdefault(key, {})[row["Metric Name"]] = value
+        (_, name, grid), top = max(kernels.items(), key=lambda kv: kv[1]["gpu__time_duration.sum"])
+        records.append(
+            {
+                "cell": path.stem.removeprefix("ncu_"),
+                "kernels": len(kernels),
+                "total_ms": sum(k["gpu__time_duration.sum"] for k in kernels.values()) / 1e6,
+                "longest_kernel": name[:120],
+                "longest_ms": top["gpu__time_duration.sum"] / 1e6,
+                "grid": grid,
+                "sm_balance": top["sm__cycles_active.avg"] / top["sm__cycles_active.max"],
+                "sm_throughput_pct": top["sm__throughput.avg.pct_of_peak_sustained_elapsed"],
+                "dram_throughput_pct": top["dram__throughput.avg.pct_of_peak_sustained_elapsed"],
+            }
+        )
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=OPS, required=True)
-    parser.add_argument(
-        "--config", type=int, required=True, help="index into bench_kernels.CONFIGS"
-    )
-    parser.add_argument("--splits", choices=kt.SPLIT_KINDS, required=True)
-    parser.add_argument("--impl", choices=IMPLS, required=True)
+    parser.add_argument("--op", choices=OPS)
+    parser.add_argument("--config", type=int, help="index into bench_kernels.CONFIGS")
+    parser.add_argument("--splits", choices=kt.SPLIT_KINDS)
+    parser.add_argument("--impl", choices=IMPLS)
+    parser.add_argument("--summarize", type=Path, help="summarize the ncu CSV files of this folder")
     args = parser.parse_args()
+    if args.summarize is not None:
+        records = summarize(args.summarize)
+        for r in records:
+            print(
+                f"{r['cell']:32s} {r['kernels']:4d} kernels {r['total_ms']:7.3f} ms; longest "
+                f"{r['longest_ms']:7.3f} ms grid {r['grid']:12s} SM balance {r['sm_balance']:.3f} "
+                f"SM {r['sm_throughput_pct']:5.1f} % DRAM {r['dram_throughput_pct']:5.1f} %"
+            )
+        (args.summarize / "profile.json").write_text(json.dumps(records, indent=1))
+        return
+    if None in (args.op, args.config, args.splits, args.impl):
+        parser.error("--op, --config, --splits and --impl are required to run a cell")
     E, K, N, T = CONFIGS[args.config]
     run = _call(args.op, args.impl, E, K, N, T, args.splits, seed=args.config)
     for _ in range(3):

@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             command = [sys.executable, __file__, "--worker", "--reps", str(args.reps)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             samples[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {round_ + 1}: {name} done", flush=True)
+            source = next((line for line in done.stderr.splitlines() if " from " in line), "")
+            print(f"round {round_ + 1}: {name} done ({source})", flush=True)
     _summary(samples, names)
     if args.json is not None:
         args.json.write_text(json.dumps(samples, indent=1))

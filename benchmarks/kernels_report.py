@@ -8,33 +8,56 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BASELINES: dict[str, list[tuple[str, str, float | None]]] = {
-    # op -> [(baseline key, label, target speed-up or None)]
-    "fprop": [
-        ("grouped_mm", "vs _grouped_mm", 1.10),
-        ("loop", "vs loop", None),
-        ("dense", "vs dense", 0.95),
-    ],
-    "dgrad": [
-        ("grouped_mm", "vs _grouped_mm", 1.10),
-        ("loop", "vs loop", None),
-        ("dense", "vs dense", 0.95),
-    ],
-    "wgrad_bf16": [
-        ("grouped_mm", "vs _grouped_mm", None),
-        ("loop", "vs loop", None),
-        ("dense", "vs dense", None),
-    ],
-    "wgrad_fp32_acc": [
-        ("grouped_mm_add", "vs _grouped_mm+add", 1.6),
-        ("loop_fp32", "vs fp32 loop", 1.15),
-    ],
+BASELINES: dict[str, list[tuple[str, str]]] = {
+    # op -> [(baseline key, label)]
+    "fprop": [("grouped_mm", "vs _grouped_mm"), ("loop", "vs loop"), ("dense", "vs dense")],
+    "dgrad": [("grouped_mm", "vs _grouped_mm"), ("loop", "vs loop"), ("dense", "vs dense")],
+    "wgrad_bf16": [("grouped_mm", "vs _grouped_mm"), ("loop", "vs loop"), ("dense", "vs dense")],
+    "wgrad_fp32_acc": [("grouped_mm_add", "vs _grouped_mm+add"), ("loop_fp32", "vs fp32 loop")],
 }
+
+# The targets of every cell (issue 14), by op:
+# * fprop, dgrad: >= 1.0x _grouped_mm (>= 1.15x for E >= 64); >= 0.90x dense cuBLAS of the
+#   same FLOPs for E <= 32 where the cell's floor is set by its FLOPs;
+# * wgrad into fp32 main_grad: >= 1.1x the better of _grouped_mm+add and the fp32 loop;
+#   >= 0.85 of the floor where the floor is set by FLOPs.
+# A cell's floor: max(FLOPs at the run's dense rate, bytes moved at the run's copy rate).
+BEST_OF_BASELINES_TARGET = 1.1
+FLOOR_FRACTION_TARGET = 0.85
+
+
+def shape_of(row: dict) -> dict[str, int]:
+    """``E``, ``K``, ``N``, ``T`` of a row, read from its case label."""
+    return {k: int(v) for k, v in (part.split("=") for part in row["case"].split()[:4])}
+
+
+def flop_bound(row: dict, ceilings: dict[str, float]) -> bool:
+    """Whether the cell's floor is its FLOPs at the dense rate (not its bytes at the copy rate)."""
+    s = shape_of(row)
+    if row["op"] == "wgrad_fp32_acc":  # bf16 inputs read, fp32 main_grad read and written
+        moved = 2 * s["T"] * (s["N"] + s["K"]) + 8 * s["E"] * s["N"] * s["K"]
+    else:  # both bf16 row operands and the bf16 weights (or outputs) once
+        moved = 2 * (s["T"] * (s["N"] + s["K"]) + s["E"] * s["N"] * s["K"])
+    flop_s = row["flops"] / (ceilings["dense_bf16_tflops"] * 1e12)
+    byte_s = moved / (ceilings["copy_gbs"] * 1e9)
+    return flop_s >= byte_s
+
+
+def target(row: dict, key: str, ceilings: dict[str, float]) -> float | None:
+    """The speed-up target of one baseline column of a row, or ``None`` when it has none."""
+    if row["op"] not in ("fprop", "dgrad"):
+        return None
+    E = shape_of(row)["E"]
+    if key == "grouped_mm":
+        return 1.15 if E >= 64 else 1.0
+    if key == "dense" and E <= 32 and flop_bound(row, ceilings):
+        return 0.90
+    return None
 
 
 def speedups(row: dict) -> dict[str, float]:
     times = row["times_ms"]
-    return {key: times[key] / times["ours"] for key, _, _ in BASELINES[row["op"]]}
+    return {key: times[key] / times["ours"] for key, _ in BASELINES[row["op"]]}
 
 
 def tflops(row: dict) -> float:
@@ -67,13 +90,20 @@ def markdown_table(result: dict) -> str:
         "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call | speed-ups (baseline time / ours) | floor fraction |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    ceilings = result["ceilings"]
     for row in result["rows"]:
         shape, splits = row["case"].rsplit(" ", 1)
+        ups = speedups(row)
         ratios = "; ".join(
-            f"{label} {_mark(speedups(row)[key], target)}"
-            for key, label, target in BASELINES[row["op"]]
+            f"{label} {_mark(ups[key], target(row, key, ceilings))}"
+            for key, label in BASELINES[row["op"]]
         )
-        floor = f"{row['fraction_of_floor']:.2f}" if "fraction_of_floor" in row else ""
+        if row["op"] == "wgrad_fp32_acc":
+            ratios += f"; vs the better {_mark(min(ups.values()), BEST_OF_BASELINES_TARGET)}"
+        floor = ""
+        if "fraction_of_floor" in row:
+            need = FLOOR_FRACTION_TARGET if flop_bound(row, ceilings) else None
+            floor = _mark(row["fraction_of_floor"], need)
         host = f"{row['host_us']:.0f}" if "host_us" in row else ""
         lines.append(
             f"| {row['op']} | {shape} | {splits} | {row['times_ms']['ours']:.3f} | "
@@ -89,25 +119,37 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ops = [op for op in BASELINES if any(r["op"] == op for r in result["rows"])]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
+    cells = max(sum(r["op"] == op for r in result["rows"]) for op in ops)
+    fig, axes = plt.subplots(
+        len(ops), 1, figsize=(max(12, 1.1 * cells), 3.6 * len(ops)), squeeze=False
+    )
     for ax, op in zip(axes[:, 0], ops, strict=True):
         rows = [r for r in result["rows"] if r["op"] == op]
         baselines = BASELINES[op]
         width = 0.8 / len(baselines)
-        for j, (key, label, target) in enumerate(baselines):
+        for j, (key, label) in enumerate(baselines):
             xs = [i + j * width for i in range(len(rows))]
             values = [speedups(r)[key] for r in rows]
             bars = ax.bar(xs, values, width, label=label)
-            for x, v in zip(xs, values, strict=True):
+            color = bars.patches[0].get_facecolor()
+            for x, v, row in zip(xs, values, rows, strict=True):
                 ax.text(x, v * 1.03, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
-            if target is not None:
-                color = bars.patches[0].get_facecolor()
+                goal = target(row, key, result["ceilings"])
+                if goal is not None:  # this cell's target, dashed over its bar
+                    ax.hlines(goal, x - width / 2, x + width / 2, colors=color, linestyles="dashed")
+        if op == "wgrad_fp32_acc":  # the target is on the better of the two baselines
+            for i in range(len(rows)):
                 ax.hlines(
-                    target, xs[0] - width / 2, xs[-1] + width / 2, colors=color, linestyles="dashed"
+                    BEST_OF_BASELINES_TARGET,
+                    i - width / 2,
+                    i + 1.5 * width,
+                    colors="black",
+                    linestyles="dashed",
                 )
         ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
-        ax.set_xticklabels([r["case"].replace(" T=", "\nT=") for r in rows], fontsize=7)
+        labels = [r["case"].replace(" N=", "\nN=").replace(" T=", "\nT=") for r in rows]
+        ax.set_xticklabels(labels, fontsize=6)
         ax.set_yscale("log", base=2)
         ax.set_ylabel("speed-up (log scale)")
         ax.set_title(f"{op}: baseline time / ours (dashed: target)", fontsize=9)

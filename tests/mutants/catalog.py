@@ -209,14 +209,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "reference-dgrad-rotated",
         "the reference dgrad (shared by a kernel and its twin) uses the next expert's weight",
         _REFERENCE,
-        "    for w_NK, count in zip(w_list, splits, strict=True):\n"
-        "        if count:\n"
-        "            rows = slice(start, start + count)\n"
-        "            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())",
-        "    for w_NK, count in zip([*w_list[1:], *w_list[:1]], splits, strict=True):\n"
-        "        if count:\n"
-        "            rows = slice(start, start + count)\n"
-        "            dx_TK[rows].copy_(dy_TN[rows].float() @ w_NK.float())",
+        "    w_list, splits = _per_expert_and_counts(w_group, splits_E, a_TX, a_name)\n",
+        "    w_list, splits = _per_expert_and_counts(w_group, splits_E, a_TX, a_name)\n"
+        "    if not transpose_weights:  # dgrad only\n"
+        "        w_list = [*w_list[1:], *w_list[:1]]\n",
         (KERNELS,),
     ),
     Mutant(

@@ -56,7 +56,7 @@ def grouped_fprop(
             Nothing is written when a call is rejected.
     """
     call = _validate.grouped_call("fprop", x, weights, splits, out)
-    _ops.fprop(call)
+    _ops.fprop(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
 
 
@@ -86,7 +86,7 @@ def grouped_dgrad(
             Nothing is written when a call is rejected.
     """
     call = _validate.grouped_call("dgrad", dy, weights, splits, out)
-    _ops.dgrad(call)
+    _ops.dgrad(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
 
 
@@ -165,7 +165,7 @@ def grouped_wgrad(
             Nothing is written when a call is rejected.
     """
     call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
-    _ops.wgrad(call)
+    _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
     return call.result
 
 

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from groupgrad.kernels import _dispatch, _reference
 from groupgrad.kernels._listed import PLAIN_TYPES, ListedFacts, any_requires_grad
-from groupgrad.kernels._validate import GroupedCall, WgradCall
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -135,59 +134,66 @@ def run_directly(name: str, kernel: Callable[_P, _R], *args: _P.args, **kwargs: 
     return kernel(*args, **kwargs)
 
 
-def fprop(call: GroupedCall) -> None:
-    """``groupgrad::grouped_fprop`` on a validated call (directly in plain eager code).
+def fprop(
+    x: Tensor, weights: list[Tensor], splits: Tensor, out: Tensor, listed: ListedFacts | None = None
+) -> None:
+    """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code).
 
-    ``call.listed`` — what validation's pass over listed weights found
-    (``_listed``) — is read by the direct-call test and the CUDA kernel's
-    support check instead of the members.
+    ``listed``: what validation's pass over listed weights found (``_listed``),
+    read by the direct-call test and the CUDA kernel's support check instead
+    of the members.
     """
+    if not direct_call_ok([x, out, splits], weights, listed):
+        grouped_fprop_op(x, weights, splits, out)
+        return
     kernels = (_dispatch.fprop_on_device, _reference.fprop)
-    _run("groupgrad::grouped_fprop", grouped_fprop_op, kernels, _row_args(call), call.listed)
+    _run_direct("groupgrad::grouped_fprop", kernels, (x, weights, splits, out), listed)
+    torch.autograd.graph.increment_version(out)  # as the op's in-place bookkeeping does
 
 
-def dgrad(call: GroupedCall) -> None:
-    """``groupgrad::grouped_dgrad`` on a validated call (directly in plain eager code)."""
+def dgrad(
+    dy: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    listed: ListedFacts | None = None,
+) -> None:
+    """``groupgrad::grouped_dgrad`` on validated arguments (directly in plain eager code)."""
+    if not direct_call_ok([dy, out, splits], weights, listed):
+        grouped_dgrad_op(dy, weights, splits, out)
+        return
     kernels = (_dispatch.dgrad_on_device, _reference.dgrad)
-    _run("groupgrad::grouped_dgrad", grouped_dgrad_op, kernels, _row_args(call), call.listed)
+    _run_direct("groupgrad::grouped_dgrad", kernels, (dy, weights, splits, out), listed)
+    torch.autograd.graph.increment_version(out)
 
 
-def wgrad(call: WgradCall) -> None:
-    """``groupgrad::grouped_wgrad`` on a validated call (directly in plain eager code)."""
+def wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Tensor,
+    out: list[Tensor],
+    accumulate: bool,
+    listed: ListedFacts | None = None,
+) -> None:
+    """``groupgrad::grouped_wgrad`` on validated arguments (directly in plain eager code)."""
+    if not direct_call_ok([dy, x, splits], out, listed):
+        grouped_wgrad_op(dy, x, splits, out, accumulate)
+        return
     kernels = (_dispatch.wgrad_on_device, _reference.wgrad)
-    args = (call.dy, call.x, call.splits, call.out, call.accumulate)
-    _run("groupgrad::grouped_wgrad", grouped_wgrad_op, kernels, args, call.listed)
+    _run_direct("groupgrad::grouped_wgrad", kernels, (dy, x, splits, out, accumulate), listed)
+    torch.autograd.graph.increment_version(out)
 
 
-def _row_args(call: GroupedCall) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
-    return call.a, call.weights, call.splits, call.out
-
-
-def _run(
+def _run_direct(
     name: str,
-    op: Callable[..., None],
     kernels: tuple[Callable[..., None], Callable[..., None]],
-    args: tuple,
+    args: tuple[object, ...],
     listed: ListedFacts | None,
 ) -> None:
-    """Run one validated call: the op's kernel directly where :func:`direct_call_ok`, else the op.
-
-    ``args`` are the op's arguments: three dense tensors or groups and
-    ``out`` fourth (a tensor, or a wgrad's group of matrices), then a
-    wgrad's ``accumulate``. Directly, the CUDA kernel (``kernels[0]``, given
-    ``listed``) runs for CUDA outputs and the reference (``kernels[1]``)
-    otherwise, and ``out``'s version counter moves as the op's in-place
-    bookkeeping would move it.
-    """
+    """Run the op's CUDA kernel (``kernels[0]``, given ``listed``) or reference, by ``out``'s device."""
     out = args[3]
-    group = out if isinstance(out, list) else args[1]  # wgrad: the outputs; else the weights
-    dense = [t for t in args[:4] if isinstance(t, Tensor)]
-    if not direct_call_ok(dense, group, listed):
-        op(*args)
-        return
-    on_cuda = out.is_cuda if isinstance(out, Tensor) else out[0].is_cuda
+    on_cuda = out.is_cuda if isinstance(out, Tensor) else out[0].is_cuda  # type: ignore[index]
     if on_cuda:
         run_directly(name, kernels[0], *args, listed=listed)
     else:
         run_directly(name, kernels[1], *args)
-    torch.autograd.graph.increment_version(out)

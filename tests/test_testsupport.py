@@ -8,7 +8,10 @@ mostly do not even import torch, so they cost little.
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -257,3 +260,38 @@ def test_load_sibling_imports_once(tmp_path: Path) -> None:
     (tmp_path / "helper.py").write_text("VALUE = object()\n")
     first = load_sibling(tmp_path / "test_x.py", "helper")
     assert load_sibling(tmp_path / "test_x.py", "helper") is first
+
+
+_IN_ORDER_SCRIPT = """
+import os, tempfile
+import torch, torch.distributed as dist
+from groupgrad_testsupport.cpu_streams import DoneWork, collectives_in_program_order
+store = tempfile.mktemp()
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+collectives_in_program_order()
+out, shard = torch.zeros(4), torch.arange(4.0)
+work = dist.all_gather_into_tensor(out, shard, async_op=True)
+assert isinstance(work, DoneWork), type(work)
+assert torch.equal(out, shard), out  # complete before the call returned
+total = torch.ones(3)
+assert dist.all_reduce(total) is None  # a synchronous call keeps its own result
+with dist.distributed_c10d._coalescing_manager(async_ops=True) as manager:
+    dist.all_reduce(torch.ones(2))
+manager.wait()
+print("in order")
+"""
+
+
+def test_cpu_collectives_complete_before_returning(tmp_path: Path) -> None:
+    """The Megatron CPU shims' collectives: an async one is done when its call returns."""
+    support = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(support), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _IN_ORDER_SCRIPT],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "in order"

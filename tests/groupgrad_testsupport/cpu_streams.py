@@ -1,18 +1,41 @@
 """CUDA streams and events that do nothing, for the test-only CPU shims of the Megatron suites.
 
 Megatron-Core and Megatron-FSDP create side streams and events and run
-collectives under ``torch.cuda.stream(...)``. On a CPU everything runs in
-program order, so a stream that does nothing (and a context that does
-nothing) is exact. :func:`stub_streams` installs them; each suite's
+collectives under ``torch.cuda.stream(...)``. On a CPU, with every collective
+run to completion before the call returns, everything happens in program
+order, so a stream that does nothing (and a context that does nothing) is
+exact. :func:`stub_streams` installs them and makes the collectives
+synchronous (:func:`collectives_in_program_order`); each suite's
 ``cpu_shim.py`` calls it from its ``install()``, never library code.
+
+Why the collectives too: gloo runs an ``async_op=True`` collective on its own
+thread. On a GPU, Megatron-FSDP keeps a bucket alive until the stream that
+gathers into it is done; with streams that do nothing it may free a bucket
+that gloo is still writing into, which corrupted the heap in one CPU run
+(``malloc(): unaligned tcache chunk detected``, zero1-unfixed scenario).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+#: The collectives Megatron issues with ``async_op``; each runs to completion when called.
+SYNCHRONOUS_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+)
 
 
 class Event:
@@ -53,9 +76,65 @@ class Stream:
         pass
 
 
+class DoneWork:
+    """What an ``async_op=True`` collective returns here: its work is already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+def _synchronous(collective: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(collective)
+
+    @functools.wraps(collective)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        asked_async = bool(bound.arguments.get("async_op", False))
+        bound.arguments["async_op"] = False
+        result = collective(*bound.args, **bound.kwargs)
+        return DoneWork() if asked_async else result
+
+    return run
+
+
+@contextlib.contextmanager
+def _coalescing_in_order(
+    group: Any = None, device: Any = None, async_ops: bool = False
+) -> Iterator[Any]:
+    with _ORIGINAL_COALESCING_MANAGER(group, device, async_ops=False) as manager:
+        yield manager  # its wait() then has no work left to wait for
+
+
+_ORIGINAL_COALESCING_MANAGER = c10d._coalescing_manager
+
+
+def collectives_in_program_order(*importers: ModuleType) -> None:
+    """Make :data:`SYNCHRONOUS_COLLECTIVES` and ``_coalescing_manager`` complete before returning.
+
+    ``importers``: modules that imported ``_coalescing_manager`` by name (they
+    get the synchronous one too).
+    """
+    for name in SYNCHRONOUS_COLLECTIVES:
+        original = getattr(dist, name)
+        if not getattr(original, "_groupgrad_synchronous", False):
+            run = _synchronous(original)
+            run._groupgrad_synchronous = True  # type: ignore[attr-defined]
+            setattr(dist, name, run)
+    for module in (dist, c10d, *importers):
+        if hasattr(module, "_coalescing_manager"):
+            module._coalescing_manager = _coalescing_in_order  # type: ignore[attr-defined]
+
+
 def stub_streams() -> None:
     """Patch ``torch.cuda``'s ``Stream``, ``Event``, ``stream``, ``current_stream``,
-    ``synchronize`` and ``empty_cache`` to do nothing."""
+    ``synchronize`` and ``empty_cache`` to do nothing, and make the collectives synchronous."""
+    collectives_in_program_order()
     torch.cuda.Stream = Stream  # type: ignore[misc,assignment]
     torch.cuda.Event = Event  # type: ignore[misc,assignment]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]

@@ -6,8 +6,11 @@ never when CUDA is available). What it patches, and why:
 * ``torch.cuda.Stream``, ``torch.cuda.Event``, ``torch.cuda.stream``,
   ``torch.cuda.current_stream``: Megatron-FSDP creates side streams for its
   all-gather / reduce-scatter pipelines and runs collectives under
-  ``torch.cuda.stream(...)``. On CPU everything runs in program order, so a
-  stream that does nothing (and a context that does nothing) is exact.
+  ``torch.cuda.stream(...)``. Here every collective completes before its call
+  returns (``async_op`` and coalesced ones too, also those of
+  ``megatron_fsdp.param_and_grad_buffer``), so everything runs in program
+  order and a stream that does nothing (and a context that does nothing) is
+  exact.
 * ``torch.cuda.current_device`` (returns 0), ``torch.cuda.synchronize``,
   ``torch.cuda.empty_cache`` (no-ops): called unconditionally while building
   buffers and when finishing gradient synchronisation.
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from groupgrad_testsupport.cpu_streams import stub_streams
+from groupgrad_testsupport.cpu_streams import collectives_in_program_order, stub_streams
 
 
 def install() -> None:
@@ -36,6 +39,9 @@ def install() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("cpu_shim is for CPU-only test processes; CUDA is available here")
     stub_streams()
+    import megatron_fsdp.param_and_grad_buffer as buffers  # imported _coalescing_manager by name
+
+    collectives_in_program_order(buffers)
     torch.cuda.current_device = lambda: 0
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 

@@ -9,10 +9,13 @@ synchronous (:func:`collectives_in_program_order`); each suite's
 ``cpu_shim.py`` calls it from its ``install()``, never library code.
 
 Why the collectives too: gloo runs an ``async_op=True`` collective on its own
-thread. On a GPU, Megatron-FSDP keeps a bucket alive until the stream that
-gathers into it is done; with streams that do nothing it may free a bucket
-that gloo is still writing into, which corrupted the heap in one CPU run
-(``malloc(): unaligned tcache chunk detected``, zero1-unfixed scenario).
+thread, so with streams that do nothing nothing orders it before the code
+that follows. On a GPU, Megatron-FSDP keeps a bucket alive until the stream
+that gathers into it is done; here it could free or reuse a bucket that gloo
+is still writing into. That is the likely cause of the one heap abort seen
+in a CPU run (``malloc(): unaligned tcache chunk detected`` while waiting on
+a parameter all-gather, zero1-unfixed scenario; not reproduced in 42 later
+runs of that suite).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def listed_facts(members: Sequence[object], first: Tensor) -> ListedFacts:
     plain = kinds <= PLAIN_TYPES
     if torch.compiler.is_compiling():  # the same tests, in a loop that Dynamo traces
         alike = all(_alike_one(t, first) for t in members)
-        requires_grad = alike and any(t.requires_grad for t in members)  # type: ignore[attr-defined]
+        requires_grad = alike and any_requires_grad(members)  # type: ignore[arg-type]
         return ListedFacts(alike, requires_grad, plain=False)
     if not all(issubclass(kind, Tensor) for kind in kinds):
         return ListedFacts(alike=False, requires_grad=False, plain=plain)
@@ -85,7 +85,7 @@ def listed_facts(members: Sequence[object], first: Tensor) -> ListedFacts:
     )
     if not alike:
         return ListedFacts(alike=False, requires_grad=False, plain=plain)
-    requires_grad = any(map(_REQUIRES_GRAD, tensors))
+    requires_grad = any_requires_grad(tensors)
     real = first.device.type != "meta"
     starts = tuple(sorted(map(Tensor.data_ptr, tensors))) if real else ()
     return ListedFacts(alike=True, requires_grad=requires_grad, plain=plain, starts=starts)

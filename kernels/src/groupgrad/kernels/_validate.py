@@ -112,15 +112,7 @@ def grouped_call(
             )
         _check_row_major("out", out_TX)
         _check_writable("out", out_TX)
-        singles = [(out_TX, True), (a_TX, False)]
-        if not (
-            listed is not None
-            and listed.alike
-            and listed.starts
-            and _overlap.group_apart(listed.starts, w_group[0].nbytes, False, singles)
-        ):
-            inputs = [(a_name, a_TX), *_named("weights", w_group)]
-            _overlap.check_no_overlap([("out", out_TX)], inputs)
+        _check_group_apart("weights", w_group, listed, [("out", out_TX)], [(a_name, a_TX)])
     return GroupedCall(a_TX, w_group, splits_E, out_TX, listed)
 
 
@@ -154,13 +146,11 @@ def wgrad_call(
         dtype = dy_TN.dtype if out_dtype is None else out_dtype
         dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
         return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
-    inputs = [("dy", dy_TN), ("x", x_TK)]
     listed = None
     if isinstance(out, Tensor):
         members = [out]
         _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
         _overlap.check_experts_apart(out)
-        _overlap.check_no_overlap([("out", out)], inputs)
     elif isinstance(out, Iterable) and not isinstance(out, str | bytes):
         members = list(out)
         if len(members) != E:
@@ -175,18 +165,12 @@ def wgrad_call(
                     raise TypeError(
                         f"{name} has dtype {dw_NK.dtype}, expected {first.dtype} like out[0]"
                     )
-        singles = [(dy_TN, False), (x_TK, False)]
-        if not (
-            listed.alike
-            and listed.starts
-            and _overlap.group_apart(listed.starts, first.nbytes, True, singles)
-        ):
-            _overlap.check_no_overlap(_named("out", members), inputs)
     else:
         raise TypeError(
             "out must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
             f"got {type(out).__name__}"
         )
+    _check_group_apart("out", members, listed, [], [("dy", dy_TN), ("x", x_TK)])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
     return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, listed)
 
@@ -355,6 +339,33 @@ def _check_writable(name: str, t: Tensor) -> None:
             "autograd, so expected a tensor that does not require grad (e.g. a main_grad "
             "buffer, or call under torch.no_grad())"
         )
+
+
+def _check_group_apart(
+    group_name: str,
+    group: list[Tensor],
+    listed: ListedFacts | None,
+    outputs: list[tuple[str, Tensor]],
+    inputs: list[tuple[str, Tensor]],
+) -> None:
+    """The overlap rule for a group in op form beside the call's single ``outputs`` and ``inputs``.
+
+    The group is the outputs (wgrad: ``outputs`` is then empty) or, with any
+    ``outputs``, inputs (the weights). Alike listed members take the lean
+    sweep over their sorted addresses (``listed.starts``, empty unless
+    alike); the named check runs where there is no such sweep or it finds an
+    overlap, and raises naming the culprits.
+    """
+    group_is_output = not outputs
+    starts = listed.starts if listed is not None else ()
+    singles = [(t, True) for _, t in outputs] + [(t, False) for _, t in inputs]
+    if starts and _overlap.group_apart(starts, group[0].nbytes, group_is_output, singles):
+        return
+    named = _named(group_name, group)
+    if group_is_output:
+        _overlap.check_no_overlap(named, inputs)
+    else:
+        _overlap.check_no_overlap(outputs, [*inputs, *named])
 
 
 def _named(prefix: str, group: list[Tensor]) -> list[tuple[str, Tensor]]:

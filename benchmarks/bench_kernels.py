@@ -50,6 +50,8 @@ CONFIGS = [
     (64, 2048, 2816, 32768),  # held out: never used to choose tiles (DeepSeek-V2-Lite's fc1)
 ]
 N_SETS = 2  # input sets rotated between calls
+SWEEP_ROUNDS = [4]  # interleaved rounds of the tuning sweep (--sweep-rounds)
+SWEEP_ORDERS = [2]  # 2: raster M/N x swizzle 1/4 per variant; 1: raster M, swizzle 1 only
 
 
 @dataclasses.dataclass
@@ -113,8 +115,8 @@ def _candidates(op: str, dout: str, sweep_all: bool) -> list[tuning.Plan]:
     plans = []
     for v in tuning.VARIANTS + tuning.TUNING_VARIANTS:
         if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
-            for raster_n in (False, True):
-                plans += [tuning.Plan(v.name, raster_n, swizzle) for swizzle in (1, 4)]
+            for raster_n in (False, True)[: SWEEP_ORDERS[0]]:
+                plans += [tuning.Plan(v.name, raster_n, s) for s in (1, 4)[: SWEEP_ORDERS[0]]]
     return plans
 
 
@@ -137,7 +139,8 @@ def _measure(
     sweep_fns: dict[str, Callable[[int], object]] = {
         _plan_tag(p): functools.partial(_run_plan, run, p) for p in plans
     }
-    sweep = kt.interleaved_ms(sweep_fns, N_SETS, rounds=4, per_round=2) if plans else {}
+    rounds = SWEEP_ROUNDS[0]
+    sweep = kt.interleaved_ms(sweep_fns, N_SETS, rounds=rounds, per_round=2) if plans else {}
     return times, sweep
 
 
@@ -301,12 +304,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median)")
     parser.add_argument("--tuning", action="store_true", help="also sweep every compiled variant")
+    parser.add_argument("--sweep-rounds", type=int, default=4, help="rounds of the sweep")
+    parser.add_argument(
+        "--sweep-default-order",
+        action="store_true",
+        help="sweep each variant in raster M, swizzle 1 only (not raster M/N x swizzle 1/4)",
+    )
     parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
     parser.add_argument("--ops", type=str, default="fprop,dgrad,wgrad_bf16,wgrad_fp32")
     parser.add_argument(
         "--splits", type=str, default=",".join(kt.SPLIT_KINDS), help="split kinds (default: all)"
     )
     args = parser.parse_args()
+    SWEEP_ROUNDS[0] = args.sweep_rounds
+    SWEEP_ORDERS[0] = 1 if args.sweep_default_order else 2
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
 

@@ -6,6 +6,8 @@ run on the same inputs (above 1 means ours is faster).
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 BASELINES: dict[str, list[tuple[str, str]]] = {
@@ -70,6 +72,72 @@ def _mark(value: float, target: float | None) -> str:
     return f"{value:.2f}" + ("" if value >= target else " (miss)")
 
 
+def misses(row: dict, ceilings: dict[str, float]) -> list[str]:
+    """The targets a row misses, by key: a baseline key, ``"better"`` or ``"floor"``."""
+    ups = speedups(row)
+    missed = [
+        key
+        for key, _ in BASELINES[row["op"]]
+        if (goal := target(row, key, ceilings)) is not None and ups[key] < goal
+    ]
+    if row["op"] == "wgrad_fp32_acc" and min(ups.values()) < BEST_OF_BASELINES_TARGET:
+        missed.append("better")
+    floor_fraction = row.get("fraction_of_floor", FLOOR_FRACTION_TARGET)
+    if floor_fraction < FLOOR_FRACTION_TARGET and flop_bound(row, ceilings):
+        missed.append("floor")
+    return missed
+
+
+def profiled_impls(row: dict, missed: list[str]) -> list[str]:
+    """Which implementations of a row ``profile_cells.py`` profiles to explain its misses.
+
+    Always ours; ``_grouped_mm`` for a miss against it; for wgrad into fp32 below
+    the better baseline, that baseline (``grouped_mm`` or ``loop``).
+    """
+    impls = ["ours"]
+    if "grouped_mm" in missed:
+        impls.append("grouped_mm")
+    if "better" in missed:
+        ups = speedups(row)
+        impls.append("loop" if ups["loop_fp32"] < ups["grouped_mm_add"] else "grouped_mm")
+    return impls
+
+
+def _profile_text(label: str, record: dict) -> str:
+    return (
+        f"{label} {record['total_ms']:.2f} ms ({record['kernels']} kernels), longest: "
+        f"SM {record['sm_throughput_pct']:.0f} %, DRAM {record['dram_throughput_pct']:.0f} %, "
+        f"balance {record['sm_balance']:.2f}"
+    )
+
+
+def miss_reason(row: dict, missed: list[str], profiles: list[dict]) -> str:
+    """What Nsight Compute measured for a row's misses (``profile_cells.py --summarize``).
+
+    The profiled implementations' times (clocks locked at base), SM and DRAM
+    throughput and SM balance of their longest kernel, and the skew facts the
+    summary computed from the splits (padded rows of ours' M tiles for fprop
+    and dgrad; experts with fewer than 512 tokens for wgrad). Empty when the
+    row was not profiled.
+    """
+    op = "wgrad_fp32" if row["op"] == "wgrad_fp32_acc" else row["op"]
+    by_impl = {r["impl"]: r for r in profiles if r.get("op") == op and r.get("case") == row["case"]}
+    if "ours" not in by_impl:
+        return ""
+    labels = {"ours": "ours", "grouped_mm": "_grouped_mm", "loop": "loop"}
+    parts = [
+        _profile_text(labels[impl], by_impl[impl])
+        for impl in profiled_impls(row, missed)
+        if impl in by_impl
+    ]
+    ours = by_impl["ours"]
+    if "padded_rows_pct" in ours:
+        parts.append(f"padded rows {ours['padded_rows_pct']:.1f} %")
+    if "experts_under_512" in ours:
+        parts.append(f"experts under 512 tokens: {ours['experts_under_512']}")
+    return "; ".join(parts)
+
+
 def one_line(row: dict) -> str:
     ratios = ", ".join(f"x{v:.2f} {k}" for k, v in speedups(row).items())
     extra = f", {row['fraction_of_floor']:.2f} of floor" if "fraction_of_floor" in row else ""
@@ -81,14 +149,20 @@ def one_line(row: dict) -> str:
     )
 
 
-def markdown_table(result: dict) -> str:
+def markdown_table(result: dict, profiles: list[dict] | None = None) -> str:
+    """The result as a markdown table; with ``profiles``, a column says what each miss measured."""
+    header = "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call | speed-ups (baseline time / ours) | floor fraction |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    if profiles is not None:
+        header += " profile of the misses (Nsight Compute) |"
+        rule += "---|"
     lines = [
         f"GPU: {result['gpu']}, torch {result['torch']} (CUDA {result['cuda']}), {result['date']}; "
         f"ceilings measured in the same run: copy {result['ceilings']['copy_gbs']:.0f} GB/s "
         f"(read+write), dense bf16 {result['ceilings']['dense_bf16_tflops']:.0f} TFLOP/s.",
         "",
-        "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call | speed-ups (baseline time / ours) | floor fraction |",
-        "|---|---|---|---|---|---|---|---|",
+        header,
+        rule,
     ]
     ceilings = result["ceilings"]
     for row in result["rows"]:
@@ -105,10 +179,14 @@ def markdown_table(result: dict) -> str:
             need = FLOOR_FRACTION_TARGET if flop_bound(row, ceilings) else None
             floor = _mark(row["fraction_of_floor"], need)
         host = f"{row['host_us']:.0f}" if "host_us" in row else ""
-        lines.append(
+        line = (
             f"| {row['op']} | {shape} | {splits} | {row['times_ms']['ours']:.3f} | "
             f"{tflops(row):.0f} | {host} | {ratios} | {floor} |"
         )
+        if profiles is not None:
+            missed = misses(row, ceilings)
+            line += f" {miss_reason(row, missed, profiles) if missed else ''} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -160,3 +238,19 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print a bench_kernels.py result as a table.")
+    parser.add_argument("result", type=Path, help="kernels_<gpu>.json")
+    parser.add_argument(
+        "--profiles", type=Path, help="profile.json of profile_cells.py --summarize"
+    )
+    args = parser.parse_args()
+    result = json.loads(args.result.read_text())
+    profiles = json.loads(args.profiles.read_text()) if args.profiles else None
+    print(markdown_table(result, profiles))
+
+
+if __name__ == "__main__":
+    main()

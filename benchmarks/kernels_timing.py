@@ -76,21 +76,25 @@ def interleaved_ms(
     return {n: statistics.median(s.elapsed_time(e) for s, e in samples[n]) for n in names}
 
 
-def host_us(fn: Callable[[int], object], n_sets: int, calls: int = 20) -> float:
-    """CPU time per call (µs) of ``fn``: ``calls`` calls enqueued back to back, no sync inside.
+def host_us(fn: Callable[[int], object], n_sets: int, calls: int = 20, batches: int = 5) -> float:
+    """CPU time per call (µs) of ``fn``: the median over ``batches`` batches of ``calls``
+    calls enqueued back to back, no sync inside a batch.
 
     The GPU runs behind, so this is what each call costs the host (validation,
     dispatch, launches). When it exceeds the GPU time of a call, the host is
-    the bottleneck of back-to-back calls.
+    the bottleneck of back-to-back calls. The median of several batches keeps
+    one slow batch (a garbage collection, another process on the host) out.
     """
     fn(0)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(i % n_sets)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i % n_sets)
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
 
 
 def peak_bytes(fn: Callable[[int], object], n_sets: int) -> int:

@@ -17,10 +17,19 @@ add, as the benchmark's baseline) and ``loop`` (the per-expert cuBLAS loop;
 fp32 output for wgrad_fp32). ``sm__cycles_active.avg / .max`` is the load
 balance across SMs (1 when every SM is busy for as long as the busiest one).
 
+``--missed RESULTS`` prints ``op config splits impl`` for every implementation
+to profile so that each missed cell of a ``bench_kernels.py`` result
+(``kernels_report.misses``) is explained: ours, and the baseline it missed
+against (``kernels_report.profiled_impls``).
+
 ``--summarize DIR`` reads the CSV files ``ncu_<op>_<config>_<splits>_<impl>.csv``
 there (``--log-file`` names as above), prints one line per file — total GPU
 time, and for its longest kernel the time, grid, SM balance and SM and DRAM
-throughput — and writes them to ``DIR/profile.json``.
+throughput — and writes them to ``DIR/profile.json``, with the skew facts of
+ours computed from the cell's splits: the padded rows of its M tiles (fprop,
+dgrad) or how many experts have fewer than 512 tokens (wgrad).
+``python benchmarks/kernels_report.py RESULTS --profiles DIR/profile.json``
+prints the result's table with these profiles beside its misses.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
@@ -37,10 +46,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import kernels_report
 import kernels_timing as kt
 from bench_kernels import CONFIGS
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
+from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad, tuning
 
 OPS = ("fprop", "dgrad", "wgrad_fp32")
 IMPLS = ("ours", "grouped_mm", "loop")
@@ -85,6 +95,37 @@ def _call(
     }[impl]
 
 
+def missed(result: dict) -> list[tuple[str, int, str, str]]:
+    """``(op, config index, splits, impl)`` to profile for each missed cell of a result."""
+    cells = []
+    for row in result["rows"]:
+        missed_targets = kernels_report.misses(row, result["ceilings"])
+        if not missed_targets:
+            continue
+        s = kernels_report.shape_of(row)
+        config = CONFIGS.index((s["E"], s["K"], s["N"], s["T"]))
+        op = "wgrad_fp32" if row["op"] == "wgrad_fp32_acc" else row["op"]
+        kind = row["case"].rsplit(" ", 1)[1]
+        cells += [
+            (op, config, kind, impl) for impl in kernels_report.profiled_impls(row, missed_targets)
+        ]
+    return cells
+
+
+def skew_facts(op: str, config: int, kind: str) -> dict[str, object]:
+    """What the cell's splits mean for ours: padded rows of its M tiles, or small experts."""
+    E, K, N, T = CONFIGS[config]
+    splits = kt.splits_for(kind, T, E, seed=config)
+    if op == "wgrad_fp32":
+        return {
+            "experts_under_512": f"{sum(0 < s < 512 for s in splits)} of {E} (empty: {splits.count(0)})"
+        }
+    plan = tuning.plan_for(op, torch.bfloat16, torch.bfloat16, T, E, N, K)
+    tile_m = int(plan.variant.split("_")[4].split("x")[0])  # e.g. ..._coop_128x256x64_c1x1
+    computed = sum(-(-s // tile_m) * tile_m for s in splits)
+    return {"tile_m": tile_m, "padded_rows_pct": 100.0 * (computed - T) / T}
+
+
 def summarize(folder: Path) -> list[dict]:
     """One record per ``ncu`` CSV file of ``folder``: the call's kernels and its longest one."""
     records = []
@@ -97,9 +138,16 @@ def summarize(folder: Path) -> list[dict]:
             value = float(row["Metric Value"].replace(",", ""))
             kernels.setdefault(key, {})[row["Metric Name"]] = value
         (_, name, grid), top = max(kernels.items(), key=lambda kv: kv[1]["gpu__time_duration.sum"])
+        cell = path.stem.removeprefix("ncu_")
+        op, config, kind, impl = cell.rsplit("_", 3)
+        E, K, N, T = CONFIGS[int(config)]
+        facts = skew_facts(op, int(config), kind) if impl == "ours" else {}
         records.append(
             {
-                "cell": path.stem.removeprefix("ncu_"),
+                "cell": cell,
+                "op": op,
+                "case": f"E={E} K={K} N={N} T={T} {kind}",
+                "impl": impl,
                 "kernels": len(kernels),
                 "total_ms": sum(k["gpu__time_duration.sum"] for k in kernels.values()) / 1e6,
                 "longest_kernel": name[:120],
@@ -108,6 +156,7 @@ def summarize(folder: Path) -> list[dict]:
                 "sm_balance": top["sm__cycles_active.avg"] / top["sm__cycles_active.max"],
                 "sm_throughput_pct": top["sm__throughput.avg.pct_of_peak_sustained_elapsed"],
                 "dram_throughput_pct": top["dram__throughput.avg.pct_of_peak_sustained_elapsed"],
+                **facts,
             }
         )
     return records
@@ -120,7 +169,12 @@ def main() -> None:
     parser.add_argument("--splits", choices=kt.SPLIT_KINDS)
     parser.add_argument("--impl", choices=IMPLS)
     parser.add_argument("--summarize", type=Path, help="summarize the ncu CSV files of this folder")
+    parser.add_argument("--missed", type=Path, help="list the cells to profile for this result")
     args = parser.parse_args()
+    if args.missed is not None:
+        for op, config, kind, impl in missed(json.loads(args.missed.read_text())):
+            print(op, config, kind, impl)
+        return
     if args.summarize is not None:
         records = summarize(args.summarize)
         for r in records:

@@ -51,6 +51,8 @@ class Variant:
         schedule: ``"coop"`` (cooperative) or ``"pong"`` (ping-pong warp groups).
         tile: CTA tile ``(M, N, K)``.
         cluster: thread-block cluster ``(M, N)``.
+        epilogue_n: columns of the epilogue's subtile (its rows: 64 ping-pong, 128
+            cooperative); ``0`` lets CUTLASS choose (32 columns).
     """
 
     op: str  # "fprop" | "dgrad" | "wgrad"
@@ -59,6 +61,7 @@ class Variant:
     schedule: str  # "coop" (cooperative) | "pong" (ping-pong)
     tile: tuple[int, int, int]  # CTA tile M, N, K
     cluster: tuple[int, int]  # cluster M, N
+    epilogue_n: int = 0  # epilogue subtile columns; 0: CUTLASS's choice
 
     @property
     def has_source(self) -> bool:
@@ -68,7 +71,8 @@ class Variant:
     @property
     def config(self) -> str:
         m, n, k = self.tile
-        return f"{self.schedule}_{m}x{n}x{k}_c{self.cluster[0]}x{self.cluster[1]}"
+        epilogue = f"_e{self.epilogue_n}" if self.epilogue_n else ""
+        return f"{self.schedule}_{m}x{n}x{k}_c{self.cluster[0]}x{self.cluster[1]}{epilogue}"
 
     @property
     def name(self) -> str:
@@ -91,6 +95,7 @@ class Variant:
                 str(k),
                 str(cm),
                 str(cn),
+                str(self.epilogue_n),
             ]
         )
         return (
@@ -126,13 +131,17 @@ VARIANTS: tuple[Variant, ...] = tuple(
 
 #: Extra bf16 configurations compiled only on request (``build(variant_set="tuning")``) for the
 #: benchmark's tuning sweep; kernels/NOTES.md records what they measured.
-TUNING_VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(op, "bf16", dout, sched, tile, cluster)
-    for op, dout in (("fprop", "bf16"), ("dgrad", "bf16"), ("wgrad", "bf16"), ("wgrad", "f32"))
-    for sched, tile, cluster in (
-        ("coop", (256, 128, 64), (1, 1)),  # one M tile per 256-token group (E = 128)
-        ("coop", (128, 128, 64), (1, 1)),  # twice the tiles: less padding for ragged groups
-    )
+TUNING_VARIANTS: tuple[Variant, ...] = (
+    # Many small groups (fprop/dgrad, E >= 64): 64-row tiles pad half as many rows.
+    *(Variant(op, "bf16", "bf16", "pong", (64, 256, 64), (1, 1)) for op in ("fprop", "dgrad")),
+    *(Variant(op, "bf16", "bf16", "coop", (128, 128, 64), (1, 1)) for op in ("fprop", "dgrad")),
+    # wgrad into fp32: wider epilogue subtiles, so the whole fp32 tile of C is loaded
+    # while the mainloop runs; clusters along M (A multicast) or none.
+    Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (1, 2), epilogue_n=64),
+    Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (1, 2), epilogue_n=128),
+    Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (2, 1)),
+    Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (2, 1), epilogue_n=64),
+    Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (1, 1), epilogue_n=64),
 )
 
 #: Variant sets, each compiled into its own extension module: "default" is what every

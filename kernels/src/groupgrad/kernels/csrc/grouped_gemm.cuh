@@ -30,8 +30,12 @@ namespace groupgrad {
 //              launch accumulates and beta = 0 otherwise (C is then never loaded);
 //              false -> no C operand at all (overwrite only)
 //   ARowMajor / BKMajor: operand layouts (see GemmLaunch in launch_api.h)
+//   EpilogueN: 0 lets CUTLASS choose the epilogue tile (64 x 32 per ping-pong warp
+//              group, 128 x 32 cooperative); otherwise the epilogue works in subtiles
+//              of 64 (ping-pong) or 128 (cooperative) rows by EpilogueN columns
 template <class ElementIn_, class ElementOut_, bool HasSource_, bool ARowMajor_, bool BKMajor_,
-          bool Pingpong_, int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_>
+          bool Pingpong_, int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_,
+          int EpilogueN_ = 0>
 struct GemmConfig {
   using ElementIn = ElementIn_;
   using ElementOut = ElementOut_;
@@ -41,6 +45,9 @@ struct GemmConfig {
   static constexpr bool kPingpong = Pingpong_;
   using TileShape = cute::Shape<cute::Int<TileM_>, cute::Int<TileN_>, cute::Int<TileK_>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM_>, cute::Int<ClusterN_>, cute::_1>;
+  using EpilogueTile =
+      std::conditional_t<EpilogueN_ == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                         cute::Shape<cute::Int<Pingpong_ ? 64 : 128>, cute::Int<EpilogueN_>>>;
 };
 
 template <class Config>
@@ -76,7 +83,7 @@ struct GroupedGemm {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
-      typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+      typename Config::ClusterShape, typename Config::EpilogueTile,
       ElementAccumulator, ElementCompute, ElementC, LayoutD*, kAlignmentOut, ElementD, LayoutD*,
       kAlignmentOut, EpilogueSchedule, FusionOp>::CollectiveOp;
 

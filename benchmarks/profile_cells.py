@@ -131,7 +131,10 @@ def summarize(folder: Path) -> list[dict]:
     records = []
     for path in sorted(folder.glob("ncu_*.csv")):
         lines = path.read_text().splitlines()
-        header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+        header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+        if header is None:  # ncu profiled nothing (the run failed or was cut): say so
+            print(f"{path.name}: no profiled kernel")
+            continue
         kernels: dict[tuple[str, str, str], dict[str, float]] = {}
         for row in csv.DictReader(lines[header:]):
             key = (row["ID"], row["Kernel Name"], row["Grid Size"])

@@ -142,7 +142,8 @@ def summarize(folder: Path) -> list[dict]:
             kernels.setdefault(key, {})[row["Metric Name"]] = value
         (_, name, grid), top = max(kernels.items(), key=lambda kv: kv[1]["gpu__time_duration.sum"])
         cell = path.stem.removeprefix("ncu_")
-        op, config, kind, impl = cell.rsplit("_", 3)
+        impl = next(i for i in IMPLS if cell.endswith(f"_{i}"))
+        op, config, kind = cell.removesuffix(f"_{impl}").rsplit("_", 2)
         E, K, N, T = CONFIGS[int(config)]
         facts = skew_facts(op, int(config), kind) if impl == "ours" else {}
         records.append(

@@ -5,9 +5,10 @@ call and fall back to the reference by themselves; this module opens that
 machinery for measuring and tuning it, so benchmarks need no private module:
 
 * **Variants** — the compiled kernels: :class:`Variant` (op, dtypes,
-  schedule, tile, cluster), :data:`VARIANTS` (the default set every GPU call
-  may use), :data:`TUNING_VARIANTS` (extra bf16 tiles compiled only on
-  request), :data:`VARIANT_SETS` (``"default"`` and ``"tuning"``).
+  schedule, tile, cluster, epilogue subtile), :data:`VARIANTS` (the default
+  set every GPU call may use), :data:`TUNING_VARIANTS` (extra bf16
+  configurations compiled only on request), :data:`VARIANT_SETS`
+  (``"default"`` and ``"tuning"``).
 * **Builds** — :func:`build` compiles (or loads from the cache) one variant
   set, :func:`compiled_variants` names what is loaded. ``python -m
   groupgrad.kernels.build`` is the same build from the command line.

@@ -50,6 +50,7 @@ _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
 _OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _LISTED = "kernels/src/groupgrad/kernels/_listed.py"
+_BUILD = "kernels/src/groupgrad/kernels/build.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -330,5 +331,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        set(map(_SHAPE, tensors)) == {first.shape}\n        and ",
         "        ",
         (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "variant-epilogue-dropped",
+        "a variant's epilogue subtile never reaches the generated source (its name lies)",
+        _BUILD,
+        "                str(self.epilogue_n),\n",
+        "",
+        (f"{KERNELS}/test_build.py",),
     ),
 )

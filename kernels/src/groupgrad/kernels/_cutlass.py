@@ -285,4 +285,6 @@ def wgrad(
         plan.variant,
         plan.raster_along_n,
         plan.max_swizzle,
+        plan.interleave_below,
+        plan.chunk_rows,
     )

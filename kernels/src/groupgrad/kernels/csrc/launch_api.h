@@ -39,6 +39,8 @@ struct GemmLaunch {
 struct KernelVariant {
   const char* name;
   bool has_source;
+  int tile_m;  // the CTA tile's M and N
+  int tile_n;
   size_t (*workspace_size)(const GemmLaunch&);
   // Returns nullptr on success, else a static message.
   const char* (*run)(const GemmLaunch&, void* workspace);

@@ -51,7 +51,6 @@ CONFIGS = [
 ]
 N_SETS = 2  # input sets rotated between calls
 SWEEP_ROUNDS = [4]  # interleaved rounds of the tuning sweep (--sweep-rounds)
-INTERLEAVE_BELOW = [0]  # --interleave-below
 SWEEP_ORDERS = [2]  # 2: raster M/N x swizzle 1/4 per variant; 1: raster M, swizzle 1 only
 
 
@@ -109,36 +108,20 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
 
 
 def _candidates(op: str, dout: str, sweep_all: bool) -> list[tuning.Plan]:
-    """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4.
-
-    With ``--interleave-below B`` (wgrad), each variant also runs with the
-    problems of experts under ``B`` tokens (``B / 2`` for bf16 outputs, whose
-    read and write take half as long) interleaved, with and without chunks.
-    """
+    """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4."""
     if not sweep_all:
         return []
     names = tuning.compiled_variants()
-    below = INTERLEAVE_BELOW[0] // (1 if dout == "f32" else 2) if op == "wgrad" else 0
     plans = []
     for v in tuning.VARIANTS + tuning.TUNING_VARIANTS:
         if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
             for raster_n in (False, True)[: SWEEP_ORDERS[0]]:
                 plans += [tuning.Plan(v.name, raster_n, s) for s in (1, 4)[: SWEEP_ORDERS[0]]]
-            if below:
-                unchunked = 1 << 20  # more rows than any output: one chunk per expert
-                plans += [
-                    tuning.Plan(v.name, interleave_below=below),
-                    tuning.Plan(v.name, interleave_below=below, chunk_rows=unchunked),
-                ]
     return plans
 
 
 def _plan_tag(plan: tuning.Plan) -> str:
-    tag = f"{plan.variant}/{'N' if plan.raster_along_n else 'M'}/s{plan.max_swizzle}"
-    if plan.interleave_below:
-        tag += f"/interleave<{plan.interleave_below}"
-        tag += f"/rows{plan.chunk_rows}" if plan.chunk_rows else "/chunks"
-    return tag
+    return f"{plan.variant}/{'N' if plan.raster_along_n else 'M'}/s{plan.max_swizzle}"
 
 
 def _run_plan(run: Callable[[int, tuning.Plan | None], None], plan: tuning.Plan, i: int) -> None:
@@ -323,12 +306,6 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also sweep every compiled variant")
     parser.add_argument("--sweep-rounds", type=int, default=4, help="rounds of the sweep")
     parser.add_argument(
-        "--interleave-below",
-        type=int,
-        default=0,
-        help="also sweep wgrad plans that interleave experts under this many tokens",
-    )
-    parser.add_argument(
         "--sweep-default-order",
         action="store_true",
         help="sweep each variant in raster M, swizzle 1 only (not raster M/N x swizzle 1/4)",
@@ -340,7 +317,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     SWEEP_ROUNDS[0] = args.sweep_rounds
-    INTERLEAVE_BELOW[0] = args.interleave_below
     SWEEP_ORDERS[0] = 1 if args.sweep_default_order else 2
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -355,7 +331,6 @@ def main() -> None:
         except Exception as error:  # the sweep is optional; report and go on without it
             print(f"tuning variants unavailable: {error}", flush=True)
             args.tuning = False
-    sweep = args.tuning or args.interleave_below > 0  # the latter sweeps the default set
     ceilings = {"copy_gbs": kt.copy_bandwidth_gbs(), "dense_bf16_tflops": kt.dense_bf16_tflops()}
     print(
         f"ceilings: copy {ceilings['copy_gbs']:.0f} GB/s, dense bf16 "
@@ -371,13 +346,13 @@ def main() -> None:
         for split_kind in args.splits.split(","):
             case = make_case(E, K, N, T, split_kind, seed=index)
             if "fprop" in ops:
-                rows.append(bench_fprop_dgrad(case, "fprop", args.reps, sweep))
+                rows.append(bench_fprop_dgrad(case, "fprop", args.reps, args.tuning))
             if "dgrad" in ops:
-                rows.append(bench_fprop_dgrad(case, "dgrad", args.reps, sweep))
+                rows.append(bench_fprop_dgrad(case, "dgrad", args.reps, args.tuning))
             if "wgrad_bf16" in ops:
-                rows.append(bench_wgrad_bf16(case, args.reps, sweep))
+                rows.append(bench_wgrad_bf16(case, args.reps, args.tuning))
             if "wgrad_fp32" in ops:
-                rows.append(bench_wgrad_fp32(case, args.reps, sweep, loop_kind, ceilings))
+                rows.append(bench_wgrad_fp32(case, args.reps, args.tuning, loop_kind, ceilings))
             for row in rows[-len(ops) :]:
                 print(kernels_report.one_line(row), flush=True)
             del case

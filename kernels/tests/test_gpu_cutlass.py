@@ -158,49 +158,6 @@ def _wgrad_torch_own(
     "variant", [*_variants("wgrad"), None], ids=lambda v: v.name if v else "auto"
 )
 def test_wgrad(variant: tuning.Variant | None, pattern: str, accumulate: bool, layout: str) -> None:
-    _check_wgrad(variant, pattern, accumulate, layout, _plan(variant))
-
-
-# (interleave_below, chunk_rows): experts under 100 tokens spread between the others',
-# in chunks of one tile's rows, in one chunk per expert (auto: 66 tiles of rows), or
-# in chunks that end inside a tile, in expert order.
-PROBLEM_ORDERS = {"interleave": (100, 128), "interleave_auto": (100, 0), "chunks": (0, 136)}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
-@pytest.mark.parametrize("pattern", list(SPLIT_PATTERNS))
-@pytest.mark.parametrize("order", list(PROBLEM_ORDERS))
-@pytest.mark.parametrize(
-    "variant",
-    [v for v in _variants("wgrad") if v.dtype_in == "bf16"],
-    ids=lambda v: v.name,
-)
-def test_wgrad_problem_order(
-    variant: tuning.Variant, order: str, pattern: str, accumulate: bool, layout: str
-) -> None:
-    """Reordered and chunked wgrad problems (``Plan.interleave_below``, ``chunk_rows``) stay exact."""
-    below, rows = PROBLEM_ORDERS[order]
-    plan = tuning.Plan(variant.name, interleave_below=below, chunk_rows=rows)
-    _check_wgrad(variant, pattern, accumulate, layout, plan)
-
-
-def test_wgrad_chunk_rows_must_be_a_multiple_of_8() -> None:
-    dy = torch.zeros(8, 384, dtype=torch.bfloat16, device="cuda")
-    x = torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda")
-    out = [torch.zeros(384, 256, device="cuda")]
-    plan = tuning.Plan(_cutlass.default_plan("wgrad", dy, x, out).variant, chunk_rows=12)
-    with pytest.raises(RuntimeError, match="chunk_rows must be a non-negative multiple of 8"):
-        _cutlass.wgrad(dy, x, torch.tensor([8], device="cuda"), out, False, plan=plan)
-
-
-def _check_wgrad(
-    variant: tuning.Variant | None,
-    pattern: str,
-    accumulate: bool,
-    layout: str,
-    plan: tuning.Plan | None,
-) -> None:
     din = DTYPES[variant.dtype_in] if variant else torch.bfloat16
     dout = DTYPES[variant.dtype_out] if variant else torch.float32
     gen = _gen("wgrad", variant, pattern, accumulate, layout)
@@ -214,7 +171,9 @@ def _check_wgrad(
         group, out = _group_list(E, N, K, dout, layout, lambda i: start[i])
     else:
         group, out = _group_list(E, N, K, dout, layout, lambda i: poisoned((N, K)))
-    _cutlass.wgrad(dy, x, torch.tensor(splits, device="cuda"), group, accumulate, plan=plan)
+    _cutlass.wgrad(
+        dy, x, torch.tensor(splits, device="cuda"), group, accumulate, plan=_plan(variant)
+    )
     for e, (lo, hi) in enumerate(_bounds(splits)):
         c = start[e].cuda() if accumulate else None
         if hi == lo:  # no tokens: untouched when accumulating, exact zeros when overwriting

@@ -285,6 +285,4 @@ def wgrad(
         plan.variant,
         plan.raster_along_n,
         plan.max_swizzle,
-        plan.interleave_below,
-        plan.chunk_rows,
     )

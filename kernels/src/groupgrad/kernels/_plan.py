@@ -31,20 +31,11 @@ class Plan:
             (``Variant.name``), e.g. ``"fprop_bf16_bf16_coop_128x256x64_c1x1"``.
         raster_along_n: walk output tiles along ``N`` first (default: along ``M``).
         max_swizzle: the tile scheduler's swizzle width: 1, 2, 4 or 8.
-        interleave_below: wgrad only: ``0`` keeps the experts' problems in order;
-            above 0, the problems of experts with fewer tokens than this (whose
-            output's read and write outlast their FLOPs) are spread evenly between
-            the others', so that each SM mixes the two kinds of tile.
-        chunk_rows: wgrad only: cut each expert's output into problems of this
-            many rows (a multiple of 8); ``0``: no cuts, or, with
-            ``interleave_below``, about one SM count of tiles per chunk.
     """
 
     variant: str
     raster_along_n: bool = False
     max_swizzle: int = 1
-    interleave_below: int = 0
-    chunk_rows: int = 0
 
 
 def plan_for(

@@ -231,7 +231,7 @@ def _wgrad_stages(
 
     def cxx() -> None:
         extension = _cutlass._extension(plan.variant)
-        extension.wgrad(dy_TN, x_TK, splits_E, dw, accumulate, plan.variant, False, 1, 0, 0)
+        extension.wgrad(dy_TN, x_TK, splits_E, dw, accumulate, plan.variant, False, 1)
 
     return {
         "validate": lambda: _validate.wgrad_call(dy, x, splits, out, None, accumulate),

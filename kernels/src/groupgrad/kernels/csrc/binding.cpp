@@ -120,10 +120,8 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
               " has no C operand and cannot accumulate");
   const int64_t group_total = group_count(group);
-  TORCH_CHECK(group_total * setup.chunks < (int64_t{1} << 31), "groupgrad: too many groups: ",
-              group_total, " x ", setup.chunks, " chunks");
+  TORCH_CHECK(group_total < (int64_t{1} << 31), "groupgrad: too many groups: ", group_total);
   const int groups = static_cast<int>(group_total);
-  const int problems = groups * setup.chunks;  // one per group, or per chunk of a group's rows
   TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
                   splits.is_cuda() && splits.is_contiguous(),
               "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,
@@ -137,7 +135,7 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(anchor.device().index()).stream();
 
   GemmLaunch launch;
-  launch.groups = problems;
+  launch.groups = groups;
   launch.device_id = anchor.device().index();
   launch.sm_count = multiprocessor_count(launch.device_id);
   launch.raster_along_n = tuning.raster_along_n;
@@ -146,11 +144,10 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   launch.accumulate = accumulate;
   const size_t workspace_bytes = variant.workspace_size(launch);
 
-  ArgumentBuffers buffers = allocate_arguments(problems, workspace_bytes, anchor.device());
+  ArgumentBuffers buffers = allocate_arguments(groups, workspace_bytes, anchor.device());
   point_at(buffers, launch);  // the GEMM reads the arrays that the setup kernel writes
   point_at(buffers, setup);
   setup.splits = splits.data_ptr<int64_t>();
-  setup.experts = groups;
   const bool packed = is_packed(group);
   if (packed) {
     const at::Tensor& t = group[0];
@@ -263,32 +260,10 @@ void dgrad(const at::Tensor& dy_TN, const std::vector<at::Tensor>& w, const at::
   row_gemm(GemmOp::kDgrad, dy_TN, w, splits_E, dx_TK, variant_name, raster_along_n, max_swizzle);
 }
 
-// The rows of each chunk when a wgrad's outputs are cut into chunks: chunk_rows
-// when given (> 0), else enough CTA tile rows that one chunk has about as many
-// tiles as the GPU has SMs (so consecutive tiles of one SM fall into different
-// chunks). 0: no chunks.
-int64_t wgrad_chunk_rows(const KernelVariant& variant, int64_t interleave_below,
-                         int64_t chunk_rows, int64_t in_features, int device) {
-  TORCH_CHECK(chunk_rows >= 0 && chunk_rows % 8 == 0, "groupgrad: chunk_rows must be a ",
-              "non-negative multiple of 8, got ", chunk_rows);
-  TORCH_CHECK(interleave_below >= 0, "groupgrad: interleave_below must be >= 0, got ",
-              interleave_below);
-  if (chunk_rows > 0 || interleave_below == 0) {
-    return chunk_rows;
-  }
-  const int64_t tiles_per_row = (in_features + variant.tile_n - 1) / variant.tile_n;
-  const int64_t sms = multiprocessor_count(device);
-  const int64_t tile_rows = std::max<int64_t>(1, (sms + tiles_per_row / 2) / tiles_per_row);
-  return tile_rows * variant.tile_m;
-}
-
-// out[e] = dy_TN[rows of e]^T @ x_TK[rows of e]  (accumulate: out[e] += ...).
-// interleave_below > 0: experts with fewer tokens go between the others'
-// (SetupParams::light_below); chunk_rows: see wgrad_chunk_rows.
+// out[e] = dy_TN[rows of e]^T @ x_TK[rows of e]  (accumulate: out[e] += ...)
 void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& splits_E,
            const std::vector<at::Tensor>& out, bool accumulate, const std::string& variant_name,
-           bool raster_along_n, int64_t max_swizzle, int64_t interleave_below,
-           int64_t chunk_rows) {
+           bool raster_along_n, int64_t max_swizzle) {
   const KernelVariant& variant = find_variant(variant_name);
   check_matrix(dy_TN, "dy", dy_TN.device());
   check_matrix(x_TK, "x", dy_TN.device());
@@ -306,13 +281,6 @@ void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& sp
   setup.in_bytes = element_bytes(dy_TN);
   setup.out_bytes = element_bytes(out[0]);
   setup.zero_empty_outputs = !accumulate;
-  setup.light_below = interleave_below;
-  setup.chunk_rows = wgrad_chunk_rows(variant, interleave_below, chunk_rows, setup.in_features,
-                                      dy_TN.device().index());
-  if (setup.chunk_rows > 0) {
-    setup.chunks = static_cast<int>(
-        std::max<int64_t>(1, (setup.out_features + setup.chunk_rows - 1) / setup.chunk_rows));
-  }
   run_grouped(variant, setup, out, splits_E, dy_TN, make_tuning(raster_along_n, max_swizzle),
               accumulate);
 }
@@ -371,9 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("splits"), py::arg("out"), py::arg("variant"), py::arg("raster_along_n"),
         py::arg("max_swizzle"));
   m.def("wgrad", &groupgrad::wgrad, "grouped wgrad", py::arg("dy"), py::arg("x"),
-        py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"),
-        py::arg("raster_along_n"), py::arg("max_swizzle"), py::arg("interleave_below") = 0,
-        py::arg("chunk_rows") = 0);
+        py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"), py::arg("raster_along_n"),
+        py::arg("max_swizzle"));
   m.def("variants", &groupgrad::variant_names, "names of the compiled kernel variants");
   m.def("listed_group_facts", &groupgrad::listed_group_facts,
         "(alike, requires_grad, sorted addresses) of a listed group, or None", py::arg("members"));

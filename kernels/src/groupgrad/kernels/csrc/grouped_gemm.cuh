@@ -190,8 +190,5 @@ struct GroupedGemm {
   using NAME##_gemm = ::groupgrad::GroupedGemm<CONFIG>;                               \
   [[maybe_unused]] const bool NAME##_registered =                                     \
       ::groupgrad::register_variant(::groupgrad::KernelVariant{                       \
-          #NAME, CONFIG::kHasSource,                                                  \
-          static_cast<int>(cute::size<0>(typename CONFIG::TileShape{})),              \
-          static_cast<int>(cute::size<1>(typename CONFIG::TileShape{})),              \
-          &NAME##_gemm::workspace_size, &NAME##_gemm::run});                          \
+          #NAME, CONFIG::kHasSource, &NAME##_gemm::workspace_size, &NAME##_gemm::run}); \
   }

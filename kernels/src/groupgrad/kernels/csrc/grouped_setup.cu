@@ -43,93 +43,6 @@ __device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t
   }
 }
 
-// How many groups of each kind there are, and before group g: heavy (at least
-// light_below tokens), light (fewer, but some) and empty. Every thread gets the result.
-struct GroupKinds {
-  int heavy = 0, light = 0, heavy_before = 0, light_before = 0, empty_before = 0;
-};
-
-__device__ GroupKinds count_kinds(const SetupParams& p, int g) {
-  __shared__ int warp_sums[5][kThreads / 32];
-  int counts[5] = {0, 0, 0, 0, 0};
-  for (int e = threadIdx.x; e < p.experts; e += kThreads) {
-    const int64_t t = max(p.splits[e], int64_t{0});
-    const bool heavy = t > 0 && t >= p.light_below;
-    const bool light = t > 0 && !heavy;
-    counts[0] += heavy;
-    counts[1] += light;
-    counts[2] += heavy && e < g;
-    counts[3] += light && e < g;
-    counts[4] += t == 0 && e < g;
-  }
-  for (int c = 0; c < 5; ++c) {
-    for (int offset = 16; offset > 0; offset /= 2) {
-      counts[c] += __shfl_down_sync(0xffffffffu, counts[c], offset);
-    }
-    if (threadIdx.x % 32 == 0) {
-      warp_sums[c][threadIdx.x / 32] = counts[c];
-    }
-  }
-  __syncthreads();
-  int total[5] = {0, 0, 0, 0, 0};
-  for (int c = 0; c < 5; ++c) {
-    for (int w = 0; w < kThreads / 32; ++w) {
-      total[c] += warp_sums[c][w];
-    }
-  }
-  return GroupKinds{total[0], total[1], total[2], total[3], total[4]};
-}
-
-// Where chunk j of group g goes in the problem arrays. The heavy groups'
-// problems (nH of them, in group order) and the light groups' (nL) are merged
-// as if the i-th heavy problem sat at (2i + 1) / (2 nH) of the list and the k-th
-// light one at (2k + 1) / (2 nL), heavy first on a tie: each kind spread evenly
-// through the other, so that the persistent scheduler hands every SM a mix of
-// FLOP-bound tiles and tiles that mostly read and write their output. Empty
-// groups' problems (no tiles) come last.
-__device__ int64_t problem_slot(const GroupKinds& kinds, int64_t tokens, bool heavy, int chunks,
-                                int j) {
-  const int64_t nH = int64_t{kinds.heavy} * chunks;
-  const int64_t nL = int64_t{kinds.light} * chunks;
-  if (tokens == 0) {
-    return nH + nL + int64_t{kinds.empty_before} * chunks + j;
-  }
-  if (heavy) {
-    const int64_t i = int64_t{kinds.heavy_before} * chunks + j;
-    const int64_t num = (2 * i + 1) * nL - nH;  // light k before it: (2k + 1) nH < (2i + 1) nL
-    return i + (num <= 0 ? 0 : min(nL, (num + 2 * nH - 1) / (2 * nH)));
-  }
-  const int64_t k = int64_t{kinds.light_before} * chunks + j;
-  const int64_t num = (2 * k + 1) * nH - nL;  // heavy i before it: (2i + 1) nL <= (2k + 1) nH
-  return k + (num < 0 ? 0 : min(nH, num / (2 * nL) + 1));
-}
-
-// wgrad with chunks or light groups: writes group g's problems at their slots.
-__device__ void write_wgrad_problems(const SetupParams& p, int g, int64_t start, int64_t m,
-                                     const char* matrix, int64_t ld) {
-  const GroupKinds kinds = count_kinds(p, g);
-  const int64_t tokens = max(p.splits[g], int64_t{0});
-  const bool heavy = tokens > 0 && tokens >= p.light_below;
-  const int64_t chunk_rows = p.chunks > 1 ? p.chunk_rows : p.out_features;
-  for (int j = threadIdx.x; j < p.chunks; j += kThreads) {
-    const int64_t slot = problem_slot(kinds, tokens, heavy, p.chunks, j);
-    const int64_t first_row = j * chunk_rows;
-    const int64_t rows = min(chunk_rows, p.out_features - first_row);
-    int* shape = p.problem_shapes + 3 * slot;
-    shape[0] = m > 0 ? static_cast<int>(rows) : 0;  // no tokens: no tiles (see below)
-    shape[1] = static_cast<int>(p.in_features);
-    shape[2] = static_cast<int>(m);
-    // A is dy's rows of this group, read column-major: its first_row-th row is
-    // dy's first_row-th column.
-    p.ptr_A[slot] = p.dense_a + (start * p.ld_dense_a + first_row) * p.in_bytes;
-    p.ld_A[slot] = p.ld_dense_a;
-    p.ptr_B[slot] = p.dense_b + start * p.ld_dense_b * p.in_bytes;
-    p.ld_B[slot] = p.ld_dense_b;
-    p.ptr_D[slot] = const_cast<char*>(matrix) + first_row * ld * p.out_bytes;
-    p.ld_D[slot] = ld;
-  }
-}
-
 __device__ const char* group_matrix(const SetupParams& p, int g, int local) {
   return p.packed_base != nullptr ? p.packed_base + g * p.packed_stride_bytes : p.group_ptr[local];
 }
@@ -152,9 +65,7 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
   if (blockIdx.x == 0) {
     const int64_t start = min(block_prefix(p.splits, g), p.tokens);
     const int64_t m = min(rows, p.tokens - start);
-    if (p.op == GemmOp::kWgrad && (p.chunks > 1 || p.light_below > 0)) {
-      write_wgrad_problems(p, g, start, m, matrix, ld);
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       int* shape = p.problem_shapes + 3 * g;
       switch (p.op) {
         case GemmOp::kFprop:  // (m, N) = (m, K) x (N, K)^T

@@ -48,16 +48,6 @@ struct SetupParams {
   // wgrad, overwrite: zero the output of every group with no tokens
   // (the GEMM skips such groups).
   bool zero_empty_outputs = false;
-  // wgrad, the order of the problems (see grouped_setup.cu, problem_slot): with
-  // chunks > 1 each group's output rows are cut into chunks of chunk_rows rows,
-  // one problem each (the CUTLASS arrays then hold experts * chunks problems);
-  // with light_below > 0 the problems of groups with fewer tokens than that are
-  // spread evenly between those of the others. chunks == 1 and light_below == 0:
-  // problem g is group g.
-  int experts = 0;  // E: every group of the call, not only this launch's
-  int chunks = 1;
-  int64_t chunk_rows = 0;
-  int64_t light_below = 0;
   // CUTLASS argument arrays (device), indexed by the global group index.
   int* problem_shapes = nullptr;    // (E, 3) int32: M, N, K
   const void** ptr_A = nullptr;

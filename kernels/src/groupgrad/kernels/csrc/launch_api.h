@@ -39,8 +39,6 @@ struct GemmLaunch {
 struct KernelVariant {
   const char* name;
   bool has_source;
-  int tile_m;  // the CTA tile's M and N
-  int tile_n;
   size_t (*workspace_size)(const GemmLaunch&);
   // Returns nullptr on success, else a static message.
   const char* (*run)(const GemmLaunch&, void* workspace);

@@ -44,3 +44,42 @@ def test_an_explicit_epilogue_subtile_reaches_the_template_and_the_name() -> Non
 def test_variant_names_are_unique_across_the_sets() -> None:
     names = [v.name for v in tuning.VARIANTS + tuning.TUNING_VARIANTS]
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("swizzle", [0, 3, 16, True, 2.0])
+def test_a_plan_rejects_a_swizzle_the_scheduler_has_not(swizzle: object) -> None:
+    with pytest.raises(ValueError, match=r"max_swizzle is .*, expected 1, 2, 4 or 8"):
+        tuning.Plan("fprop_bf16_bf16_coop_128x256x64_c1x1", max_swizzle=swizzle)  # type: ignore[arg-type]
+
+
+def test_a_plan_takes_every_swizzle_the_scheduler_has() -> None:
+    for swizzle in (1, 2, 4, 8):
+        assert tuning.Plan("v", True, swizzle).max_swizzle == swizzle
+
+
+@pytest.mark.parametrize(
+    ("splits", "message"),
+    [
+        (
+            torch.tensor([4, 4], dtype=torch.int32),
+            "int64 tensor of token counts, got dtype torch.int32",
+        ),
+        (
+            torch.tensor([[4, 4]]),
+            r"1-D int64 tensor of token counts, got dtype torch.int64, shape \(1, 2\)",
+        ),
+        ([4, 4], "int64 tensor of token counts, got list"),
+        (torch.tensor([4, 4], device="meta"), "splits is on meta, expected cpu"),
+    ],
+)
+def test_run_cutlass_rejects_splits_the_kernels_cannot_read(splits: object, message: str) -> None:
+    x, w, y = torch.zeros(8, 16), torch.zeros(2, 8, 16), torch.zeros(8, 8)
+    with pytest.raises(ValueError, match=message):
+        tuning.run_cutlass("fprop", x, w, splits, y)  # type: ignore[arg-type]
+    assert not y.any()  # nothing written
+
+
+def test_run_cutlass_rejects_an_unknown_op() -> None:
+    x = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="op is 'fprp', expected"):
+        tuning.run_cutlass("fprp", x, x, torch.tensor([8]), x)  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ _OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _LISTED = "kernels/src/groupgrad/kernels/_listed.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
+_PLAN_KERNELS = "kernels/src/groupgrad/kernels/_plan.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -338,6 +339,14 @@ MUTANTS: tuple[Mutant, ...] = (
         _BUILD,
         "                str(self.epilogue_n),\n",
         "",
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
+        "plan-swizzle-unchecked",
+        "a plan takes any swizzle (the extension's own check crashes the process)",
+        _PLAN_KERNELS,
+        "        if type(swizzle) is not int or swizzle not in (1, 2, 4, 8):",
+        "        if False:",
         (f"{KERNELS}/test_build.py",),
     ),
 )

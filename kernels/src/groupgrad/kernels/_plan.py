@@ -37,6 +37,17 @@ class Plan:
     raster_along_n: bool = False
     max_swizzle: int = 1
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.variant, str):
+            raise TypeError(f"variant must be a str, got {type(self.variant).__name__}")
+        if not isinstance(self.raster_along_n, bool):
+            raise TypeError(
+                f"raster_along_n must be a bool, got {type(self.raster_along_n).__name__}"
+            )
+        swizzle = self.max_swizzle
+        if type(swizzle) is not int or swizzle not in (1, 2, 4, 8):
+            raise ValueError(f"max_swizzle is {self.max_swizzle!r}, expected 1, 2, 4 or 8")
+
 
 def plan_for(
     op: str,

@@ -110,7 +110,22 @@ def run_cutlass(
 
     Returns:
         ``None``; ``out`` holds the result.
+
+    Raises:
+        ValueError: ``op`` is not one of the three, or ``splits`` is not a 1-D
+            int64 tensor on ``a``'s device (the kernels read it as such).
     """
+    if op not in ("fprop", "dgrad", "wgrad"):
+        raise ValueError(f"op is {op!r}, expected 'fprop', 'dgrad' or 'wgrad'")
+    if not isinstance(splits, Tensor) or splits.dtype != torch.int64 or splits.dim() != 1:
+        got = (
+            f"dtype {splits.dtype}, shape {tuple(splits.shape)}"
+            if isinstance(splits, Tensor)
+            else type(splits).__name__
+        )
+        raise ValueError(f"splits must be a 1-D int64 tensor of token counts, got {got}")
+    if splits.device != a.device:
+        raise ValueError(f"splits is on {splits.device}, expected {a.device} like the operands")
     if op == "wgrad":
         _cutlass.wgrad(a, cast(Tensor, b), splits, op_form(out), accumulate, plan=plan)
     elif op == "fprop":

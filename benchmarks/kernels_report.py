@@ -72,6 +72,11 @@ def _mark(value: float, target: float | None) -> str:
     return f"{value:.2f}" + ("" if value >= target else " (miss)")
 
 
+def profile_op(row: dict) -> str:
+    """The row's op as ``profile_cells.py`` names it (``wgrad_fp32`` for the fp32 wgrad)."""
+    return "wgrad_fp32" if row["op"] == "wgrad_fp32_acc" else row["op"]
+
+
 def misses(row: dict, ceilings: dict[str, float]) -> list[str]:
     """The targets a row misses, by key: a baseline key, ``"better"`` or ``"floor"``."""
     ups = speedups(row)
@@ -120,7 +125,7 @@ def miss_reason(row: dict, missed: list[str], profiles: list[dict]) -> str:
     and dgrad; experts with fewer than 512 tokens for wgrad). Empty when the
     row was not profiled.
     """
-    op = "wgrad_fp32" if row["op"] == "wgrad_fp32_acc" else row["op"]
+    op = profile_op(row)
     by_impl = {r["impl"]: r for r in profiles if r.get("op") == op and r.get("case") == row["case"]}
     if "ours" not in by_impl:
         return ""

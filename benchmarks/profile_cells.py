@@ -104,7 +104,7 @@ def missed(result: dict) -> list[tuple[str, int, str, str]]:
             continue
         s = kernels_report.shape_of(row)
         config = CONFIGS.index((s["E"], s["K"], s["N"], s["T"]))
-        op = "wgrad_fp32" if row["op"] == "wgrad_fp32_acc" else row["op"]
+        op = kernels_report.profile_op(row)
         kind = row["case"].rsplit(" ", 1)[1]
         cells += [
             (op, config, kind, impl) for impl in kernels_report.profiled_impls(row, missed_targets)
@@ -121,7 +121,7 @@ def skew_facts(op: str, config: int, kind: str) -> dict[str, object]:
             "experts_under_512": f"{sum(0 < s < 512 for s in splits)} of {E} (empty: {splits.count(0)})"
         }
     plan = tuning.plan_for(op, torch.bfloat16, torch.bfloat16, T, E, N, K)
-    tile_m = int(plan.variant.split("_")[4].split("x")[0])  # e.g. ..._coop_128x256x64_c1x1
+    tile_m = next(v.tile[0] for v in tuning.VARIANTS if v.name == plan.variant)
     computed = sum(-(-s // tile_m) * tile_m for s in splits)
     return {"tile_m": tile_m, "padded_rows_pct": 100.0 * (computed - T) / T}
 

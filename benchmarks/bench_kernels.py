@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,8 +51,23 @@ CONFIGS = [
     (64, 2048, 2816, 32768),  # held out: never used to choose tiles (DeepSeek-V2-Lite's fc1)
 ]
 N_SETS = 2  # input sets rotated between calls
-SWEEP_ROUNDS = [4]  # interleaved rounds of the tuning sweep (--sweep-rounds)
-SWEEP_ORDERS = [2]  # 2: raster M/N x swizzle 1/4 per variant; 1: raster M, swizzle 1 only
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    """What the tuning sweep (``--tuning``) times beside the headline of each row.
+
+    Attributes:
+        rounds: interleaved rounds (``--sweep-rounds``).
+        all_orders: every variant in raster M/N x swizzle 1/4; else raster M,
+            swizzle 1 only (``--sweep-default-order``).
+        match: only variants whose name this regular expression finds
+            (``--sweep-match``); ``None`` sweeps every compiled one.
+    """
+
+    rounds: int = 4
+    all_orders: bool = True
+    match: re.Pattern[str] | None = None
 
 
 @dataclasses.dataclass
@@ -107,16 +123,26 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
     )
 
 
-def _candidates(op: str, dout: str, sweep_all: bool) -> list[tuning.Plan]:
-    """Tuning sweep: every compiled bf16 variant of this op, raster M/N, swizzle 1/4."""
-    if not sweep_all:
+def _candidates(
+    op: str, dout: str, spec: SweepSpec | None, accumulate: bool = False
+) -> list[tuning.Plan]:
+    """Tuning sweep: the compiled bf16 variants of this op that ``spec`` names, in its orders.
+
+    A variant that can only accumulate (``reduce_add``) is swept only for an
+    accumulating call.
+    """
+    if spec is None:
         return []
     names = tuning.compiled_variants()
+    orders = 2 if spec.all_orders else 1
     plans = []
     for v in tuning.VARIANTS + tuning.TUNING_VARIANTS:
-        if v.op == op and v.dtype_in == "bf16" and v.dtype_out == dout and v.name in names:
-            for raster_n in (False, True)[: SWEEP_ORDERS[0]]:
-                plans += [tuning.Plan(v.name, raster_n, s) for s in (1, 4)[: SWEEP_ORDERS[0]]]
+        if v.op != op or v.dtype_in != "bf16" or v.dtype_out != dout or v.name not in names:
+            continue
+        if (v.reduce_add and not accumulate) or (spec.match and not spec.match.search(v.name)):
+            continue
+        for raster_n in (False, True)[:orders]:
+            plans += [tuning.Plan(v.name, raster_n, s) for s in (1, 4)[:orders]]
     return plans
 
 
@@ -133,15 +159,16 @@ def _measure(
     run: Callable[[int, tuning.Plan | None], None],
     plans: list[tuning.Plan],
     reps: int,
+    spec: SweepSpec | None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Interleaved timings of ours and the baselines, then of the sweep's plans."""
     times = kt.interleaved_ms(headline, N_SETS, rounds=max(1, reps // 3), per_round=3)
+    if not plans or spec is None:
+        return times, {}
     sweep_fns: dict[str, Callable[[int], object]] = {
         _plan_tag(p): functools.partial(_run_plan, run, p) for p in plans
     }
-    rounds = SWEEP_ROUNDS[0]
-    sweep = kt.interleaved_ms(sweep_fns, N_SETS, rounds=rounds, per_round=2) if plans else {}
-    return times, sweep
+    return times, kt.interleaved_ms(sweep_fns, N_SETS, rounds=spec.rounds, per_round=2)
 
 
 def _row(
@@ -174,17 +201,18 @@ def _bf16_row(
     run: Callable[[int, tuning.Plan | None], None],
     plans: list[tuning.Plan],
     reps: int,
+    spec: SweepSpec | None,
 ) -> dict:
     """One bf16 row: ours (``headline["ours"]``, writing ``out``) checked against
     ``headline["grouped_mm"]``, then timed with the baselines and the sweep's plans."""
     ours = headline["ours"]
     ours(0)
     err = kt.rel_error(out, headline["grouped_mm"](0))  # type: ignore[arg-type]
-    times, swept = _measure(headline, run, plans, reps)
+    times, swept = _measure(headline, run, plans, reps, spec)
     return _row(op, case, plan, times, swept, ours, rel_err_vs_grouped_mm=err)
 
 
-def bench_fprop_dgrad(case: Case, op: str, reps: int, sweep_all: bool) -> dict:
+def bench_fprop_dgrad(case: Case, op: str, reps: int, spec: SweepSpec | None) -> dict:
     cols_out = case.N if op == "fprop" else case.K
     a = case.x if op == "fprop" else case.dy
     w_views = [list(w.unbind(0)) for w in case.w]
@@ -212,11 +240,11 @@ def bench_fprop_dgrad(case: Case, op: str, reps: int, sweep_all: bool) -> dict:
         return a[i] @ (w_NK.T if op == "fprop" else w_NK)
 
     headline = {"ours": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
-    plans = _candidates(op, "bf16", sweep_all)
-    return _bf16_row(op, case, plan, out, headline, sweep, plans, reps)
+    plans = _candidates(op, "bf16", spec)
+    return _bf16_row(op, case, plan, out, headline, sweep, plans, reps, spec)
 
 
-def bench_wgrad_bf16(case: Case, reps: int, sweep_all: bool) -> dict:
+def bench_wgrad_bf16(case: Case, reps: int, spec: SweepSpec | None) -> dict:
     out = torch.empty(case.E, case.N, case.K, device="cuda", dtype=torch.bfloat16)
     out_views = list(out.unbind(0))
     plan = tuning.plan_for("wgrad", torch.bfloat16, torch.bfloat16, case.T, case.E, case.N, case.K)
@@ -238,12 +266,12 @@ def bench_wgrad_bf16(case: Case, reps: int, sweep_all: bool) -> dict:
         return case.dy[i].t() @ case.x[i]
 
     headline = {"ours": ours, "grouped_mm": grouped_mm, "loop": loop, "dense": dense}
-    plans = _candidates("wgrad", "bf16", sweep_all)
-    return _bf16_row("wgrad_bf16", case, plan, out, headline, sweep, plans, reps)
+    plans = _candidates("wgrad", "bf16", spec)
+    return _bf16_row("wgrad_bf16", case, plan, out, headline, sweep, plans, reps, spec)
 
 
 def bench_wgrad_fp32(
-    case: Case, reps: int, sweep_all: bool, loop_kind: str, ceilings: dict[str, float]
+    case: Case, reps: int, spec: SweepSpec | None, loop_kind: str, ceilings: dict[str, float]
 ) -> dict:
     # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
     main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
@@ -279,7 +307,8 @@ def bench_wgrad_fp32(
     err = kt.rel_error(main_grads, ref)
     del start, ref
     headline = {"ours": ours, "grouped_mm_add": grouped_mm_add, "loop_fp32": loop}
-    times, swept = _measure(headline, sweep, _candidates("wgrad", "f32", sweep_all), reps)
+    plans = _candidates("wgrad", "f32", spec, accumulate=True)
+    times, swept = _measure(headline, sweep, plans, reps, spec)
     bytes_rw = 2 * case.E * case.N * case.K * 4
     floor_ms = 1e3 * max(
         case.flops / (ceilings["dense_bf16_tflops"] * 1e12),
@@ -310,14 +339,18 @@ def main() -> None:
         action="store_true",
         help="sweep each variant in raster M, swizzle 1 only (not raster M/N x swizzle 1/4)",
     )
+    parser.add_argument(
+        "--sweep-match",
+        type=re.compile,
+        default=None,
+        help="sweep only the variants whose name this regular expression finds",
+    )
     parser.add_argument("--configs", type=str, default="", help="indices into CONFIGS, e.g. 0,2")
     parser.add_argument("--ops", type=str, default="fprop,dgrad,wgrad_bf16,wgrad_fp32")
     parser.add_argument(
         "--splits", type=str, default=",".join(kt.SPLIT_KINDS), help="split kinds (default: all)"
     )
     args = parser.parse_args()
-    SWEEP_ROUNDS[0] = args.sweep_rounds
-    SWEEP_ORDERS[0] = 1 if args.sweep_default_order else 2
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
 
@@ -325,12 +358,13 @@ def main() -> None:
     print(
         f"extension ready in {build_s:.1f} s ({'compiled' if compiled else 'cached'})", flush=True
     )
+    spec = None
     if args.tuning:
         try:
             tuning.build(variant_set="tuning")
+            spec = SweepSpec(args.sweep_rounds, not args.sweep_default_order, args.sweep_match)
         except Exception as error:  # the sweep is optional; report and go on without it
             print(f"tuning variants unavailable: {error}", flush=True)
-            args.tuning = False
     ceilings = {"copy_gbs": kt.copy_bandwidth_gbs(), "dense_bf16_tflops": kt.dense_bf16_tflops()}
     print(
         f"ceilings: copy {ceilings['copy_gbs']:.0f} GB/s, dense bf16 "
@@ -346,13 +380,13 @@ def main() -> None:
         for split_kind in args.splits.split(","):
             case = make_case(E, K, N, T, split_kind, seed=index)
             if "fprop" in ops:
-                rows.append(bench_fprop_dgrad(case, "fprop", args.reps, args.tuning))
+                rows.append(bench_fprop_dgrad(case, "fprop", args.reps, spec))
             if "dgrad" in ops:
-                rows.append(bench_fprop_dgrad(case, "dgrad", args.reps, args.tuning))
+                rows.append(bench_fprop_dgrad(case, "dgrad", args.reps, spec))
             if "wgrad_bf16" in ops:
-                rows.append(bench_wgrad_bf16(case, args.reps, args.tuning))
+                rows.append(bench_wgrad_bf16(case, args.reps, spec))
             if "wgrad_fp32" in ops:
-                rows.append(bench_wgrad_fp32(case, args.reps, args.tuning, loop_kind, ceilings))
+                rows.append(bench_wgrad_fp32(case, args.reps, spec, loop_kind, ceilings))
             for row in rows[-len(ops) :]:
                 print(kernels_report.one_line(row), flush=True)
             del case

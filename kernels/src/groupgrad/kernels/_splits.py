@@ -45,6 +45,8 @@ def on_device(splits_E: Tensor, device: torch.device) -> Tensor:
     asynchronously (PyTorch's caching host allocator keeps the buffer alive
     until the copy has run); a device tensor is converted on the device.
     """
+    if splits_E.dtype == torch.int64 and splits_E.device == device:
+        return splits_E  # already what the kernels read (the common case: no conversion)
     if splits_E.device.type == "cpu" and device.type != "cpu":
         staged = torch.empty(splits_E.shape, dtype=torch.int64, pin_memory=True)
         staged.copy_(splits_E)

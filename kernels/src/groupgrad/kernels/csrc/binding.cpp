@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,9 +34,18 @@ const KernelVariant& find_variant(const std::string& name) {
   return it->second;
 }
 
+// Read once per device (a driver query on every call costs host time).
 int multiprocessor_count(int device) {
+  static std::atomic<int> counts[kMaxDevices] = {};
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && counts[device].load(std::memory_order_relaxed) > 0) {
+    return counts[device].load(std::memory_order_relaxed);
+  }
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (cached) {
+    counts[device].store(count, std::memory_order_relaxed);
+  }
   return count;
 }
 
@@ -117,8 +127,10 @@ int64_t group_count(const std::vector<at::Tensor>& group) {
 void run_grouped(const KernelVariant& variant, SetupParams setup,
                  const std::vector<at::Tensor>& group, const at::Tensor& splits,
                  const at::Tensor& anchor, const Tuning& tuning, bool accumulate) {
-  TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
-              " has no C operand and cannot accumulate");
+  TORCH_CHECK(!accumulate || variant.has_source || variant.reduce_add, "groupgrad: variant ",
+              variant.name, " has no C operand and cannot accumulate");
+  TORCH_CHECK(accumulate || !variant.reduce_add, "groupgrad: variant ", variant.name,
+              " adds into its output and cannot overwrite");
   const int64_t group_total = group_count(group);
   TORCH_CHECK(group_total < (int64_t{1} << 31), "groupgrad: too many groups: ", group_total);
   const int groups = static_cast<int>(group_total);

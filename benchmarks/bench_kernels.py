@@ -123,14 +123,8 @@ def make_case(E: int, K: int, N: int, T: int, split_kind: str, seed: int) -> Cas
     )
 
 
-def _candidates(
-    op: str, dout: str, spec: SweepSpec | None, accumulate: bool = False
-) -> list[tuning.Plan]:
-    """Tuning sweep: the compiled bf16 variants of this op that ``spec`` names, in its orders.
-
-    A variant that can only accumulate (``reduce_add``) is swept only for an
-    accumulating call.
-    """
+def _candidates(op: str, dout: str, spec: SweepSpec | None) -> list[tuning.Plan]:
+    """Tuning sweep: the compiled bf16 variants of this op that ``spec`` names, in its orders."""
     if spec is None:
         return []
     names = tuning.compiled_variants()
@@ -139,7 +133,7 @@ def _candidates(
     for v in tuning.VARIANTS + tuning.TUNING_VARIANTS:
         if v.op != op or v.dtype_in != "bf16" or v.dtype_out != dout or v.name not in names:
             continue
-        if (v.reduce_add and not accumulate) or (spec.match and not spec.match.search(v.name)):
+        if spec.match and not spec.match.search(v.name):
             continue
         for raster_n in (False, True)[:orders]:
             plans += [tuning.Plan(v.name, raster_n, s) for s in (1, 4)[:orders]]
@@ -307,7 +301,7 @@ def bench_wgrad_fp32(
     err = kt.rel_error(main_grads, ref)
     del start, ref
     headline = {"ours": ours, "grouped_mm_add": grouped_mm_add, "loop_fp32": loop}
-    plans = _candidates("wgrad", "f32", spec, accumulate=True)
+    plans = _candidates("wgrad", "f32", spec)
     times, swept = _measure(headline, sweep, plans, reps, spec)
     bytes_rw = 2 * case.E * case.N * case.K * 4
     floor_ms = 1e3 * max(

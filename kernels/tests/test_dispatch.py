@@ -78,10 +78,13 @@ def nans(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
 # --- CUTLASS runs the call: the internal contract ---------------------------------
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
-def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_dtype):
+def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_dtype, strided):
     x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
     splits = torch.tensor(SPLITS, dtype=splits_dtype)
+    if strided:  # every other entry of a longer tensor: the kernels read a contiguous copy
+        splits = torch.stack([splits, torch.full_like(splits, -7)], dim=1).reshape(-1)[::2]
     _dispatch.fprop_on_device(x, [w_ENK], splits, y)
     [(op, a, w_group, got_splits, out)] = fake.calls
     assert op == "fprop"
@@ -91,6 +94,7 @@ def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_
     assert len(w_group) == 1  # packed: no per-expert views made on the host
     assert w_group[0] is w_ENK
     assert got_splits.dtype == torch.int64
+    assert got_splits.is_contiguous()
     assert got_splits.tolist() == SPLITS
     assert fake.asked == [x.device]
     assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))

@@ -47,6 +47,8 @@ def _splits_as(kind: str):
         return torch.tensor(SPLITS)
     if kind == "cuda_int32":
         return torch.tensor(SPLITS, dtype=torch.int32, device="cuda")
+    if kind == "cuda_strided":  # every other entry of a longer tensor (not contiguous)
+        return torch.tensor([c for count in SPLITS for c in (count, -7)], device="cuda")[::2]
     return torch.tensor(SPLITS, device="cuda")
 
 
@@ -68,7 +70,7 @@ def _check(ours: torch.Tensor, truth: torch.Tensor, ref: torch.Tensor, what: str
 
 
 @pytest.mark.parametrize("form", ["packed", "list"])
-@pytest.mark.parametrize("splits_kind", ["list", "cpu", "cuda_int32", "cuda_int64"])
+@pytest.mark.parametrize("splits_kind", ["list", "cpu", "cuda_int32", "cuda_int64", "cuda_strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fprop_dgrad(dtype, splits_kind: str, form: str, cutlass_calls) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -98,7 +100,7 @@ def test_fprop_dgrad(dtype, splits_kind: str, form: str, cutlass_calls) -> None:
         ("out_dtype", False),
     ],
 )
-@pytest.mark.parametrize("splits_kind", ["list", "cuda_int64"])
+@pytest.mark.parametrize("splits_kind", ["list", "cuda_int64", "cuda_strided"])
 def test_wgrad_fp32(splits_kind: str, out_form: str, accumulate: bool, cutlass_calls) -> None:
     gen = torch.Generator().manual_seed(2)
     dy = torch.randn(T, N, generator=gen).to(torch.bfloat16).cuda()

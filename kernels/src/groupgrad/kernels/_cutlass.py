@@ -42,7 +42,6 @@ from groupgrad.kernels.build import (
     CUDA_EXTRA_INSTALL,
     TUNING_VARIANTS,
     VARIANT_SETS,
-    VARIANTS,
     build_spec,
     is_cached,
     load_or_build,
@@ -59,8 +58,6 @@ __all__ = [
 ]
 
 _TUNING_NAMES = frozenset(v.name for v in TUNING_VARIANTS)
-#: Variants that can only add into their output (``Variant.reduce_add``).
-_ACCUMULATE_ONLY = frozenset(v.name for v in (*VARIANTS, *TUNING_VARIANTS) if v.reduce_add)
 
 logger = logging.getLogger(__name__)
 
@@ -274,20 +271,11 @@ def wgrad(
 
     Overwriting never reads ``out``; a group with no tokens gets exact zeros
     (overwrite) or is left untouched (accumulate).
-
-    Raises:
-        ValueError: ``plan`` names a kernel that can only accumulate
-            (``Variant.reduce_add``) for an overwrite.
     """
     if len(out) == 0:
         return
     if plan is None:
         plan = default_plan("wgrad", dy_TN, x_TK, out, accumulate)
-    elif not accumulate and plan.variant in _ACCUMULATE_ONLY:
-        raise ValueError(
-            f"plan names {plan.variant}, which can only accumulate, for a wgrad with "
-            "accumulate=False; expected a variant that can overwrite"
-        )
     _extension(plan.variant).wgrad(
         dy_TN,
         x_TK,

@@ -39,16 +39,17 @@ def host_values(splits_E: Tensor, rows: int, rows_name: str) -> list[int]:
 
 
 def on_device(splits_E: Tensor, device: torch.device) -> Tensor:
-    """``splits_E`` as an int64 tensor on ``device``, without a host sync.
+    """``splits_E`` as a contiguous int64 tensor on ``device``, without a host sync.
 
-    A CPU tensor is staged through a fresh pinned buffer and copied
-    asynchronously (PyTorch's caching host allocator keeps the buffer alive
-    until the copy has run); a device tensor is converted on the device.
+    What the CUDA kernels read. A CPU tensor is staged through a fresh pinned
+    buffer and copied asynchronously (PyTorch's caching host allocator keeps
+    the buffer alive until the copy has run); a device tensor is converted on
+    the device, and passes through untouched when it already is one.
     """
-    if splits_E.dtype == torch.int64 and splits_E.device == device:
-        return splits_E  # already what the kernels read (the common case: no conversion)
+    if splits_E.dtype == torch.int64 and splits_E.device == device and splits_E.is_contiguous():
+        return splits_E  # the common case: nothing to convert
     if splits_E.device.type == "cpu" and device.type != "cpu":
         staged = torch.empty(splits_E.shape, dtype=torch.int64, pin_memory=True)
         staged.copy_(splits_E)
         return staged.to(device, non_blocking=True)
-    return splits_E.to(device=device, dtype=torch.int64)
+    return splits_E.to(device=device, dtype=torch.int64).contiguous()

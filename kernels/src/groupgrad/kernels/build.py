@@ -53,10 +53,6 @@ class Variant:
         cluster: thread-block cluster ``(M, N)``.
         epilogue_n: columns of the epilogue's subtile (its rows: 64 ping-pong, 128
             cooperative); ``0`` lets CUTLASS choose (32 columns).
-        reduce_add: wgrad into fp32 only: the epilogue adds each output tile into
-            ``out`` with a TMA reduce-add store (the add happens in L2, in fp32,
-            rounded once) instead of loading ``out`` as a C operand; such a
-            kernel can only accumulate.
     """
 
     op: str  # "fprop" | "dgrad" | "wgrad"
@@ -66,27 +62,16 @@ class Variant:
     tile: tuple[int, int, int]  # CTA tile M, N, K
     cluster: tuple[int, int]  # cluster M, N
     epilogue_n: int = 0  # epilogue subtile columns; 0: CUTLASS's choice
-    reduce_add: bool = False  # accumulate through a TMA reduce-add store (wgrad into fp32)
-
-    def __post_init__(self) -> None:
-        if self.reduce_add and (self.op != "wgrad" or self.dtype_out != "f32"):
-            raise ValueError(
-                f"reduce_add is for wgrad into f32, got op {self.op!r} into {self.dtype_out!r}"
-            )
 
     @property
     def has_source(self) -> bool:
-        """wgrad kernels carry a C operand (= D) so one kernel can accumulate or overwrite.
-
-        A reduce-add kernel has none: it adds into ``out`` without reading it.
-        """
-        return self.op == "wgrad" and not self.reduce_add
+        """wgrad kernels carry a C operand (= D) so one kernel can accumulate or overwrite."""
+        return self.op == "wgrad"
 
     @property
     def config(self) -> str:
         m, n, k = self.tile
         epilogue = f"_e{self.epilogue_n}" if self.epilogue_n else ""
-        epilogue += "_radd" if self.reduce_add else ""
         return f"{self.schedule}_{m}x{n}x{k}_c{self.cluster[0]}x{self.cluster[1]}{epilogue}"
 
     @property
@@ -111,7 +96,6 @@ class Variant:
                 str(cm),
                 str(cn),
                 str(self.epilogue_n),
-                _cpp_bool(self.reduce_add),
             ]
         )
         return (
@@ -158,10 +142,6 @@ TUNING_VARIANTS: tuple[Variant, ...] = (
     Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (2, 1)),
     Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (2, 1), epilogue_n=64),
     Variant("wgrad", "bf16", "f32", "pong", (128, 128, 64), (1, 1), epilogue_n=64),
-    # wgrad accumulating into fp32: a TMA reduce-add store instead of a C operand (no
-    # fp32 tile of main_grad staged through shared memory, more mainloop stages).
-    Variant("wgrad", "bf16", "f32", *PONG_TILE, reduce_add=True),
-    Variant("wgrad", "bf16", "f32", *COOP_TILE, reduce_add=True),
 )
 
 #: Variant sets, each compiled into its own extension module: "default" is what every

@@ -127,10 +127,8 @@ int64_t group_count(const std::vector<at::Tensor>& group) {
 void run_grouped(const KernelVariant& variant, SetupParams setup,
                  const std::vector<at::Tensor>& group, const at::Tensor& splits,
                  const at::Tensor& anchor, const Tuning& tuning, bool accumulate) {
-  TORCH_CHECK(!accumulate || variant.has_source || variant.reduce_add, "groupgrad: variant ",
-              variant.name, " has no C operand and cannot accumulate");
-  TORCH_CHECK(accumulate || !variant.reduce_add, "groupgrad: variant ", variant.name,
-              " adds into its output and cannot overwrite");
+  TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
+              " has no C operand and cannot accumulate");
   const int64_t group_total = group_count(group);
   TORCH_CHECK(group_total < (int64_t{1} << 31), "groupgrad: too many groups: ", group_total);
   const int groups = static_cast<int>(group_total);

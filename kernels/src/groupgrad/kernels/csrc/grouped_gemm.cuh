@@ -23,92 +23,7 @@
 
 #include "launch_api.h"
 
-namespace cute {
-
-// A TMA store that adds the shared-memory tile into global memory
-// (cp.reduce.async.bulk.tensor .add) and, like SM90_TMA_STORE, lets the
-// ptr-array epilogue swap in the tensor map of each group (with()).
-struct GG_TMA_REDUCE_ADD : SM90_TMA_REDUCE_ADD {};
-struct GG_TMA_REDUCE_ADD_PTR : SM90_TMA_REDUCE_ADD {};
-
-template <class NumBitsPerTMA, class AuxParams_>
-struct Copy_Traits<GG_TMA_REDUCE_ADD, NumBitsPerTMA, AuxParams_> {
-  using ThrID = Layout<_1>;
-  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
-  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
-  using RefLayout = SrcLayout;
-
-  TmaDescriptor tma_desc_;
-  using AuxParams = AuxParams_;
-  AuxParams aux_params_;
-
-  CUTE_HOST_DEVICE constexpr TmaDescriptor const* get_tma_descriptor() const { return &tma_desc_; }
-
-  template <class GShape>
-  CUTE_HOST_DEVICE constexpr auto get_tma_tensor(GShape const& g_shape) const {
-    static_assert(is_congruent<decltype(g_shape), decltype(aux_params_.g_stride_)>::value);
-    return make_coord_tensor(make_layout(g_shape, aux_params_.g_stride_));
-  }
-
-  CUTE_HOST_DEVICE constexpr Copy_Traits<GG_TMA_REDUCE_ADD_PTR, NumBitsPerTMA> with(
-      TmaDescriptor const* new_tma_desc) const {
-    return {new_tma_desc};
-  }
-
-  template <class TS, class SLayout, class TD, class DLayout>
-  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
-                                                     Tensor<TS, SLayout> const& src,
-                                                     Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "expected a shared-memory source for a TMA reduce-add");
-    auto dst_coord = dst.data().coord_;
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(&traits.tma_desc_, raw_pointer_cast(src.data())),
-                                 seq<0, 1>{}, dst_coord, tuple_seq<decltype(dst_coord)>{});
-  }
-};
-
-template <class NumBitsPerTMA>
-struct Copy_Traits<GG_TMA_REDUCE_ADD_PTR, NumBitsPerTMA> {
-  using ThrID = Layout<_1>;
-  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
-  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
-  using RefLayout = SrcLayout;
-
-  TmaDescriptor const* tma_desc_;
-
-  template <class TS, class SLayout, class TD, class DLayout>
-  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
-                                                     Tensor<TS, SLayout> const& src,
-                                                     Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "expected a shared-memory source for a TMA reduce-add");
-    auto dst_coord = dst.data().coord_;
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(traits.tma_desc_, raw_pointer_cast(src.data())),
-                                 seq<0, 1>{}, dst_coord, tuple_seq<decltype(dst_coord)>{});
-  }
-};
-
-}  // namespace cute
-
 namespace groupgrad {
-
-// The collective epilogue Epilogue with its shared-to-global copy replaced by StoreOp.
-template <class Epilogue, class StoreOp>
-struct WithStoreOp;
-
-template <class Policy, class Tile, class EpiTile, class ElementC, class StrideC, class ElementD,
-          class StrideD, class Fusion, class G2S, class SmemC, class S2R, class S2G, class SmemD,
-          class R2S, class AtomC, class R2R, class StoreOp>
-struct WithStoreOp<
-    cutlass::epilogue::collective::CollectiveEpilogue<Policy, Tile, EpiTile, ElementC, StrideC,
-                                                      ElementD, StrideD, Fusion, G2S, SmemC, S2R,
-                                                      S2G, SmemD, R2S, AtomC, R2R>,
-    StoreOp> {
-  using type =
-      cutlass::epilogue::collective::CollectiveEpilogue<Policy, Tile, EpiTile, ElementC, StrideC,
-                                                        ElementD, StrideD, Fusion, G2S, SmemC, S2R,
-                                                        StoreOp, SmemD, R2S, AtomC, R2R>;
-};
 
 // Compile-time description of one instantiation.
 //   ElementIn: A and B (cutlass::bfloat16_t or cutlass::half_t)
@@ -120,16 +35,10 @@ struct WithStoreOp<
 //   EpilogueN: 0 lets CUTLASS choose the epilogue tile (64 x 32 per ping-pong warp
 //              group, 128 x 32 cooperative); otherwise the epilogue works in subtiles
 //              of 64 (ping-pong) or 128 (cooperative) rows by EpilogueN columns
-//   ReduceAdd: the epilogue adds each tile into D with a TMA reduce-add store (the
-//              add happens in L2, D = D + A B in fp32, rounded once); no C operand,
-//              so the kernel always accumulates. fp32 D only.
 template <class ElementIn_, class ElementOut_, bool HasSource_, bool ARowMajor_, bool BKMajor_,
           bool Pingpong_, int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_,
-          int EpilogueN_ = 0, bool ReduceAdd_ = false>
+          int EpilogueN_ = 0>
 struct GemmConfig {
-  static_assert(!ReduceAdd_ || (!HasSource_ && std::is_same_v<ElementOut_, float>),
-                "a reduce-add epilogue has no C operand and adds fp32 tiles");
-  static constexpr bool kReduceAdd = ReduceAdd_;
   using ElementIn = ElementIn_;
   using ElementOut = ElementOut_;
   static constexpr bool kHasSource = HasSource_;
@@ -174,15 +83,11 @@ struct GroupedGemm {
   using FusionOp =
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC, ElementCompute>;
 
-  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, typename Config::EpilogueTile,
       ElementAccumulator, ElementCompute, ElementC, LayoutD*, kAlignmentOut, ElementD, LayoutD*,
       kAlignmentOut, EpilogueSchedule, FusionOp>::CollectiveOp;
-  using CollectiveEpilogue =
-      std::conditional_t<Config::kReduceAdd,
-                         typename WithStoreOp<BuiltEpilogue, cute::GG_TMA_REDUCE_ADD>::type,
-                         BuiltEpilogue>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignmentIn, ElementB,
@@ -268,10 +173,8 @@ struct GroupedGemm {
   // them once per device and launches the kernel itself, as the adapter would.
   static bool function_attributes_set(int device_id) {
     static std::atomic<bool> done[kMaxDevices] = {};
-    if (device_id < 0 || device_id >= kMaxDevices) {
-      return false;
-    }
-    if (done[device_id].load(std::memory_order_acquire)) {
+    const bool cached = device_id >= 0 && device_id < kMaxDevices;
+    if (cached && done[device_id].load(std::memory_order_acquire)) {
       return true;
     }
     const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
@@ -280,7 +183,9 @@ struct GroupedGemm {
       cudaGetLastError();  // clear the error bit; the caller reports the failure
       return false;
     }
-    done[device_id].store(true, std::memory_order_release);
+    if (cached) {
+      done[device_id].store(true, std::memory_order_release);
+    }
     return true;
   }
 
@@ -326,6 +231,5 @@ struct GroupedGemm {
   using NAME##_gemm = ::groupgrad::GroupedGemm<CONFIG>;                               \
   [[maybe_unused]] const bool NAME##_registered =                                     \
       ::groupgrad::register_variant(::groupgrad::KernelVariant{                       \
-          #NAME, CONFIG::kHasSource, CONFIG::kReduceAdd, &NAME##_gemm::workspace_size,    \
-          &NAME##_gemm::run});                                                        \
+          #NAME, CONFIG::kHasSource, &NAME##_gemm::workspace_size, &NAME##_gemm::run}); \
   }

@@ -10,15 +10,16 @@
 
 namespace groupgrad {
 
+// Devices whose per-device state (SM count, kernel attributes set) is cached; a
+// device beyond them is served uncached.
+constexpr int kMaxDevices = 64;
+
 // Device-side arrays describing one grouped GEMM D_g = A_g B_g (+ C_g), g < groups.
 // Every "ld" array holds the one non-unit stride of that operand, in elements:
 //   A row-major (M,K): row stride;  A column-major (M,K): column stride;
 //   B "K-major" (N,K): stride between rows of N;  B "N-major" (N,K): stride between K;
 //   D row-major (M,N): row stride.  C shares D's pointers and strides (in place).
 // problem_shapes holds groups × {M, N, K} int32.
-// Devices a process may address (per-device state of a kernel is kept in arrays this long).
-constexpr int kMaxDevices = 64;
-
 struct GemmLaunch {
   int groups = 0;
   int* problem_shapes = nullptr;
@@ -38,12 +39,10 @@ struct GemmLaunch {
 
 // One compiled kernel instantiation. Its epilogue either has a C operand that
 // aliases D (beta = 1 when accumulating, beta = 0 and C never loaded when
-// overwriting), or no C operand at all: then it overwrites D without reading
-// it, or (reduce_add) adds each tile into D with a TMA reduce-add (accumulate only).
+// overwriting) or no C operand at all (overwrite only; D is never read).
 struct KernelVariant {
   const char* name;
   bool has_source;
-  bool reduce_add;
   size_t (*workspace_size)(const GemmLaunch&);
   // Returns nullptr on success, else a static message.
   const char* (*run)(const GemmLaunch&, void* workspace);

@@ -156,7 +156,7 @@ def one_line(row: dict) -> str:
 
 def markdown_table(result: dict, profiles: list[dict] | None = None) -> str:
     """The result as a markdown table; with ``profiles``, a column says what each miss measured."""
-    header = "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call | speed-ups (baseline time / ours) | floor fraction |"
+    header = "| op | E, K, N, T | splits | ours ms | TFLOP/s | host µs/call (ours / `_grouped_mm`) | speed-ups (baseline time / ours) | floor fraction |"
     rule = "|---|---|---|---|---|---|---|---|"
     if profiles is not None:
         header += " profile of the misses (Nsight Compute) |"
@@ -184,6 +184,8 @@ def markdown_table(result: dict, profiles: list[dict] | None = None) -> str:
             need = FLOOR_FRACTION_TARGET if flop_bound(row, ceilings) else None
             floor = _mark(row["fraction_of_floor"], need)
         host = f"{row['host_us']:.0f}" if "host_us" in row else ""
+        if "host_us_grouped_mm" in row:
+            host += f" / {row['host_us_grouped_mm']:.0f}"
         line = (
             f"| {row['op']} | {shape} | {splits} | {row['times_ms']['ours']:.3f} | "
             f"{tflops(row):.0f} | {host} | {ratios} | {floor} |"

@@ -349,4 +349,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         (f"{KERNELS}/test_build.py",),
     ),
+    Mutant(
+        "lean-call-ignores-overlap",
+        "the lean check of the common fprop/dgrad call lets out share memory with the weights",
+        _VALIDATE,
+        "    if _contiguous_meets(out_TX, (a_TX, w_ENK)):",
+        "    if False:",
+        (f"{KERNELS}/test_validation_lean.py",),
+    ),
+    Mutant(
+        "lean-wgrad-ignores-rows",
+        "the lean check of the common wgrad call takes x with other rows than dy",
+        _VALIDATE,
+        "        or x_TK.shape[0] != dy_TN.shape[0]\n",
+        "",
+        (f"{KERNELS}/test_validation_lean.py",),
+    ),
 )

@@ -6,7 +6,8 @@ kernel of the custom op called directly, the custom op, the public function)
 is timed as CPU time per call over calls enqueued back to back
 (``perf_counter``, no sync inside the loop), for the E = 128 MoE config
 (K = 2048, N = 1536, T = 32768): fprop with packed weights, wgrad into a
-packed fp32 ``main_grad`` and into E separate ones. Then ``cProfile`` of
+packed fp32 ``main_grad`` and into E separate ones, beside ``torch._grouped_mm``
+on the same fprop operands (one C++ op: a yardstick of the host's speed). Then ``cProfile`` of
 GroupedMLP steps, packed and per-expert parameters. Diagnostic only:
 ``python benchmarks/host_profile.py``.
 
@@ -56,6 +57,10 @@ def gemm_stages() -> None:
     }
     stages["get_device_capability"] = lambda: torch.cuda.get_device_capability(x.device)
     stages["empty (caching allocator)"] = lambda: torch.empty(1024, device=dev, dtype=torch.uint8)
+    offs = torch.cumsum(splits, 0).to(torch.int32)  # yardstick: one C++ op, one grouped GEMM
+    stages["torch._grouped_mm fprop"] = lambda: torch._grouped_mm(
+        x, w.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16
+    )
     h = torch.randn(T, 2 * 768, device=dev, dtype=torch.bfloat16)
     da = torch.randn(T, 768, device=dev, dtype=torch.bfloat16)
     probs = torch.rand(T, device=dev)

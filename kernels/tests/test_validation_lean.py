@@ -14,8 +14,9 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -87,6 +88,34 @@ def detailed_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_validate, "_lean_packed_wgrad_call", lambda *args: None)
 
 
+def accepted_calls(
+    variants: dict[str, dict[str, Callable[[], object]]],
+    lean: Callable[..., Any],
+    check: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[dict[str, object], Any, Any]]:
+    """Every combination of ``variants``, run through ``check`` (lean pass first) and through
+    the detailed checks alone: both must decide alike.
+
+    Yields:
+        ``(arguments, the lean pass's call, the detailed checks' call)`` for each
+        combination the lean pass accepted.
+    """
+    names = tuple(variants)
+    for chosen in itertools.product(*(variants[name].items() for name in names)):
+        args = {name: make() for name, (_, make) in zip(names, chosen, strict=True)}
+        label = tuple(kind for kind, _ in chosen)
+        lean_call = lean(*args.values())
+        both = outcome(lambda args=args: check(*args.values()))
+        with monkeypatch.context() as m:
+            detailed_only(m)
+            detailed = outcome(lambda args=args: check(*args.values()))
+        assert_same_outcome(both, detailed, label)
+        if lean_call is not None:
+            assert detailed[0] == "ok", label
+            yield args, lean_call, detailed[1]
+
+
 # --------------------------------------------------------------------- fprop / dgrad
 
 
@@ -138,33 +167,21 @@ def grouped_variants(op: str) -> dict[str, dict[str, Callable[[], object]]]:
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
 def test_grouped_lean_and_detailed_checks_agree(op, grad_mode, monkeypatch) -> None:
-    variants = grouped_variants(op)
     lean_accepted = 0
-    cases = itertools.product(
-        *(variants[name].items() for name in ("a", "weights", "splits", "out"))
-    )
+    lean = functools.partial(_validate._lean_packed_call, op)
+    check = functools.partial(_validate.grouped_call, op)
     with torch.set_grad_enabled(grad_mode):
-        for (a_kind, a), (w_kind, w), (s_kind, s), (o_kind, o) in cases:
-            args = {"a": a(), "weights": w(), "splits": s(), "out": o()}
-            label = (a_kind, w_kind, s_kind, o_kind)
-            lean_call = _validate._lean_packed_call(op, *args.values())
-            both = outcome(lambda args=args: _validate.grouped_call(op, *args.values()))
-            with monkeypatch.context() as m:
-                detailed_only(m)
-                detailed = outcome(lambda args=args: _validate.grouped_call(op, *args.values()))
-            assert_same_outcome(both, detailed, label)
-            if lean_call is None:
-                continue
+        for args, lean_call, theirs in accepted_calls(
+            grouped_variants(op), lean, check, monkeypatch
+        ):
             lean_accepted += 1
-            assert detailed[0] == "ok", label
-            theirs = detailed[1]
-            assert lean_call.a is args["a"], label
-            assert theirs.a is args["a"], label
-            assert lean_call.weights == theirs.weights == [args["weights"]], label
-            assert lean_call.splits is theirs.splits, label
-            assert same_tensor(lean_call.out, theirs.out, args["out"]), label
-            assert lean_call.listed is None, label
-            assert theirs.listed is None, label
+            assert lean_call.a is args["a"]
+            assert theirs.a is args["a"]
+            assert lean_call.weights == theirs.weights == [args["weights"]]
+            assert lean_call.splits is theirs.splits
+            assert same_tensor(lean_call.out, theirs.out, args["out"])
+            assert lean_call.listed is None
+            assert theirs.listed is None
     assert lean_accepted >= 4  # the common calls take the lean path (CPU and int32 splits, out)
 
 
@@ -216,34 +233,21 @@ def wgrad_variants() -> dict[str, dict[str, Callable[[], object]]]:
 
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
 def test_wgrad_lean_and_detailed_checks_agree(grad_mode, monkeypatch) -> None:
-    variants = wgrad_variants()
-    names = ("dy", "x", "splits", "out", "out_dtype", "accumulate")
     lean_accepted = 0
+    lean, check = _validate._lean_packed_wgrad_call, _validate.wgrad_call
     with torch.set_grad_enabled(grad_mode):
-        for chosen in itertools.product(*(variants[name].items() for name in names)):
-            args = {name: make() for name, (_, make) in zip(names, chosen, strict=True)}
-            label = tuple(kind for kind, _ in chosen)
-            lean_call = _validate._lean_packed_wgrad_call(*args.values())
-            both = outcome(lambda args=args: _validate.wgrad_call(*args.values()))
-            with monkeypatch.context() as m:
-                detailed_only(m)
-                detailed = outcome(lambda args=args: _validate.wgrad_call(*args.values()))
-            assert_same_outcome(both, detailed, label)
-            if lean_call is None:
-                continue
+        for args, lean_call, theirs in accepted_calls(wgrad_variants(), lean, check, monkeypatch):
             lean_accepted += 1
-            assert detailed[0] == "ok", label
-            theirs = detailed[1]
-            assert lean_call.dy is args["dy"], label
-            assert theirs.dy is args["dy"], label
-            assert lean_call.x is args["x"], label
-            assert theirs.x is args["x"], label
-            assert lean_call.splits is theirs.splits, label
-            assert lean_call.accumulate is theirs.accumulate is args["accumulate"], label
-            assert len(lean_call.out) == len(theirs.out) == 1, label
-            assert same_tensor(lean_call.out[0], theirs.out[0], args["out"]), label
-            assert same_tensor(lean_call.result, theirs.result, args["out"]), label  # type: ignore[arg-type]
-            assert lean_call.result is lean_call.out[0], label
-            assert lean_call.listed is None, label
-            assert theirs.listed is None, label
+            assert lean_call.dy is args["dy"]
+            assert theirs.dy is args["dy"]
+            assert lean_call.x is args["x"]
+            assert theirs.x is args["x"]
+            assert lean_call.splits is theirs.splits
+            assert lean_call.accumulate is theirs.accumulate is args["accumulate"]
+            assert len(lean_call.out) == len(theirs.out) == 1
+            assert same_tensor(lean_call.out[0], theirs.out[0], args["out"])
+            assert same_tensor(lean_call.result, theirs.result, args["out"])  # type: ignore[arg-type]
+            assert lean_call.result is lean_call.out[0]
+            assert lean_call.listed is None
+            assert theirs.listed is None
     assert lean_accepted >= 4  # the common calls take the lean path

@@ -132,13 +132,7 @@ def _lean_packed_call(
     here they accept too, with the same result. Nothing raises here: when a
     test fails, the detailed checks run and name what is wrong.
     """
-    if (
-        type(a) not in PLAIN_TYPES
-        or type(weights) not in PLAIN_TYPES
-        or type(splits) not in PLAIN_TYPES
-        or not (out is None or type(out) in PLAIN_TYPES)
-        or torch.compiler.is_compiling()
-    ):
+    if not _plain_eager(a, weights, splits, optional=out):
         return None
     a_TX, w_ENK, splits_E = cast(Tensor, a), cast(Tensor, weights), cast(Tensor, splits)
     device, dtype = a_TX.device, a_TX.dtype
@@ -173,6 +167,14 @@ def _lean_packed_call(
     if _contiguous_meets(out_TX, (a_TX, w_ENK)):
         return None
     return GroupedCall(a_TX, [w_ENK], splits_E, out_TX)
+
+
+def _plain_eager(*tensors: object, optional: object) -> bool:
+    """Whether ``tensors`` (and ``optional`` unless ``None``) are exactly ``torch.Tensor`` or
+    ``nn.Parameter`` and nothing traces: what the lean passes take."""
+    if optional is not None and type(optional) not in PLAIN_TYPES:
+        return False
+    return all(type(t) in PLAIN_TYPES for t in tensors) and not torch.compiler.is_compiling()
 
 
 def _lean_splits(splits: Tensor, rows: int, device: torch.device) -> bool:
@@ -266,13 +268,9 @@ def _lean_packed_wgrad_call(
     what is wrong) when one fails.
     """
     if (
-        type(dy) not in PLAIN_TYPES
-        or type(x) not in PLAIN_TYPES
-        or type(splits) not in PLAIN_TYPES
-        or not (out is None or type(out) in PLAIN_TYPES)
+        not _plain_eager(dy, x, splits, optional=out)
         or type(accumulate) is not bool
         or not (out_dtype is None or out_dtype in WGRAD_OUT_DTYPES)
-        or torch.compiler.is_compiling()
     ):
         return None
     dy_TN, x_TK, splits_E = cast(Tensor, dy), cast(Tensor, x), cast(Tensor, splits)

@@ -1,7 +1,7 @@
 """The lean checks of the common call decide exactly as the detailed checks do.
 
-``_validate.grouped_call`` and ``wgrad_call`` first try a lean pass over the
-common call (plain contiguous tensors, packed weights or output, integer
+``_validate.grouped_call`` and ``wgrad_call`` first try the lean pass of
+``_lean`` over the common call (plain contiguous tensors, packed weights or output, integer
 ``splits``) and run the detailed checks only when it declines. The lean pass
 must never accept what the detailed checks reject, nor hand back a different
 call. Here every combination of valid and hostile arguments (wrong dtypes,
@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _validate
+from groupgrad.kernels import _lean, _validate
 
 SPLITS = [3, 0, 5, 4]
 E, T, N, K = 4, 12, 8, 16
@@ -84,8 +84,8 @@ def assert_same_outcome(lean: tuple[str, Any], detailed: tuple[str, Any], args: 
 
 
 def detailed_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_validate, "_lean_packed_call", lambda *args: None)
-    monkeypatch.setattr(_validate, "_lean_packed_wgrad_call", lambda *args: None)
+    monkeypatch.setattr(_lean, "packed_call", lambda *args: None)
+    monkeypatch.setattr(_lean, "packed_wgrad_call", lambda *args: None)
 
 
 def accepted_calls(
@@ -168,7 +168,7 @@ def grouped_variants(op: str) -> dict[str, dict[str, Callable[[], object]]]:
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
 def test_grouped_lean_and_detailed_checks_agree(op, grad_mode, monkeypatch) -> None:
     lean_accepted = 0
-    lean = functools.partial(_validate._lean_packed_call, op)
+    lean = functools.partial(_lean.packed_call, op)
     check = functools.partial(_validate.grouped_call, op)
     with torch.set_grad_enabled(grad_mode):
         for args, lean_call, theirs in accepted_calls(
@@ -234,7 +234,7 @@ def wgrad_variants() -> dict[str, dict[str, Callable[[], object]]]:
 @pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
 def test_wgrad_lean_and_detailed_checks_agree(grad_mode, monkeypatch) -> None:
     lean_accepted = 0
-    lean, check = _validate._lean_packed_wgrad_call, _validate.wgrad_call
+    lean, check = _lean.packed_wgrad_call, _validate.wgrad_call
     with torch.set_grad_enabled(grad_mode):
         for args, lean_call, theirs in accepted_calls(wgrad_variants(), lean, check, monkeypatch):
             lean_accepted += 1

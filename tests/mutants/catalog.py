@@ -47,6 +47,7 @@ _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
+_LEAN = "kernels/src/groupgrad/kernels/_lean.py"
 _OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _LISTED = "kernels/src/groupgrad/kernels/_listed.py"
@@ -352,7 +353,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-call-ignores-overlap",
         "the lean check of the common fprop/dgrad call lets out share memory with the weights",
-        _VALIDATE,
+        _LEAN,
         "    if _contiguous_meets(out_TX, (a_TX, w_ENK)):",
         "    if False:",
         (f"{KERNELS}/test_validation_lean.py",),
@@ -360,7 +361,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-wgrad-ignores-rows",
         "the lean check of the common wgrad call takes x with other rows than dy",
-        _VALIDATE,
+        _LEAN,
         "        or x_TK.shape[0] != dy_TN.shape[0]\n",
         "",
         (f"{KERNELS}/test_validation_lean.py",),

@@ -68,6 +68,10 @@ def test_a_plan_takes_every_swizzle_the_scheduler_has() -> None:
             torch.tensor([[4, 4]]),
             r"1-D int64 tensor of token counts, got dtype torch.int64, shape \(1, 2\)",
         ),
+        (
+            torch.tensor([4, 0, 4, 0])[::2],
+            r"contiguous 1-D int64 tensor of token counts, got .*strides \(2,\)",
+        ),
         ([4, 4], "int64 tensor of token counts, got list"),
         (torch.tensor([4, 4], device="meta"), "splits is on meta, expected cpu"),
     ],

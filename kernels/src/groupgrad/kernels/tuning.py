@@ -98,7 +98,7 @@ def run_cutlass(
         b: for fprop and dgrad the weights, an ``(E, N, K)`` contiguous tensor
             or a sequence of ``E`` ``(N, K)`` row-major matrices in ``a``'s
             dtype; for wgrad ``x``, ``(T, K)`` contiguous in ``a``'s dtype.
-        splits: ``(E,)`` int64 token counts on ``a``'s device.
+        splits: ``(E,)`` contiguous int64 token counts on ``a``'s device.
         out: overwritten (fprop ``(T, N)``, dgrad ``(T, K)``: contiguous, in
             ``a``'s dtype) or, for wgrad, written in place: an ``(E, N, K)``
             contiguous tensor or ``E`` ``(N, K)`` row-major matrices (e.g. each
@@ -112,18 +112,23 @@ def run_cutlass(
         ``None``; ``out`` holds the result.
 
     Raises:
-        ValueError: ``op`` is not one of the three, or ``splits`` is not a 1-D
-            int64 tensor on ``a``'s device (the kernels read it as such).
+        ValueError: ``op`` is not one of the three, or ``splits`` is not a
+            contiguous 1-D int64 tensor on ``a``'s device (the kernels read it as such).
     """
     if op not in ("fprop", "dgrad", "wgrad"):
         raise ValueError(f"op is {op!r}, expected 'fprop', 'dgrad' or 'wgrad'")
-    if not isinstance(splits, Tensor) or splits.dtype != torch.int64 or splits.dim() != 1:
+    if (
+        not isinstance(splits, Tensor)
+        or splits.dtype != torch.int64
+        or splits.dim() != 1
+        or not splits.is_contiguous()
+    ):
         got = (
-            f"dtype {splits.dtype}, shape {tuple(splits.shape)}"
+            f"dtype {splits.dtype}, shape {tuple(splits.shape)}, strides {splits.stride()}"
             if isinstance(splits, Tensor)
             else type(splits).__name__
         )
-        raise ValueError(f"splits must be a 1-D int64 tensor of token counts, got {got}")
+        raise ValueError(f"splits must be a contiguous 1-D int64 tensor of token counts, got {got}")
     if splits.device != a.device:
         raise ValueError(f"splits is on {splits.device}, expected {a.device} like the operands")
     if op == "wgrad":

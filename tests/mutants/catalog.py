@@ -354,8 +354,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "lean-call-ignores-overlap",
         "the lean check of the common fprop/dgrad call lets out share memory with the weights",
         _LEAN,
-        "    if _contiguous_meets(out_TX, (a_TX, w_ENK)):",
-        "    if False:",
+        "        or _overlap.contiguous_meets(out_TX, (a_TX, w_ENK))\n",
+        "",
         (f"{KERNELS}/test_validation_lean.py",),
     ),
     Mutant(

@@ -22,7 +22,7 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _splits
+from groupgrad.kernels import _overlap, _splits
 from groupgrad.kernels._calls import INPUT_DTYPES, WGRAD_OUT_DTYPES, GroupedCall, WgradCall
 from groupgrad.kernels._listed import PLAIN_TYPES
 
@@ -57,9 +57,12 @@ def packed_call(
     E, N, K = w_ENK.shape
     T, inner = a_TX.shape
     out_shape = (T, N) if op == "fprop" else (T, K)
-    if E == 0 or inner != (K if op == "fprop" else N) or not _lean_splits(splits_E, T, device):
-        return None
-    if len(splits_E) != E:
+    if (
+        E == 0
+        or inner != (K if op == "fprop" else N)
+        or not _lean_splits(splits_E, T, device)  # 1-D, so len() below is defined
+        or len(splits_E) != E
+    ):
         return None
     if out is None:
         return GroupedCall(a_TX, [w_ENK], splits_E, a_TX.new_empty(out_shape))
@@ -70,9 +73,8 @@ def packed_call(
         or out_TX.shape != out_shape
         or not out_TX.is_contiguous()
         or (out_TX.requires_grad and torch.is_grad_enabled())
+        or _overlap.contiguous_meets(out_TX, (a_TX, w_ENK))
     ):
-        return None
-    if _contiguous_meets(out_TX, (a_TX, w_ENK)):
         return None
     return GroupedCall(a_TX, [w_ENK], splits_E, out_TX)
 
@@ -91,16 +93,7 @@ def _lean_splits(splits: Tensor, rows: int, device: torch.device) -> bool:
         return False
     if splits.device.type != "cpu":
         return splits.device == device
-    values: list[int] = splits.tolist()
-    return not (values and min(values) < 0) and sum(values) == rows
-
-
-def _contiguous_meets(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
-    """Whether the contiguous ``out`` shares memory with one of the contiguous ``inputs``."""
-    if not out.numel():
-        return False
-    start, end = out.data_ptr(), out.data_ptr() + out.nbytes
-    return any(t.numel() and start < t.data_ptr() + t.nbytes and t.data_ptr() < end for t in inputs)
+    return _splits.counts_fit(splits.tolist(), rows)
 
 
 def packed_wgrad_call(
@@ -148,7 +141,7 @@ def packed_wgrad_call(
         or out_ENK.device != device
         or not out_ENK.is_contiguous()
         or (out_ENK.requires_grad and torch.is_grad_enabled())
-        or _contiguous_meets(out_ENK, (dy_TN, x_TK))
+        or _overlap.contiguous_meets(out_ENK, (dy_TN, x_TK))
     ):
         return None
     return WgradCall(dy_TN, x_TK, splits_E, [out_ENK], accumulate, out_ENK)

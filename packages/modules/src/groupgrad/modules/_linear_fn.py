@@ -33,9 +33,10 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
+from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._grads import LayerGrads
+from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
-    autograd_grad_dtype,
     is_distributed_weight,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
@@ -45,8 +46,6 @@ __all__ = [
     "GroupedLinearFunction",
     "add_bias",
     "apply_grouped_linear",
-    "bias_grad",
-    "bias_grads",
     "grouped_linear",
     "layer_dgrad",
     "layer_fprop",
@@ -63,31 +62,9 @@ def add_bias(y_TN: Tensor, b_EN: Tensor, expert_T: Tensor) -> Tensor:
     return y_TN + b_EN.index_select(0, expert_T).to(y_TN.dtype)
 
 
-def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
-    """``(E, N)`` bias gradient: the fp32 sum of each expert's rows of ``dy``, cast to ``dtype``."""
-    db_EN = torch.zeros(num_groups, dy_TN.shape[1], dtype=torch.float32, device=dy_TN.device)
-    db_EN.index_add_(0, expert_T, dy_TN.float())
-    return db_EN.to(dtype)
-
-
 def stack_bias(biases: Sequence[Tensor], packed: bool) -> Tensor:
     """The ``(E, N)`` bias of a layer: the packed parameter, or the per-expert ones stacked."""
     return biases[0] if packed else torch.stack(list(biases))
-
-
-def bias_grads(
-    dy_TN: Tensor, biases: Sequence[Tensor], expert_T: Tensor | None, packed: bool
-) -> list[Tensor | None]:
-    """What autograd receives for a layer's biases: each in its ``grad_dtype``, or ``None``s.
-
-    ``None`` for every bias when none requires grad (or there are none).
-    """
-    if expert_T is None or not any(b.requires_grad for b in biases):
-        return [None] * len(biases)
-    num_groups = biases[0].shape[0] if packed else len(biases)
-    db_EN = bias_grad(dy_TN, expert_T, num_groups, autograd_grad_dtype(biases))
-    grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
-    return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
 
 
 def layer_fprop(
@@ -151,13 +128,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         splits = snapshot_splits(splits)
         with no_autocast(x_TK.device):
             y_TN, ctx.target, num_groups = layer_fprop(x_TK, splits, spec, weights, cast_dtype)
-            expert_T = None
             if biases:
                 expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
                 y_TN = add_bias(y_TN, stack_bias(biases, spec.packed), expert_T)
-        ctx.num_groups = num_groups
 
-        ctx.save_for_backward(x_TK, expert_T)
+        ctx.save_for_backward(x_TK)
         ctx.splits = splits
         ctx.spec = spec
         ctx.queue = queue
@@ -168,21 +143,15 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
-        x_TK, expert_T = ctx.saved_tensors
-        spec: WeightGroupSpec = ctx.spec
-        weights: tuple[Tensor, ...] = ctx.weights
+        (x_TK,) = ctx.saved_tensors
         dy_TN = dy_TN.contiguous()
         with no_autocast(dy_TN.device):
             dx_TK = None
             if ctx.needs_input_grad[0]:
-                dx_TK = layer_dgrad(dy_TN, ctx.splits, spec, weights, ctx.cast_dtype)
-
-            deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
-            wgrads = ctx.target.step(dy_TN, x_TK, ctx.splits, deferred)
-            if deferred is not None:
-                ctx.queue.push(deferred)
-            bgrads = bias_grads(dy_TN, ctx.biases, expert_T, spec.packed)
-        return (dx_TK, None, None, None, None, None, *wgrads, *bgrads)
+                dx_TK = layer_dgrad(dy_TN, ctx.splits, ctx.spec, ctx.weights, ctx.cast_dtype)
+            layer = LayerGrads(ctx.target, ctx.biases)
+            grads = hand_over([layer], [dy_TN], [x_TK], ctx.splits, ctx.queue)
+        return (dx_TK, None, None, None, None, None, *grads)
 
 
 def apply_grouped_linear(

@@ -25,12 +25,12 @@ Backward, one pass for every variant::
 
     da          = fc2 dgrad(dy)                 re-materialized fc2 weights
     dh, dprobs, a = SwiGLU backward(da, h, probs)
-    fc2 wgrad   dy.T @ a   → WgradTarget.step (main_grad / distributed / autograd / deferred)
+    fc2 wgrad   dy.T @ a  ┐ one hand_over: both main_grad groups checked first, then
+    fc1 wgrad   dh.T @ x  ┘ main_grad / distributed / autograd / deferred, bias grads
     dx          = fc1 dgrad(dh)                 re-materialized fc1 weights
-    fc1 wgrad   dh.T @ x   → WgradTarget.step
 
 With ``delay_wgrad_compute`` both wgrads go into one job of the module's
-:class:`~groupgrad.modules._group.WgradQueue`; ``backward_dw()`` runs them
+:class:`~groupgrad.modules._wgrad.WgradQueue`; ``backward_dw()`` runs them
 (fc2, then fc1).
 
 ``splits`` is copied at forward; under ``torch.autocast`` the GEMMs run in
@@ -58,18 +58,11 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._linear_fn import (
-    add_bias,
-    bias_grads,
-    layer_dgrad,
-    layer_fprop,
-    stack_bias,
-)
-from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
-from groupgrad.protocol import (
-    WeightGradPlan,
-    is_distributed_weight,
-)
+from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._grads import LayerGrads
+from groupgrad.modules._linear_fn import add_bias, layer_dgrad, layer_fprop, stack_bias
+from groupgrad.modules._wgrad import WgradQueue
+from groupgrad.protocol import is_distributed_weight
 
 __all__ = [
     "ACTIVATIONS",
@@ -154,7 +147,6 @@ class GroupedMLPFunction(torch.autograd.Function):
 
         ctx.save_for_backward(x_TH, h_T2F, probs_T)
         ctx.splits = splits
-        ctx.num_groups = num_groups
         ctx.layout = layout
         ctx.queue = queue
         ctx.cast_dtype = cast_dtype
@@ -174,46 +166,21 @@ def _mlp_backward(
     layout: MLPLayout = ctx.layout
     w1, b1, w2, b2 = ctx.params
     splits = ctx.splits
-    dtype = dy_TH.dtype
-    expert_T = None
-    if layout.num_biases:
-        expert_T = expert_index(splits, ctx.num_groups, x_TH.shape[0], x_TH.device)
-    deferred: list[DeferredWgrad] | None = None if ctx.queue is None else []
-    # the main_grad groups of both layers are checked before any GEMM writes
-    fc1: WgradTarget = ctx.fc1
-    fc2: WgradTarget = ctx.fc2
-    plans: list[WeightGradPlan | None] = [None, None]
-    if deferred is None:
-        plans = [fc1.early_plan(dtype, dy_TH.device), fc2.early_plan(dtype, dy_TH.device)]
-
     da_TF = layer_dgrad(dy_TH, splits, layout.fc2, w2, ctx.cast_dtype)
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
     del da_TF
-    fc2_wgrads = fc2.step(dy_TH, a_TF, splits, deferred, ("dy", "fc2's input"), plans[1])
+    fc2 = LayerGrads(ctx.fc2, b2, ("dy", "fc2's input"))
+    fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"))
+    # fc1's wgrad needs only dh and x: both wgrads (and their main_grad checks) run now
+    grads = hand_over([fc2, fc1], [dy_TH, dh_T2F], [a_TF, x_TH], splits, ctx.queue)
     del a_TF
-    fc2_bgrads = bias_grads(dy_TH, b2, expert_T, layout.fc2.packed)
+    fc2_grads, fc1_grads = grads[: len(fc2.params)], grads[len(fc2.params) :]
 
     dx_TH = None
     if ctx.needs_input_grad[0]:
         dx_TH = layer_dgrad(dh_T2F, splits, layout.fc1, w1, ctx.cast_dtype)
-    fc1_wgrads = fc1.step(dh_T2F, x_TH, splits, deferred, ("fc1's output grad", "x"), plans[0])
-    fc1_bgrads = bias_grads(dh_T2F, b1, expert_T, layout.fc1.packed)
-
-    if deferred is not None:
-        ctx.queue.push(deferred)
     dprobs_T = dprobs_T if ctx.needs_input_grad[2] else None
-    return (
-        dx_TH,
-        None,
-        dprobs_T,
-        None,
-        None,
-        None,
-        *fc1_wgrads,
-        *fc1_bgrads,
-        *fc2_wgrads,
-        *fc2_bgrads,
-    )
+    return (dx_TH, None, dprobs_T, None, None, None, *fc1_grads, *fc2_grads)
 
 
 def check_activation(activation: object, owner: str) -> None:

@@ -15,6 +15,8 @@ job before the first GEMM writes, so a rejected job writes nothing.
 from __future__ import annotations
 
 import collections
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,11 @@ class WgradTarget:
     spec: WeightGroupSpec
     shape: tuple[int, ...]
     params: tuple[Tensor, ...]
+
+    @property
+    def num_groups(self) -> int:
+        """``E``: the packed weight's first dimension, or the number of per-expert weights."""
+        return self.shape[0] if self.spec.packed else len(self.params)
 
     def trainable(self) -> bool:
         """Whether any parameter requires grad (else there is no GEMM to run)."""
@@ -200,11 +207,38 @@ class WgradQueue:
     deferred); each ``backward_dw()`` runs the oldest job.
     """
 
+    _registry: weakref.WeakValueDictionary[int, WgradQueue] = weakref.WeakValueDictionary()
+    _count = itertools.count()
+
     def __init__(self) -> None:
         self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
+        self.number = next(WgradQueue._count)
+        """This queue's registry number: how a compiled graph names it (a constant)."""
+        WgradQueue._registry[self.number] = self
+
+    @classmethod
+    def numbered(cls, number: int) -> WgradQueue | None:
+        """The live queue registered as ``number``; ``None`` for a negative number.
+
+        Raises:
+            RuntimeError: No live queue has that number (its module is gone).
+        """
+        if number < 0:
+            return None
+        queue = cls._registry.get(number)
+        if queue is None:
+            raise RuntimeError(
+                f"the wgrad queue number {number} of a compiled graph no longer exists; the "
+                "module it belonged to was deleted"
+            )
+        return queue
 
     def __len__(self) -> int:
         return len(self._jobs)
+
+    def __reduce__(self) -> tuple[type[WgradQueue], tuple[()]]:
+        """A copy or unpickled module gets a fresh, empty queue of its own number."""
+        return (WgradQueue, ())
 
     def push(self, job: list[DeferredWgrad]) -> None:
         """Queue the deferred wgrads of one backward (nothing for an empty job)."""

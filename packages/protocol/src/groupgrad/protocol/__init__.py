@@ -54,6 +54,7 @@ from groupgrad.protocol._plan import (
     autograd_grad_dtype,
     defer_weight_grads,
     plan_weight_grads,
+    receives_dummy,
     run_post_accumulate_grad_hooks,
     wgrad_route,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "materialize_weight_for_forward",
     "overwrites_main_grad",
     "plan_weight_grads",
+    "receives_dummy",
     "rezeroes_dummy",
     "run_post_accumulate_grad_hooks",
     "set_overwrite_main_grad",

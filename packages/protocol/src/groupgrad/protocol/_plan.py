@@ -46,6 +46,7 @@ __all__ = [
     "autograd_grad_dtype",
     "defer_weight_grads",
     "plan_weight_grads",
+    "receives_dummy",
     "run_post_accumulate_grad_hooks",
     "wgrad_route",
 ]
@@ -189,6 +190,26 @@ class WeightGradPlan:
         return self.buffers[0] if len(self.buffers) == 1 else list(self.buffers)
 
 
+def _gets_dummy(param: torch.Tensor) -> bool:
+    """On the ``MAIN_GRAD`` route: whether autograd receives a dummy for ``param``."""
+    return bool(param.requires_grad) and takes_grad_added_flag(param)
+
+
+def receives_dummy(
+    weights: WeightGroup, *, wgrad_into_main_grad: bool, names: Sequence[str] | None = None
+) -> list[bool]:
+    """Per parameter: whether autograd receives a zero dummy for it at backward.
+
+    True exactly for the trainable members that carry
+    ``grad_added_to_main_grad`` in a group on the ``MAIN_GRAD`` route (what
+    :meth:`WeightGradPlan.finish` and :func:`defer_weight_grads` hand out
+    there); reads attributes only, so a tracer can follow it.
+    """
+    members = as_weight_list(weights)
+    route = _route(members, _labels(len(members), names), wgrad_into_main_grad)
+    return [route is WgradRoute.MAIN_GRAD and _gets_dummy(param) for param in members]
+
+
 def _hand_over_main_grad(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Flag and dummy for every trainable member that carries the flag; ``None`` elsewhere.
 
@@ -199,7 +220,7 @@ def _hand_over_main_grad(weights: list[torch.Tensor]) -> list[torch.Tensor | Non
     handed: list[torch.Tensor | None] = []
     dummy: torch.Tensor | None = None
     for param in weights:
-        if not (param.requires_grad and takes_grad_added_flag(param)):
+        if not _gets_dummy(param):
             handed.append(None)
             continue
         mark_grad_added(param)

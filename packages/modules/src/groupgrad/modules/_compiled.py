@@ -1,0 +1,246 @@
+"""Parameter gradients under ``torch.compile``: the eager code, run at run time by one opaque op.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+
+Why an op: AOTAutograd traces a backward into a graph whose gradient for each
+parameter has the dtype of the traced parameter, whose ``grad_dtype`` it does
+not carry (torch 2.11 and 2.13): an fp32 wgrad of a bf16 parameter is cast to
+bf16 on its way out of the graph and back to fp32 by autograd — the silent
+rounding groupgrad exists to prevent. And a traced backward replays no Python
+side effects (``get_main_grad()`` once per backward, ``grad_added_to_main_grad``
+set, ``overwrite_main_grad`` read when the GEMM runs, a job queued for
+``backward_dw()``).
+
+So :func:`hand_over`, which every grouped autograd Function's backward calls
+for its parameters, runs :func:`~groupgrad.modules._grads.parameter_grads`
+directly in eager code, and under ``torch.compile`` puts one call of
+``groupgrad::parameter_grads`` in the graph instead: an opaque, ordered op
+(never reordered with its kind, never removed, never captured into a CUDA
+graph) whose kernel runs that same function at run time on the real
+parameters, then puts into ``.grad`` every gradient autograd would have
+accumulated — in the parameter's ``grad_dtype`` (fp32 straight from the GEMM
+epilogue), followed by the parameter's post-accumulate-grad hooks, exactly as
+autograd's AccumulateGrad does, and only where this backward accumulates into
+the parameter at all. Autograd then receives ``None`` for those parameters.
+The zero dummies of the ``main_grad`` contract still travel through autograd
+(frameworks hook their arrival): the traced graph hands autograd fresh zeros
+for exactly the parameters :func:`~groupgrad.protocol.receives_dummy` names,
+and the op checks at run time that the contract agrees.
+
+What the op needs besides tensors (the layers' layouts, the module's wgrad
+queue) travels as constants: a layout key registered when the graph is traced
+and the queue's registry number (:meth:`WgradQueue.number`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch._library.effects import EffectType
+
+from groupgrad.modules._grads import LayerGrads, parameter_grads
+from groupgrad.modules._group import Splits, WeightGroupSpec
+from groupgrad.modules._wgrad import WgradQueue, WgradTarget
+from groupgrad.protocol import accumulate_grads_like_autograd, receives_dummy
+
+__all__ = ["hand_over"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One layer of an op as the compiled op must know it (everything but its tensors)."""
+
+    spec: WeightGroupSpec
+    shape: tuple[int, ...]
+    num_weights: int
+    num_biases: int
+    operands: tuple[str, str]
+
+    def bind(self, params: Sequence[Tensor]) -> LayerGrads:
+        """The layer on its real parameters (weights, then biases)."""
+        weights = tuple(params[: self.num_weights])
+        target = WgradTarget(self.spec, self.shape, weights)
+        return LayerGrads(target, tuple(params[self.num_weights :]), self.operands)
+
+
+_LAYOUTS: dict[str, tuple[_Layout, ...]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _layout_key(
+    layouts: tuple[
+        tuple[tuple[str, ...], bool, bool, tuple[int, ...], int, int, tuple[str, str]], ...
+    ],
+) -> str:
+    """Register the layers' layouts (when the graph is traced) and return their key."""
+    key = repr(layouts)
+    _LAYOUTS.setdefault(
+        key, tuple(_Layout(WeightGroupSpec(n, p, m), s, w, b, o) for n, p, m, s, w, b, o in layouts)
+    )
+    return key
+
+
+def _engine_accumulates(param: Tensor, name: str) -> bool:
+    """Whether the backward now running accumulates into ``param.grad`` (``.backward()`` does).
+
+    Raises:
+        RuntimeError: ``torch.autograd.grad`` asked for ``param``'s gradient:
+            the compiled op cannot return it through the traced graph.
+    """
+    with torch.enable_grad():  # a backward runs with grad mode off
+        node = torch.autograd.graph.get_gradient_edge(param).node
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError as error:  # a leaf's gradient is being captured by autograd.grad
+        raise RuntimeError(
+            f"torch.autograd.grad asked for the gradient of parameter {name!r} of a groupgrad "
+            "layer under torch.compile; compiled, groupgrad delivers parameter gradients into "
+            ".grad itself (the traced graph would round an fp32 gradient of a bf16 parameter). "
+            "Call .backward() and read .grad, or run this layer without torch.compile"
+        ) from error
+
+
+@contextlib.contextmanager
+def _autograd_dispatch() -> Iterator[None]:
+    """Autograd's dispatch on again inside the op's kernel, which runs below it.
+
+    So that a parameter's gradient accumulator can be looked up, and its
+    post-accumulate-grad hooks run as they do under autograd's AccumulateGrad.
+    """
+    key = torch._C.DispatchKey.AutogradFunctionality
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+
+
+def _deliver(
+    layers: Sequence[LayerGrads], answers: Sequence[Tensor | None], dummies: Sequence[bool]
+) -> None:
+    """Put into ``.grad`` what autograd would have accumulated; check the traced dummies."""
+    params = [p for layer in layers for p in layer.params]
+    names = [n for layer in layers for n in _names(layer)]
+    expected = [d for layer in layers for d in _dummy_mask(layer)]
+    if list(dummies) != expected:
+        changed = [n for n, d, e in zip(names, dummies, expected, strict=True) if d != e]
+        raise RuntimeError(
+            f"grad_added_to_main_grad or requires_grad of {', '.join(changed)} changed after "
+            "torch.compile traced this layer (it hands autograd a zero dummy exactly where "
+            "they say); set them before the first compiled step, or call torch._dynamo.reset()"
+        )
+    picked = [
+        (p, g)
+        for p, g, d, n in zip(params, answers, expected, names, strict=True)
+        if g is not None and not d and _engine_accumulates(p, n)
+    ]
+    if picked:
+        accumulate_grads_like_autograd([p for p, _ in picked], [g for _, g in picked])
+
+
+def _names(layer: LayerGrads) -> list[str]:
+    spec = layer.target.spec
+    return [*spec.names, *(f"bias {i} of {spec.names[0]}" for i in range(len(layer.biases)))]
+
+
+def _dummy_mask(layer: LayerGrads) -> list[bool]:
+    """Per parameter of ``layer``: whether autograd receives a zero dummy for it."""
+    spec = layer.target.spec
+    weights = receives_dummy(
+        layer.target.params, wgrad_into_main_grad=spec.wgrad_into_main_grad, names=spec.names
+    )
+    return [*weights, *([False] * len(layer.biases))]
+
+
+@torch.library.custom_op(
+    "groupgrad::parameter_grads", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _parameter_grads_op(
+    dys: list[Tensor],
+    xs: list[Tensor],
+    splits: Tensor | None,
+    counts: list[int] | None,
+    params: list[Tensor],
+    layout: str,
+    queue: int,
+    dummies: list[bool],
+) -> None:
+    """Run :func:`parameter_grads` on the real parameters and deliver its gradients (run time)."""
+    offsets = [0]
+    for part in _LAYOUTS[layout]:
+        offsets.append(offsets[-1] + part.num_weights + part.num_biases)
+    layers = [
+        part.bind(params[start:stop])
+        for part, start, stop in zip(_LAYOUTS[layout], offsets, offsets[1:], strict=False)
+    ]
+    owner = splits if splits is not None else tuple(counts or ())
+    answers = parameter_grads(layers, dys, xs, owner, WgradQueue.numbered(queue))
+    with _autograd_dispatch():
+        _deliver(layers, answers, dummies)
+
+
+@_parameter_grads_op.register_fake
+def _parameter_grads_fake(
+    dys: list[Tensor],
+    xs: list[Tensor],
+    splits: Tensor | None,
+    counts: list[int] | None,
+    params: list[Tensor],
+    layout: str,
+    queue: int,
+    dummies: list[bool],
+) -> None:
+    return None
+
+
+torch.library._register_effectful_op(_parameter_grads_op._opoverload, EffectType.ORDERED)
+
+
+def hand_over(
+    layers: Sequence[LayerGrads],
+    dys: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    splits: Splits,
+    queue: WgradQueue | None,
+) -> list[Tensor | None]:
+    """What autograd receives for every layer's parameters (:func:`parameter_grads`).
+
+    Eager: :func:`parameter_grads` itself. Under ``torch.compile``: one
+    ``groupgrad::parameter_grads`` call in the graph (see the module
+    docstring), and fresh zeros where the ``main_grad`` contract hands
+    autograd a dummy, ``None`` elsewhere.
+    """
+    if not torch.compiler.is_compiling():
+        return parameter_grads(layers, dys, xs, splits, queue)
+    layouts = tuple(
+        (
+            layer.target.spec.names,
+            layer.target.spec.packed,
+            layer.target.spec.wgrad_into_main_grad,
+            layer.target.shape,
+            len(layer.target.params),
+            len(layer.biases),
+            layer.operands,
+        )
+        for layer in layers
+    )
+    masks = [_dummy_mask(layer) for layer in layers]
+    dummies = [d for mask in masks for d in mask]
+    params = [p for layer in layers for p in layer.params]
+    is_tensor = isinstance(splits, Tensor)
+    torch.ops.groupgrad.parameter_grads(
+        list(dys),
+        list(xs),
+        splits if is_tensor else None,
+        None if is_tensor else [int(s) for s in splits],
+        params,
+        _layout_key(layouts),
+        -1 if queue is None else queue.number,
+        dummies,
+    )
+    return [torch.zeros_like(p) if d else None for p, d in zip(params, dummies, strict=True)]

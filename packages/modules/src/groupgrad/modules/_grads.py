@@ -1,0 +1,115 @@
+"""What one backward hands autograd for a grouped op's parameters: wgrads and bias gradients.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features;
+``dy_TN`` a layer's output gradient, ``x_TK`` its input, ``b_EN`` its bias.
+
+An op's backward describes each of its layers as a :class:`LayerGrads` (the
+wgrad target, the biases, how messages name the GEMM's operands) and asks
+:func:`parameter_grads` for what autograd receives: every ``main_grad``
+group of every layer is planned (checked) before the first GEMM writes, then
+each layer's wgrad GEMM runs (or is queued for ``backward_dw()``) and its
+bias gradient is summed. The autograd Functions reach this through
+:func:`groupgrad.modules._compiled.hand_over`, the same code eager and
+compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupgrad.modules._group import Splits, expert_index
+from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
+from groupgrad.protocol import WeightGradPlan, autograd_grad_dtype
+
+__all__ = ["LayerGrads", "bias_grad", "bias_grads", "parameter_grads"]
+
+
+def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
+    """``(E, N)`` bias gradient: the fp32 sum of each expert's rows of ``dy``, cast to ``dtype``."""
+    db_EN = torch.zeros(num_groups, dy_TN.shape[1], dtype=torch.float32, device=dy_TN.device)
+    db_EN.index_add_(0, expert_T, dy_TN.float())
+    return db_EN.to(dtype)
+
+
+def bias_grads(
+    dy_TN: Tensor, biases: Sequence[Tensor], expert_T: Tensor | None, packed: bool
+) -> list[Tensor | None]:
+    """What autograd receives for a layer's biases: each in its ``grad_dtype``, or ``None``s.
+
+    ``None`` for every bias when none requires grad (or there are none).
+    """
+    if expert_T is None or not any(b.requires_grad for b in biases):
+        return [None] * len(biases)
+    num_groups = biases[0].shape[0] if packed else len(biases)
+    db_EN = bias_grad(dy_TN, expert_T, num_groups, autograd_grad_dtype(biases))
+    grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
+    return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
+
+
+@dataclass(frozen=True)
+class LayerGrads:
+    """One layer of an op, as its backward's parameter gradients see it.
+
+    Attributes:
+        target: The layer's wgrad GEMM target (weight layout, shape, weights).
+        biases: The layer's bias parameters (empty without bias).
+        operands: How messages name the wgrad GEMM's ``dy`` and ``x``.
+    """
+
+    target: WgradTarget
+    biases: tuple[Tensor, ...] = ()
+    operands: tuple[str, str] = ("dy", "x")
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        """The weights, then the biases: the order autograd's answers take."""
+        return (*self.target.params, *self.biases)
+
+
+def parameter_grads(
+    layers: Sequence[LayerGrads],
+    dys: Sequence[Tensor],
+    xs: Sequence[Tensor],
+    splits: Splits,
+    queue: WgradQueue | None,
+) -> list[Tensor | None]:
+    """Run one backward's wgrad GEMMs (or queue them) and sum its bias gradients.
+
+    Args:
+        layers: The op's layers, in the order their GEMMs run.
+        dys: Each layer's ``(T, N)`` output gradient.
+        xs: Each layer's ``(T, K)`` input.
+        splits: ``E`` token counts (the op's copy from forward).
+        queue: The module's wgrad queue with ``delay_wgrad_compute`` (the
+            wgrad GEMMs become one job for ``backward_dw()``), else ``None``.
+
+    Returns:
+        What autograd receives for :attr:`LayerGrads.params` of every layer,
+        concatenated in layer order.
+
+    Raises:
+        RuntimeError: A ``main_grad`` of any layer is missing or malformed;
+            nothing was written then.
+    """
+    deferred: list[DeferredWgrad] | None = None if queue is None else []
+    plans: list[WeightGradPlan | None] = [None] * len(layers)
+    if deferred is None:  # every main_grad group is checked before any GEMM writes
+        plans = [
+            layer.target.early_plan(dy.dtype, dy.device)
+            for layer, dy in zip(layers, dys, strict=True)
+        ]
+    expert_T = None
+    if any(layer.biases for layer in layers):
+        T = dys[0].shape[0]
+        expert_T = expert_index(splits, layers[0].target.num_groups, T, dys[0].device)
+    answers: list[Tensor | None] = []
+    for layer, dy, x, plan in zip(layers, dys, xs, plans, strict=True):
+        answers += layer.target.step(dy, x, splits, deferred, layer.operands, plan)
+        answers += bias_grads(dy, layer.biases, expert_T, layer.target.spec.packed)
+    if queue is not None and deferred is not None:
+        queue.push(deferred)
+    return answers

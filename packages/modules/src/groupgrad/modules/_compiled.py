@@ -19,9 +19,12 @@ directly in eager code, and under ``torch.compile`` puts one call of
 graph) whose kernel runs that same function at run time on the real
 parameters, then puts into ``.grad`` every gradient autograd would have
 accumulated — in the parameter's ``grad_dtype`` (fp32 straight from the GEMM
-epilogue), followed by the parameter's post-accumulate-grad hooks, exactly as
-autograd's AccumulateGrad does, and only where this backward accumulates into
-the parameter at all. Autograd then receives ``None`` for those parameters.
+epilogue), as autograd's AccumulateGrad does, and only where this backward
+accumulates into the parameter at all. Autograd then receives ``None`` for
+those parameters; its AccumulateGrad still runs their post-accumulate-grad
+hooks (it does for ``None``), once, on the delivered gradient. A deferred
+wgrad (``backward_dw()``) keeps copies of its operands: the compiled graph
+reuses their buffers once the op returns.
 The zero dummies of the ``main_grad`` contract still travel through autograd
 (frameworks hook their arrival): the traced graph hands autograd fresh zeros
 for exactly the parameters :func:`~groupgrad.protocol.receives_dummy` names,
@@ -139,8 +142,9 @@ def _deliver(
         for p, g, d, n in zip(params, answers, expected, names, strict=True)
         if g is not None and not d and _engine_accumulates(p, n)
     ]
-    if picked:
-        accumulate_grads_like_autograd([p for p, _ in picked], [g for _, g in picked])
+    if picked:  # the hooks: autograd's AccumulateGrad runs them next, as for a None gradient
+        params, grads = [p for p, _ in picked], [g for _, g in picked]
+        accumulate_grads_like_autograd(params, grads, run_hooks=False)
 
 
 def _names(layer: LayerGrads) -> list[str]:
@@ -178,8 +182,12 @@ def _parameter_grads_op(
         part.bind(params[start:stop])
         for part, start, stop in zip(_LAYOUTS[layout], offsets, offsets[1:], strict=False)
     ]
-    owner = splits if splits is not None else tuple(counts or ())
-    answers = parameter_grads(layers, dys, xs, owner, WgradQueue.numbered(queue))
+    wgrad_queue = WgradQueue.numbered(queue)
+    if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
+        dys, xs = [t.clone() for t in dys], [t.clone() for t in xs]
+        splits = None if splits is None else splits.clone()
+    counted = splits if splits is not None else tuple(counts or ())
+    answers = parameter_grads(layers, dys, xs, counted, wgrad_queue)
     with _autograd_dispatch():
         _deliver(layers, answers, dummies)
 

@@ -17,7 +17,7 @@ copies the token counts, so a caller may refill its buffer at once. Under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,18 +60,24 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     return None
 
 
-@contextlib.contextmanager
-def no_autocast(device: torch.device) -> Iterator[None]:
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Autocast off on ``device`` inside an op's own forward and backward.
 
     The op casts its operands itself (to :func:`autocast_dtype`); the reference
     kernels and the elementwise steps must run in the dtypes they are given.
+    Under ``torch.compile`` nothing is switched: Dynamo lost autocast's state
+    when a Function traced inside a compiled autocast region switched it off
+    (torch 2.13, an ``AssertionError`` asking to report a bug), and the ops the
+    Functions trace are custom ops, index ops and adds, none on autocast's
+    lists (the kernels run at run time, outside the traced region's autocast).
     """
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        with torch.autocast(device.type, enabled=False):
-            yield
-    else:
-        yield
+    if (
+        device.type in ("cpu", "cuda")
+        and torch.is_autocast_enabled(device.type)
+        and not torch.compiler.is_compiling()
+    ):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def autocast_input(x: Tensor) -> tuple[Tensor, torch.dtype | None]:

@@ -82,6 +82,13 @@ def layer_fprop(
     Returns:
         The output, the layer's :class:`WgradTarget` for backward, and ``E``.
     """
+    if torch.compiler.is_compiling() and is_distributed_weight(weights[0]):
+        raise RuntimeError(
+            f"parameter {spec.names[0]!r} is a DistributedWeight; torch.compile does not trace "
+            "groupgrad layers on DistributedWeight groups (their gathers and reductions run "
+            "eagerly): compile the rest of the model and leave this layer out "
+            "(torch.compiler.disable), or run it without torch.compile"
+        )
     materialized = materialize_weight_for_forward(list(weights))
     target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
     materialized = as_gemm_dtype(materialized, cast_dtype)

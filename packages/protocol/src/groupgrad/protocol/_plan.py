@@ -387,7 +387,7 @@ def defer_weight_grads(
 
 
 def accumulate_grads_like_autograd(
-    weights: WeightGroup, grads: Sequence[torch.Tensor | None]
+    weights: WeightGroup, grads: Sequence[torch.Tensor | None], *, run_hooks: bool = True
 ) -> None:
     """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
 
@@ -402,6 +402,9 @@ def accumulate_grads_like_autograd(
     Args:
         weights: The group's parameters.
         grads: One entry per parameter, e.g. :meth:`WeightGradPlan.finish`'s result.
+        run_hooks: ``False`` where autograd's own AccumulateGrad runs the
+            hooks afterwards (it does, for a ``None`` gradient too, when the
+            backward that delivers them reaches the parameter).
 
     Raises:
         ValueError: ``grads`` does not have one entry per parameter.
@@ -433,7 +436,8 @@ def accumulate_grads_like_autograd(
                     param.grad = grad.detach().to(grad_dtype_of(param))
                 else:
                     param.grad.add_(grad)
-            run_post_accumulate_grad_hooks(param)
+            if run_hooks:
+                run_post_accumulate_grad_hooks(param)
 
 
 def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:

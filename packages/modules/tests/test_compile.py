@@ -1,0 +1,251 @@
+"""``torch.compile`` keeps every fp32 wgrad route (DESIGN, "Compile").
+
+One model holds a layer for every route — ``grad_dtype = float32`` on bf16
+parameters, autocast over fp32 parameters, ``main_grad`` accumulate and
+overwrite, delayed wgrad with and without ``main_grad`` — through
+``GroupedLinear``, ``GroupedMLP``, ``grouped_linear`` and ``grouped_mlp``, so
+one compile (the default backend, inductor, ``fullgraph=True``) covers them
+all; inductor costs tens of seconds a graph on a 2-core CPU. It trains two
+micro-batches beside an eager twin: the compiled gradients must match eager's
+values and be no more bf16-exact than eager's (``groupgrad_testsupport.compiled``).
+The GPU suite runs the same model in both weight layouts on CUDA.
+
+Legend: ``T`` tokens, ``E`` experts, ``H`` hidden size, ``F`` ffn size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from groupgrad_testsupport.compiled import assert_keeps_fp32, compiled_graphs
+from groupgrad_testsupport.numerics import assert_within_scale
+from torch import Tensor, nn
+
+from groupgrad.modules import GroupedLinear, GroupedMLP, grouped_linear, grouped_mlp
+from groupgrad.protocol.testing import make_fake_group
+
+E, H, F, T = 4, 32, 16, 24
+BF16 = torch.bfloat16
+
+# module attribute -> route, for the bf16 parameters
+GRAD_DTYPE = ("lin_gd", "mlp_gd", "fn", "lin_delay")
+MAIN_GRAD = {"lin_mg": False, "mlp_ow": True, "mlp_delay_mg": False}  # name -> overwrite
+
+
+class Routes(nn.Module):
+    """Every compiled fp32-wgrad route of DESIGN in one chain of layers.
+
+    ``packed`` flips every layer's layout (per-expert <-> one ``(E, ·, ·)`` weight).
+    """
+
+    def __init__(self, device: str, packed: bool) -> None:
+        super().__init__()
+        bf16 = {"dtype": BF16, "device": device}
+
+        def lin(flip: bool, **kw: object) -> GroupedLinear:
+            return GroupedLinear(E, H, H, single_grouped_weight=packed != flip, **bf16, **kw)
+
+        def mlp(flip: bool, **kw: object) -> GroupedMLP:
+            return GroupedMLP(E, H, F, single_grouped_weight=packed != flip, **bf16, **kw)
+
+        self.lin_gd = lin(False, bias=True)
+        self.mlp_gd = mlp(True, bias=True)
+        self.fn = nn.ParameterDict(  # the functional ops on parameters a framework owns
+            {
+                "w": nn.Parameter(torch.randn(E, H, H, **bf16) / H**0.5),
+                "b": nn.Parameter(torch.randn(E, H, **bf16)),
+                "fc1": nn.Parameter(torch.randn(E, 2 * F, H, **bf16) / H**0.5),
+                "fc2": nn.Parameter(torch.randn(E, H, F, **bf16) / F**0.5),
+            }
+        )
+        self.lin_mg = lin(True, bias=False, accumulate_into_main_grad=True)
+        self.mlp_ow = mlp(False, accumulate_into_main_grad=True)
+        self.lin_delay = lin(False, bias=False, delay_wgrad_compute=True)
+        self.mlp_delay_mg = mlp(True, accumulate_into_main_grad=True, delay_wgrad_compute=True)
+        fp32 = {"dtype": torch.float32, "device": device}
+        self.lin_ac = GroupedLinear(E, H, H, single_grouped_weight=packed, **fp32)
+        self.mlp_ac = GroupedMLP(E, H, F, single_grouped_weight=not packed, bias=True, **fp32)
+        self.device_type = torch.device(device).type
+
+    def forward(self, x: Tensor, splits: Tensor, probs: Tensor) -> Tensor:
+        h = self.lin_gd(x, splits)
+        h = self.mlp_gd(h, splits, probs)
+        h = grouped_linear(h, self.fn["w"], splits, self.fn["b"])
+        h = grouped_mlp(h, self.fn["fc1"], self.fn["fc2"], splits, probs)
+        h = self.lin_mg(h, splits)
+        h = self.mlp_ow(h, splits, probs)
+        h = self.lin_delay(h, splits)
+        h = self.mlp_delay_mg(h, splits, probs)
+        with torch.autocast(self.device_type, dtype=BF16):
+            return self.mlp_ac(self.lin_ac(h, splits), splits, probs)
+
+    def backward_dw(self) -> None:
+        self.lin_delay.backward_dw()
+        self.mlp_delay_mg.backward_dw()
+
+
+def build(device: str, packed: bool) -> Routes:
+    """A fresh model (seeded, so two calls give twins) with each route's attributes set."""
+    torch.manual_seed(0)
+    model = Routes(device, packed)
+    for name in GRAD_DTYPE:
+        for p in getattr(model, name).parameters():
+            p.grad_dtype = torch.float32
+    for name, overwrite in MAIN_GRAD.items():
+        for p in getattr(model, name).parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+            p.grad_added_to_main_grad = False
+            p.overwrite_main_grad = overwrite
+    return model
+
+
+def fp32_grads(model: Routes) -> Iterator[tuple[str, Tensor]]:
+    """Every gradient the routes must deliver in fp32: ``.grad`` or ``main_grad``."""
+    for name, p in model.named_parameters():
+        if name.split(".")[0] in MAIN_GRAD:
+            yield f"{name}.main_grad", p.main_grad
+        else:
+            assert p.grad is not None, f"{name} received no gradient"
+            yield f"{name}.grad", p.grad
+
+
+def train(model: Routes, forward: Callable[..., Tensor], device: str) -> None:
+    """Two micro-batches (so ``.grad`` and ``main_grad`` accumulate, or are overwritten)."""
+    torch.manual_seed(1)
+    for _ in range(2):
+        splits = torch.bincount(torch.randint(0, E, (T,)), minlength=E).to(device)
+        x = torch.randn(T, H, dtype=BF16, device=device, requires_grad=True)
+        probs = torch.rand(T, device=device)
+        forward(x, splits, probs).float().square().sum().backward()
+        model.backward_dw()
+
+
+def run_routes(device: str, packed: bool) -> None:
+    """Compiled (inductor, ``fullgraph=True``) against eager: same values, fp32 kept."""
+    eager, compiled = build(device, packed), build(device, packed)
+    train(eager, eager, device)
+    torch._dynamo.reset()
+    train(compiled, torch.compile(compiled, fullgraph=True), device)
+    want = dict(fp32_grads(eager))
+    for name, got in fp32_grads(compiled):
+        assert_within_scale(got, want[name], rel=3e-2, atol=1e-6, what=name)
+        assert_keeps_fp32(got, want[name], name)
+    for name in MAIN_GRAD:
+        for pname, p in getattr(compiled, name).named_parameters():
+            assert p.grad_added_to_main_grad, f"{name}.{pname}: grad_added_to_main_grad not set"
+            assert p.grad is not None and not p.grad.any(), f"{name}.{pname}: no zero dummy"
+
+
+def test_compiled_model_keeps_every_fp32_wgrad_route() -> None:
+    run_routes("cpu", packed=False)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per-expert", "packed"])
+def test_compiled_grouped_mlp_keeps_the_grad_dtype_route(packed: bool) -> None:
+    """The report's case alone: ``GroupedMLP`` with ``grad_dtype = float32`` on bf16 weights."""
+    models = []
+    for compiled in (False, True):
+        torch.manual_seed(4)
+        model = GroupedMLP(E, H, F, dtype=BF16, single_grouped_weight=packed, bias=True)
+        for p in model.parameters():
+            p.grad_dtype = torch.float32
+        step = torch.compile(model, fullgraph=True) if compiled else model
+        x, probs = torch.randn(T, H, dtype=BF16), torch.rand(T)
+        step(x, torch.tensor([9, 0, 5, 10]), probs).float().square().sum().backward()
+        models.append(dict(model.named_parameters()))
+    eager, compiled_params = models
+    for name, p in compiled_params.items():
+        assert_within_scale(p.grad, eager[name].grad, rel=1e-2, atol=1e-6, what=name)
+        assert_keeps_fp32(p.grad, eager[name].grad, name)
+
+
+def test_a_compiled_loop_with_changing_splits_compiles_once() -> None:
+    """Device-tensor ``splits`` that change every step (``T`` fixed, as top-k routing keeps it)."""
+    torch.manual_seed(2)
+    model = GroupedMLP(E, H, F, dtype=BF16, single_grouped_weight=True)
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    step = torch.compile(model, fullgraph=True)
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    seen = set()
+    for _ in range(20):
+        splits = torch.bincount(torch.randint(0, E, (T,)), minlength=E)
+        seen.add(tuple(splits.tolist()))
+        step(torch.randn(T, H, dtype=BF16), splits).float().sum().backward()
+        model.zero_grad()
+    assert len(seen) > 10  # the routing really changed
+    assert compiled_graphs() - before <= 2
+
+
+def _linear(**kw: object) -> GroupedLinear:
+    torch.manual_seed(3)
+    return GroupedLinear(E, H, H, dtype=BF16, bias=False, single_grouped_weight=True, **kw)
+
+
+def test_compiled_backward_delivers_once_and_runs_each_hook_once() -> None:
+    layer = _linear()
+    layer.weight.grad_dtype = torch.float32
+    seen: list[tuple[torch.dtype, float]] = []
+    layer.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append((p.grad.dtype, float(p.grad.double().abs().sum())))
+    )
+    step = torch.compile(layer, fullgraph=True)
+    splits = torch.tensor([5, 0, 11, 8])
+    x = torch.randn(T, H, dtype=BF16)
+    for _ in range(2):
+        step(x, splits).float().sum().backward()
+    assert [dtype for dtype, _ in seen] == [torch.float32, torch.float32]
+    assert seen[1][1] == pytest.approx(2 * seen[0][1], rel=1e-6)  # added once per backward
+
+
+def test_compiled_backward_leaves_grad_alone_where_autograd_would() -> None:
+    layer = _linear()
+    layer.weight.grad_dtype = torch.float32
+    x = torch.randn(T, H, dtype=BF16, requires_grad=True)
+    out = torch.compile(layer, fullgraph=True)(x, torch.tensor([5, 0, 11, 8]))
+    out.float().sum().backward(inputs=[x])
+    assert x.grad is not None
+    assert layer.weight.grad is None
+
+
+def test_compiled_backward_refuses_autograd_grad_of_the_weights() -> None:
+    layer = _linear()
+    layer.weight.grad_dtype = torch.float32
+    out = torch.compile(layer, fullgraph=True)(torch.randn(T, H, dtype=BF16), [6, 6, 6, 6])
+    with pytest.raises(RuntimeError, match="torch.autograd.grad asked for the gradient of parameter 'weight'"):
+        torch.autograd.grad(out.float().sum(), [layer.weight])
+    assert layer.weight.grad is None
+
+
+def test_distributed_weights_are_refused_at_trace_time_naming_the_leader() -> None:
+    group = make_fake_group([torch.randn(H, H) for _ in range(E)])
+    step = torch.compile(lambda x: grouped_linear(x, group, [6, 6, 6, 6]), fullgraph=True)
+    with pytest.raises(Exception, match="parameter 'weight0' is a DistributedWeight"):
+        step(torch.randn(T, H))
+    assert all(w.grad is None for w in group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["per-expert", "packed"])
+def test_compiled_model_keeps_every_fp32_wgrad_route_on_cuda(packed: bool) -> None:
+    """The CPU test's model on the GPU (CUTLASS and Triton kernels), in both layouts."""
+    run_routes("cuda", packed)
+
+
+@pytest.mark.gpu
+def test_compiled_loop_with_device_splits_compiles_once_on_cuda() -> None:
+    torch.manual_seed(5)
+    model = GroupedMLP(E, H, F, dtype=BF16, device="cuda", single_grouped_weight=True)
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    step = torch.compile(model, fullgraph=True)
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    for _ in range(20):
+        splits = torch.bincount(torch.randint(0, E, (T,), device="cuda"), minlength=E)
+        step(torch.randn(T, H, dtype=BF16, device="cuda"), splits).float().sum().backward()
+        model.zero_grad()
+    assert compiled_graphs() - before <= 2

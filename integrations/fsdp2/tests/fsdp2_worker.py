@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
@@ -36,37 +37,60 @@ def _full(t: Tensor) -> Tensor:
     return full.detach().cpu().clone()
 
 
-def shard(model: nn.Module, cfg: Mapping[str, Any], device: torch.device) -> list[str]:
-    """Shard per block (and the experts alone when asked) then the root; return the units' names."""
+def shard(model: nn.Module, cfg: Mapping[str, Any], device: torch.device) -> tuple[nn.Module, list[str]]:
+    """Shard per block (and the experts alone when asked) then the root, compiled as asked.
+
+    ``cfg["compile"]``: ``"block"`` compiles each block (``fullgraph=True``)
+    before sharding it, as torchtitan does; ``"block_ac"`` wraps each block
+    in activation checkpointing first; ``"root"`` compiles the sharded model.
+
+    Returns:
+        The model to train (the compiled wrapper for ``"root"``) and the
+        units' names.
+    """
     shard_fn = fully_shard if cfg["integration"] else plain_fully_shard
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if cfg["bf16"] else None, reduce_dtype=torch.float32
     )
     options = {"mp_policy": policy, "reshard_after_forward": cfg["reshard"]}
+    compiled = cfg.get("compile")
     units: list[str] = []
     for b, block in enumerate(model.blocks):
         if cfg["experts_unit"]:
             shard_fn(block.experts, **options)
             units.append(f"blocks.{b}.experts")
+        if compiled == "block_ac":
+            block = checkpoint_wrapper(block)
+        if compiled in ("block", "block_ac"):
+            block = torch.compile(block, fullgraph=True)
+            model.blocks[b] = block
         shard_fn(block, **options)
         units.append(f"blocks.{b}")
     shard_fn(model, **options)
     units.append("")
-    return units
+    return (torch.compile(model) if compiled == "root" else model), units
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the wrappers compile and checkpointing put in it."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def train(
     cfg: Mapping[str, Any], rank: int, world: int, device: torch.device, checkpoint_dir: Path
 ) -> dict[str, Any]:
     """One scenario on this rank; everything the parent compares, on the CPU."""
-    model = moe_model.build(cfg, device)
-    units = shard(model, cfg, device)
+    model, units = shard(moe_model.build(cfg, device), cfg, device)
+    sharded = getattr(model, "_orig_mod", model)  # the FSDP root under a compiled root
     log: list[dict[str, Any]] = []
-    reduce_scatter.record(model, units, log)
+    reduce_scatter.record(sharded, units, log)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     names = [name for name, _ in model.named_parameters()]
     result: dict[str, Any] = {"outs": [], "dxs": [], "grads": [], "weights": []}
-    result["unit_params"] = {name: reduce_scatter.unit_param_names(model, name) for name in units}
+    result["unit_params"] = {
+        name: [plain_name(n) for n in reduce_scatter.unit_param_names(sharded, name)]
+        for name in units
+    }
     for step in range(cfg["steps"]):
         if cfg["dcp"] and step == cfg["steps"] - 1:
             model, optimizer = _reload(model, optimizer, cfg, device, checkpoint_dir, log)
@@ -79,10 +103,10 @@ def train(
             result["outs"].append(out.detach().cpu().clone())
             result["dxs"].append(x.grad.detach().cpu().clone())
         params = dict(model.named_parameters())
-        result["grads"].append({name: _full(params[name].grad) for name in names})
+        result["grads"].append({plain_name(n): _full(params[n].grad) for n in names})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        result["weights"].append({name: _full(p) for name, p in model.named_parameters()})
+        result["weights"].append({plain_name(n): _full(p) for n, p in model.named_parameters()})
     result["reduce_scatters"] = log
     return result
 
@@ -98,8 +122,8 @@ def _reload(
     """DCP round trip: save model + optimizer, load them into a freshly built and sharded model."""
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
-    fresh = moe_model.build({**cfg, "seed": cfg["seed"] + 1000}, device)  # other weights
-    reduce_scatter.record(fresh, shard(fresh, cfg, device), log)
+    fresh, units = shard(moe_model.build({**cfg, "seed": cfg["seed"] + 1000}, device), cfg, device)
+    reduce_scatter.record(fresh, units, log)  # other weights
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -13,6 +13,9 @@ shape of :data:`moe_model.SHAPE` plus
 ``experts_unit``   the experts are an FSDP unit of their own inside each block
 ``empty_expert``   rank 1 sends block 0's expert 2 no token
 ``dcp``            save and load through DCP before the last step (fresh model)
+``compile``        ``None``; ``"block"``: ``torch.compile(block, fullgraph=True)`` per
+                   block before sharding (torchtitan's way); ``"block_ac"``: the same
+                   around activation checkpointing; ``"root"``: the sharded model compiled
 ``steps``, ``micro_batches``, ``lr``, ``momentum``  the SGD loop
 =================  ==============================================================
 """
@@ -38,6 +41,7 @@ BASE: dict[str, Any] = {
     "experts_unit": False,
     "empty_expert": True,
     "dcp": False,
+    "compile": None,
     "steps": 2,
     "micro_batches": 2,
     "lr": 0.1,
@@ -99,7 +103,30 @@ def two_rank(shape: Mapping[str, Any]) -> list[dict[str, Any]]:
         ),
     ]
     found += reduce_scatter_scenarios(shape, 40)
+    found += compile_scenarios(shape, 60)
     return found
+
+
+def compile_scenarios(shape: Mapping[str, Any], seed: int) -> list[dict[str, Any]]:
+    """bf16 compute under ``torch.compile``: per block, per block with activation
+    checkpointing, and the whole sharded model; one micro-batch per step and every
+    expert used, so the reduce-scatter check applies."""
+    options = {"empty_expert": False, "micro_batches": 1, "tokens": 64}
+    return [
+        scenario("compile_block_mlp_per_expert", shape, seed, compile="block", **options),
+        scenario(
+            "compile_block_ac_mlp_packed", shape, seed + 1, compile="block_ac", packed=True, **options
+        ),
+        scenario(
+            "compile_root_linear_packed",
+            shape,
+            seed + 2,
+            compile="root",
+            module="linear",
+            packed=True,
+            **options,
+        ),
+    ]
 
 
 def reduce_scatter_scenarios(shape: Mapping[str, Any], seed: int) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from typing import Literal, cast
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from groupgrad.kernels import _grouped, _lean, _overlap, _splits
 from groupgrad.kernels._calls import INPUT_DTYPES, WGRAD_OUT_DTYPES, GroupedCall, WgradCall
@@ -274,8 +275,12 @@ def _token_count(index: int, count: object) -> int:
 
 
 def _check_length(length: int, experts: int | None) -> None:
-    if experts is not None and length != experts:
+    if experts is None:
+        return
+    if guard_or_false(length != experts):
         raise ValueError(f"splits has {length} entries but weights has {experts} experts")
+    if torch.compiler.is_compiling():  # a length traced from data (torch.bincount): at run time
+        torch._check(length == experts, lambda: "splits has as many entries as weights has experts")
 
 
 def _check_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:

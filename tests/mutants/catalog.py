@@ -54,6 +54,8 @@ _LISTED = "kernels/src/groupgrad/kernels/_listed.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
 _PLAN_KERNELS = "kernels/src/groupgrad/kernels/_plan.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
+_COMPILED = "packages/modules/src/groupgrad/modules/_compiled.py"
+_COMPILE_TESTS = f"{MODULES}/test_compile.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the founding bugs (DESIGN.md)
@@ -80,6 +82,40 @@ MUTANTS: tuple[Mutant, ...] = (
         "buffers.append(provider() if callable(provider) else None)",
         "buffers.append(member.grad_buffer())",
         (MODULES, PROTOCOL),
+    ),
+    # --- torch.compile keeps the fp32 route (the traced graph casts a bf16 parameter's wgrad)
+    Mutant(
+        "compiled-wgrad-in-bf16",
+        "under torch.compile the backward traces the eager wgrad step: bf16 parameters' fp32 "
+        "wgrads are rounded to bf16 by the graph",
+        _COMPILED,
+        "    if not torch.compiler.is_compiling():\n        return parameter_grads(",
+        "    if True:\n        return parameter_grads(",
+        (_COMPILE_TESTS,),
+    ),
+    Mutant(
+        "compiled-hooks-twice",
+        "under torch.compile a delivered gradient's post-accumulate hooks run twice",
+        _COMPILED,
+        "accumulate_grads_like_autograd(params, grads, run_hooks=False)",
+        "accumulate_grads_like_autograd(params, grads, run_hooks=True)",
+        (_COMPILE_TESTS,),
+    ),
+    Mutant(
+        "compiled-grad-written-when-not-accumulated",
+        "under torch.compile .grad is written although the backward does not accumulate there",
+        _COMPILED,
+        "if g is not None and not d and _engine_accumulates(p, n)",
+        "if g is not None and not d",
+        (_COMPILE_TESTS,),
+    ),
+    Mutant(
+        "compiled-deferred-operands-shared",
+        "under torch.compile a deferred wgrad keeps the graph's own dy and x buffers",
+        _COMPILED,
+        "        dys, xs = [t.clone() for t in dys], [t.clone() for t in xs]\n",
+        "",
+        (_COMPILE_TESTS,),
     ),
     # --- the silent wrong gradients of the reliability review
     Mutant(

@@ -30,7 +30,6 @@ from typing import Literal, cast
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from groupgrad.kernels import _grouped, _lean, _overlap, _splits
 from groupgrad.kernels._calls import INPUT_DTYPES, WGRAD_OUT_DTYPES, GroupedCall, WgradCall
@@ -277,10 +276,16 @@ def _token_count(index: int, count: object) -> int:
 def _check_length(length: int, experts: int | None) -> None:
     if experts is None:
         return
+    if not torch.compiler.is_compiling():
+        if length != experts:
+            raise ValueError(f"splits has {length} entries but weights has {experts} experts")
+        return
+    # traced: a length from data (torch.bincount's) is a symbol, checked when the graph runs
+    from torch.fx.experimental.symbolic_shapes import guard_or_false  # sympy: only when tracing
+
     if guard_or_false(length != experts):
         raise ValueError(f"splits has {length} entries but weights has {experts} experts")
-    if torch.compiler.is_compiling():  # a length traced from data (torch.bincount): at run time
-        torch._check(length == experts, lambda: "splits has as many entries as weights has experts")
+    torch._check(length == experts, lambda: "splits has as many entries as weights has experts")
 
 
 def _check_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:

@@ -87,6 +87,28 @@ def _layout_key(
     return key
 
 
+@torch.compiler.assume_constant_result
+def _traced_dummies(layout: str, *params: Tensor) -> tuple[bool, ...]:
+    """Per parameter: whether autograd receives a dummy, read once when the graph is traced.
+
+    Not traced by Dynamo, so it installs no guard on ``grad_added_to_main_grad``
+    (whose value a framework flips every step: torch 2.11 would recompile on
+    it); the op checks at run time that the answer still holds.
+    """
+    layers = _bind_all(_LAYOUTS[layout], params)
+    return tuple(d for layer in layers for d in _dummy_mask(layer))
+
+
+def _bind_all(layouts: Sequence[_Layout], params: Sequence[Tensor]) -> list[LayerGrads]:
+    """The layers of one op on its flat parameter list (each layer's weights, then biases)."""
+    layers, start = [], 0
+    for part in layouts:
+        stop = start + part.num_weights + part.num_biases
+        layers.append(part.bind(params[start:stop]))
+        start = stop
+    return layers
+
+
 def _engine_accumulates(param: Tensor, name: str) -> bool:
     """Whether the backward now running accumulates into ``param.grad`` (``.backward()`` does).
 
@@ -175,13 +197,7 @@ def _parameter_grads_op(
     dummies: list[bool],
 ) -> None:
     """Run :func:`parameter_grads` on the real parameters and deliver its gradients (run time)."""
-    offsets = [0]
-    for part in _LAYOUTS[layout]:
-        offsets.append(offsets[-1] + part.num_weights + part.num_biases)
-    layers = [
-        part.bind(params[start:stop])
-        for part, start, stop in zip(_LAYOUTS[layout], offsets, offsets[1:], strict=False)
-    ]
+    layers = _bind_all(_LAYOUTS[layout], params)
     wgrad_queue = WgradQueue.numbered(queue)
     if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
         dys, xs = [t.clone() for t in dys], [t.clone() for t in xs]
@@ -237,9 +253,8 @@ def hand_over(
         )
         for layer in layers
     )
-    masks = [_dummy_mask(layer) for layer in layers]
-    dummies = [d for mask in masks for d in mask]
     params = [p for layer in layers for p in layer.params]
+    dummies = _traced_dummies(_layout_key(layouts), *params)
     is_tensor = isinstance(splits, Tensor)
     torch.ops.groupgrad.parameter_grads(
         list(dys),
@@ -249,6 +264,6 @@ def hand_over(
         params,
         _layout_key(layouts),
         -1 if queue is None else queue.number,
-        dummies,
+        list(dummies),
     )
     return [torch.zeros_like(p) if d else None for p, d in zip(params, dummies, strict=True)]

@@ -38,14 +38,20 @@ Splits = Sequence[int] | Tensor
 """``E`` token counts: a sequence of ints, a CPU tensor or a device tensor."""
 
 
-def snapshot_splits(splits: Splits) -> Splits:
+def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
     """A private copy of ``splits``, taken at forward for every later GEMM of the op.
 
     A sequence becomes a tuple; a tensor is cloned where it lives (on the
     device without a host sync, so the CUDA-graph path stays capturable).
-    Values are checked by the kernels, not here.
+    Values and length are checked by the kernels, not here. Under
+    ``torch.compile`` a tensor's length is pinned to ``num_groups`` for the
+    tracer (checked when the graph runs): a length traced from data (e.g.
+    ``torch.bincount``'s) would otherwise enter the autograd Function as a
+    symbol that torch 2.11's tracer rejects.
     """
     if isinstance(splits, Tensor):
+        if torch.compiler.is_compiling() and splits.dim() == 1:
+            torch._check(splits.shape[0] == num_groups)
         return splits.clone()
     if isinstance(splits, Sequence) and not isinstance(splits, str | bytes):
         return tuple(splits)

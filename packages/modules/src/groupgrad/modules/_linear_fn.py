@@ -132,7 +132,6 @@ class GroupedLinearFunction(torch.autograd.Function):
     ) -> Tensor:
         weights = params[: len(params) - num_biases]
         biases = params[len(params) - num_biases :]
-        splits = snapshot_splits(splits)
         with no_autocast(x_TK.device):
             y_TN, ctx.target, num_groups = layer_fprop(x_TK, splits, spec, weights, cast_dtype)
             if biases:
@@ -171,6 +170,7 @@ def apply_grouped_linear(
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
     x_TK, cast_dtype = autocast_input(x_TK)
+    splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
     return GroupedLinearFunction.apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *params)
 
 

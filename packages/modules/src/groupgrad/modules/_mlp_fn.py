@@ -130,7 +130,6 @@ class GroupedMLPFunction(torch.autograd.Function):
     ) -> Tensor:
         w1, b1, w2, b2 = layout.split(params)
         T = x_TH.shape[0]
-        splits = snapshot_splits(splits)
         with no_autocast(x_TH.device):
             h_T2F, ctx.fc1, num_groups = layer_fprop(x_TH, splits, layout.fc1, w1, cast_dtype)
             expert_T = None
@@ -254,6 +253,7 @@ def apply_grouped_mlp(
 ) -> Tensor:
     """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on."""
     x_TH, cast_dtype = autocast_input(x_TH)
+    splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
     return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)
 
 

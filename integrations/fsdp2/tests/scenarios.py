@@ -246,7 +246,7 @@ def check_training(
                 add("input grads", dx, ("dxs", (step, rank, micro)))
     for step in range(checked):
         for name, grad in ranks[0]["grads"][step].items():
-            kind = "expert" if _is_expert(name) else "other"
+            kind = "expert" if is_expert(name) else "other"
             add(f"{kind} grads at step {step}", grad, ("grads", step, name))
         for name, weight in ranks[0]["weights"][step].items():
             add(f"weights after step {step}", weight, ("weights", step, name))
@@ -272,8 +272,8 @@ def check_reduce_scatters(
         for entry in log:
             assert entry["input"].dtype == torch.float32, (entry["unit"], entry["input"].dtype)
             parts = rs.segments(entry["input"], units[entry["unit"]], shapes, world)
-            experts = [t for n, t in parts.items() if _is_expert(n)]
-            others = [t for n, t in parts.items() if not _is_expert(n)]
+            experts = [t for n, t in parts.items() if is_expert(n)]
+            others = [t for n, t in parts.items() if not is_expert(n)]
             found = fractions.setdefault(entry["unit"], {"experts": [], "others": []})
             if experts:
                 found["experts"].append(rs.representable_in_bf16(torch.cat(experts)))
@@ -282,5 +282,5 @@ def check_reduce_scatters(
     return fractions
 
 
-def _is_expert(name: str) -> bool:
+def is_expert(name: str) -> bool:
     return ".experts." in name or ".fc1." in name or ".fc2." in name

@@ -252,25 +252,19 @@ def test_compiled_loop_with_device_splits_compiles_once_on_cuda() -> None:
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_mode_with_device_splits_matches_eager_on_cuda() -> None:
-    """``mode="reduce-overhead"`` (CUDA graphs): the hand-over op stays out of the graphs."""
-    runs = []
-    for mode in (None, "reduce-overhead"):
-        torch.manual_seed(6)
-        model = GroupedMLP(E, H, F, dtype=BF16, device="cuda", single_grouped_weight=True)
-        for p in model.parameters():
-            p.grad_dtype = torch.float32
-        step = model if mode is None else torch.compile(model, mode=mode)
-        torch.manual_seed(7)
-        grads = []
+def test_reduce_overhead_mode_stops_with_a_clear_error_on_cuda() -> None:
+    """``mode="reduce-overhead"`` (CUDA graph trees) is not supported: a clear error, never silence.
+
+    The trees warm a graph up with every allocation of the thread in their
+    private pool; the fp32 gradients the hand-over op leaves in ``.grad``
+    live on, untracked, and PyTorch stops the step (torch 2.11).
+    """
+    torch.manual_seed(6)
+    model = GroupedMLP(E, H, F, dtype=BF16, device="cuda", single_grouped_weight=True)
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    step = torch.compile(model, mode="reduce-overhead")
+    splits = torch.bincount(torch.randint(0, E, (T,), device="cuda"), minlength=E)
+    with pytest.raises(RuntimeError, match="in the cudagraph pool not tracked as outputs"):
         for _ in range(3):
-            splits = torch.bincount(torch.randint(0, E, (T,), device="cuda"), minlength=E)
-            x = torch.randn(T, H, dtype=BF16, device="cuda")
-            step(x, splits).float().square().sum().backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            model.zero_grad()
-        runs.append(grads)
-    for eager, graphed in zip(*runs, strict=True):
-        for name, grad in graphed.items():
-            assert_within_scale(grad, eager[name], rel=1e-2, atol=1e-6, what=name)
-            assert_keeps_fp32(grad, eager[name], name)
+            step(torch.randn(T, H, dtype=BF16, device="cuda"), splits).float().sum().backward()

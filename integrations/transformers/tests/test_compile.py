@@ -14,6 +14,7 @@ twin, one training step each from the same weights:
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from groupgrad_testsupport import load_sibling
@@ -25,9 +26,9 @@ tiny = load_sibling(__file__, "tiny")
 import groupgrad.integrations.transformers  # noqa: E402, F401 (registers "groupgrad")
 
 
-def _expert_grads(dtype: torch.dtype, compiled: bool) -> dict[str, torch.Tensor]:
+def _expert_grads(dtype: torch.dtype, compiled: bool, device: str) -> dict[str, torch.Tensor]:
     """One step of the tiny model (weights from one seed) and its experts' gradients."""
-    model = tiny.causal_lm("qwen3_moe", seed=20, dtype=dtype)
+    model = tiny.causal_lm("qwen3_moe", seed=20, dtype=dtype).to(device)
     model.set_experts_implementation("groupgrad")
     for param in model.parameters():
         param.grad_dtype = torch.float32
@@ -36,19 +37,27 @@ def _expert_grads(dtype: torch.dtype, compiled: bool) -> dict[str, torch.Tensor]
         torch._dynamo.reset()
         step = torch.compile(model)
     ids = torch.randint(0, tiny.VOCAB, (2, 24), generator=torch.Generator().manual_seed(21))
+    ids = ids.to(device)
     step(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad for n, p in model.named_parameters() if ".experts." in n}
 
 
-def test_compiled_causal_lm_matches_eager_in_fp32() -> None:
-    want, got = _expert_grads(torch.float32, False), _expert_grads(torch.float32, True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_causal_lm_matches_eager_in_fp32(device: str) -> None:
+    want = _expert_grads(torch.float32, False, device)
+    got = _expert_grads(torch.float32, True, device)
     assert want.keys() == got.keys() and want
     for name, grad in got.items():
         assert_within_scale(grad, want[name], rel=1e-5, atol=0.0, what=name)
 
 
-def test_compiled_causal_lm_keeps_fp32_expert_wgrads_in_bf16() -> None:
-    want, got = _expert_grads(torch.bfloat16, False), _expert_grads(torch.bfloat16, True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_causal_lm_keeps_fp32_expert_wgrads_in_bf16(device: str) -> None:
+    want = _expert_grads(torch.bfloat16, False, device)
+    got = _expert_grads(torch.bfloat16, True, device)
     assert want.keys() == got.keys() and want
     for name, grad in got.items():
         assert_within_scale(grad, want[name], rel=0.5, atol=0.0, what=name)

@@ -151,6 +151,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (MODULES,),
     ),
     Mutant(
+        "frozen-member-main-grad-as-scratch",
+        "a frozen member that has a main_grad gets it as the GEMM's scratch (and its gradient)",
+        _PLAN,
+        "        buffers = [fetched[i] if keep else next(scratch) for i, keep in enumerate(trainable)]",
+        "        buffers = [\n"
+        "            fetched[i] if keep else getattr(members[i], 'main_grad', None)\n"
+        "            if getattr(members[i], 'main_grad', None) is not None else next(scratch)\n"
+        "            for i, keep in enumerate(trainable)\n"
+        "        ]",
+        (MODULES,),
+    ),
+    Mutant(
         "frozen-member-flagged",
         "a frozen member is flagged grad_added_to_main_grad and handed a dummy",
         _PLAN,

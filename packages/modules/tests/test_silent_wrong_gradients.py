@@ -207,6 +207,27 @@ def test_frozen_member_of_a_main_grad_group_is_untouched_and_needs_no_main_grad(
         assert weights[e].grad_added_to_main_grad is True
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per-expert", "packed"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_frozen_members_own_main_grad_is_never_written(packed: bool, overwrite: bool) -> None:
+    # Catches: a frozen member that has a main_grad handed it as the GEMM's scratch (the
+    # frozen expert's buffer then receives a gradient it must never get).
+    module = GroupedMLP(E, K, 6, single_grouped_weight=packed, accumulate_into_main_grad=True)
+    frozen = module.fc1.weight if packed else module.fc1.weight1  # packed: all of fc1
+    frozen.requires_grad_(False)
+    _attach_main_grad(module.parameters(), value=0.25)  # the frozen one has a main_grad too
+    for p in module.parameters():
+        p.overwrite_main_grad = overwrite
+    before = frozen.main_grad.clone()
+    T = sum(SPLITS)
+    x, probs, dy = _randn(T, K, seed=23), torch.rand(T), _randn(T, K, seed=24)
+    module(x, SPLITS, probs).backward(dy)
+    assert torch.equal(frozen.main_grad, before)  # bit-identical
+    assert frozen.grad is None
+    written = [p for p in module.parameters() if p.requires_grad]
+    assert written and all(not torch.equal(p.main_grad, torch.full_like(p, 0.25)) for p in written)
+
+
 def test_frozen_member_without_main_grad_gets_none_from_autograd_route() -> None:
     module = GroupedLinear(E, K, N, bias=False)
     module.weight2.requires_grad_(False)

@@ -490,3 +490,59 @@ def test_autocast_with_a_grouped_mlp_matches_an_fp64_reference_of_its_bf16_opera
     got1 = [getattr(module.fc1, f"weight{e}").grad for e in range(E)]
     for got, want in zip(got1, want1, strict=True):
         _close(got, want, rtol=3e-2, atol=3e-2)  # fc1's wgrad reads bf16 dh from the SwiGLU step
+
+
+# ------------------------------------------------ post-accumulate hooks with a delayed wgrad
+
+
+def _hook_log(main_grad: bool, delay: bool, mlp: bool) -> list[float | None]:
+    """What a post-accumulate hook of one weight saw over two micro-batches."""
+    torch.manual_seed(30)
+    options = {"accumulate_into_main_grad": main_grad, "delay_wgrad_compute": delay}
+    module = GroupedMLP(E, K, 6, **options) if mlp else GroupedLinear(E, K, N, **options)
+    if main_grad:
+        _attach_main_grad(module.parameters())
+    weight = module.fc1.weight0 if mlp else module.weight0
+    seen: list[float | None] = []
+
+    def hook(p: torch.Tensor) -> None:
+        grad = p.main_grad if main_grad else p.grad
+        seen.append(None if grad is None else float(grad.double().abs().sum()))
+
+    weight.register_post_accumulate_grad_hook(hook)
+    T = sum(SPLITS)
+    for micro in range(2):
+        x = _randn(T, K, seed=31 + micro)
+        out = module(x, SPLITS, torch.rand(T)) if mlp else module(x, SPLITS)
+        out.square().sum().backward()
+        if delay:
+            module.backward_dw()
+    return seen
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_a_delayed_wgrad_runs_each_hook_once_on_the_complete_gradient(
+    main_grad: bool, mlp: bool
+) -> None:
+    # Catches: autograd running the hooks at backward (on a stale .grad, or before main_grad
+    # is written) and backward_dw() running them again.
+    want = _hook_log(main_grad, delay=False, mlp=mlp)
+    got = _hook_log(main_grad, delay=True, mlp=mlp)
+    assert len(want) == 2 and want[1] > want[0] > 0
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_hooks_held_for_a_dropped_deferred_job_go_back_to_autograd() -> None:
+    module = GroupedLinear(E, K, N, bias=False, delay_wgrad_compute=True)
+    calls: list[int] = []
+    module.weight0.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    x = _randn(sum(SPLITS), K, seed=33)
+    module(x, SPLITS).sum().backward()
+    x.mul_(2)  # the deferred job's input changed: backward_dw() drops it
+    with pytest.raises(RuntimeError, match="was modified in place since backward"):
+        module.backward_dw()
+    assert calls == []
+    module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hook
+    module(x, SPLITS).sum().backward()
+    assert calls == [1]

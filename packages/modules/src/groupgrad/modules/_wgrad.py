@@ -30,6 +30,7 @@ from groupgrad.protocol import (
     accumulate_grads_like_autograd,
     defer_weight_grads,
     plan_weight_grads,
+    release_post_accumulate_grad_hooks,
     wgrad_route,
 )
 
@@ -264,8 +265,13 @@ class WgradQueue:
                 "gradient; call it once after each backward"
             )
         job = self._jobs.popleft()
-        for entry in job:
-            entry.check_unchanged(owner)
+        try:
+            for entry in job:
+                entry.check_unchanged(owner)
+        except RuntimeError:  # the job is dropped: its parameters' held hooks go back
+            for entry in job:
+                release_post_accumulate_grad_hooks(p for p in entry.target.params if p.requires_grad)
+            raise
         with no_autocast(job[0].dy_TN.device):
             plans = [entry.early_plan() for entry in job]
             for entry, plan in zip(job, plans, strict=True):

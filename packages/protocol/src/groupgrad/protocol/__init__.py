@@ -47,6 +47,11 @@ from groupgrad.protocol._distributed import (
     materialize_weight_for_forward,
     weight_grad_dtype,
 )
+from groupgrad.protocol._hooks import (
+    hold_post_accumulate_grad_hooks,
+    release_post_accumulate_grad_hooks,
+    run_post_accumulate_grad_hooks,
+)
 from groupgrad.protocol._plan import (
     WeightGradPlan,
     WgradRoute,
@@ -55,7 +60,6 @@ from groupgrad.protocol._plan import (
     defer_weight_grads,
     plan_weight_grads,
     receives_dummy,
-    run_post_accumulate_grad_hooks,
     wgrad_route,
 )
 
@@ -73,6 +77,7 @@ __all__ = [
     "fetch_main_grad",
     "finalize_weight_grads",
     "grad_dtype_of",
+    "hold_post_accumulate_grad_hooks",
     "is_distributed_weight",
     "is_fsdp_param",
     "main_grad_or_none",
@@ -82,6 +87,7 @@ __all__ = [
     "overwrites_main_grad",
     "plan_weight_grads",
     "receives_dummy",
+    "release_post_accumulate_grad_hooks",
     "rezeroes_dummy",
     "run_post_accumulate_grad_hooks",
     "set_overwrite_main_grad",

@@ -32,6 +32,11 @@ from groupgrad.protocol._attrs import (
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import check_grad_buffers, member_grad_buffers
+from groupgrad.protocol._hooks import (
+    hold_post_accumulate_grad_hooks,
+    release_post_accumulate_grad_hooks,
+    run_post_accumulate_grad_hooks,
+)
 from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
@@ -47,7 +52,6 @@ __all__ = [
     "defer_weight_grads",
     "plan_weight_grads",
     "receives_dummy",
-    "run_post_accumulate_grad_hooks",
     "wgrad_route",
 ]
 
@@ -377,10 +381,14 @@ def defer_weight_grads(
     :meth:`WeightGradPlan.finish` would), and ``main_grad`` is written later
     by the deferred GEMM. Other routes: ``None`` for every parameter; the
     deferred step delivers the gradient with
-    :func:`accumulate_grads_like_autograd`.
+    :func:`accumulate_grads_like_autograd`. On every route the trainable
+    members' post-accumulate-grad hooks are held back from autograd
+    (:func:`hold_post_accumulate_grad_hooks`) until that step runs them, once,
+    on the landed gradient.
     """
     members = as_weight_list(weights)
     route = _route(members, _labels(len(members), names), wgrad_into_main_grad)
+    hold_post_accumulate_grad_hooks(p for p in members if p.requires_grad)
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)
     return [None] * len(members)
@@ -395,7 +403,8 @@ def accumulate_grads_like_autograd(
     ``.grad`` in the parameter's ``grad_dtype`` (the gradient itself,
     detached, no copy when it has that dtype, when ``.grad`` is ``None``; else
     added in place); then the parameter's post-accumulate-grad hooks run, as
-    autograd runs them (it does so for a ``None`` gradient too). Call it with
+    autograd runs them (it does so for a ``None`` gradient too), and one hold
+    :func:`defer_weight_grads` put on them is released. Call it with
     all-``None`` gradients to run the hooks once a deferred GEMM has written
     ``main_grad``.
 
@@ -438,10 +447,4 @@ def accumulate_grads_like_autograd(
                     param.grad.add_(grad)
             if run_hooks:
                 run_post_accumulate_grad_hooks(param)
-
-
-def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
-    """Run the hooks ``param.register_post_accumulate_grad_hook`` registered, in order."""
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    for hook in (hooks or {}).values():
-        hook(param)
+            release_post_accumulate_grad_hooks([param])

@@ -69,6 +69,11 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[nn.Module], None] | None, t
      r"top_k_index has shape \(12, 2\) and top_k_weights \(12, 3\)"),
     ("weights-not-a-tensor", lambda h, i, w: (h, i, w), _set("down_proj", None), TypeError,
      r"\.down_proj is NoneType, expected a Tensor"),
+    ("hidden-fp64-into-fp32-experts", lambda h, i, w: (h.double(), i, w), None, TypeError,
+     r"hidden_states has dtype torch\.float64 but Qwen3MoeExperts\.gate_up_proj has dtype "
+     r"torch\.float32"),
+    ("id-past-no-expert-slot", lambda h, i, w: (h, i + tiny.EXPERTS, w), None, ValueError,
+     r"top_k_index holds expert id \d+, expected ids <= num_experts"),
     ("expert-parallel", lambda h, i, w: (h, i, w), lambda m: setattr(m, "_is_expert_parallel", True),
      RuntimeError, r"runs expert-parallel \(_is_expert_parallel=True\)"),
 ]  # fmt: skip

@@ -220,6 +220,46 @@ def test_fp32_grad_dtype_gets_unrounded_wgrads(name: str) -> None:
 # ------------------------------------------------------------ edge cases
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])  # their eager loops skip the slot
+def test_the_no_expert_slot_computes_nothing_whatever_its_weight(name: str) -> None:
+    # Catches: an id equal to num_experts run through the last expert (its output times the
+    # router weight added, and every gradient with it), where the eager loop skips it.
+    eager, ours = _pair(name, seed=14, dtype=torch.float32)
+    hidden, index, weights, dy = _inputs(name, torch.float32, seed=15)
+    index = index.clone()
+    index[::3, 1] = tiny.EXPERTS  # the "no expert" slot, with the router's nonzero weight
+    expected = run_experts(eager, hidden, index, weights, dy)
+    actual = run_experts(ours, hidden, index, weights, dy)
+    assert weights[::3, 1].abs().min() > 0
+    for key in ("out", "d_hidden", "d_weights", *(k for k in expected if k.endswith("_proj"))):
+        assert rel_err(actual[key], expected[key]) <= 1e-5, key
+    assert not actual["d_weights"][::3, 1].any()
+
+
+def test_an_id_past_the_no_expert_slot_raises_naming_it() -> None:
+    _, ours = _pair("qwen3_moe", seed=16, dtype=torch.float32)
+    hidden, index, weights, _ = _inputs("qwen3_moe", torch.float32, seed=17)
+    index = index.clone()
+    index[2, 0] = tiny.EXPERTS + 3
+    with pytest.raises(ValueError, match=rf"expert id {tiny.EXPERTS + 3}, expected ids <= "):
+        ours(hidden, index, weights)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_zero_tokens_give_an_empty_output_and_zero_gradients(name: str) -> None:
+    eager, ours = _pair(name, seed=18, dtype=torch.float32)
+    hidden, index, weights, _ = (t[:0] for t in _inputs(name, torch.float32, seed=19))
+    expected = eager(hidden, index, weights)
+    hidden.requires_grad_(True)
+    out = ours(hidden, index, weights)
+    assert out.shape == expected.shape == (0, tiny.HIDDEN)
+    assert out.dtype == expected.dtype
+    out.sum().backward()
+    assert hidden.grad is not None and hidden.grad.shape == (0, tiny.HIDDEN)
+    grads = [p.grad for p in ours.parameters()]
+    assert grads and all(g is not None and not g.any() for g in grads)
+
+
 def test_sentinel_ids_contribute_nothing() -> None:
     eager, ours = _pair("qwen3_moe", seed=12, dtype=torch.float32)
     hidden, index, weights, dy = _inputs("qwen3_moe", torch.float32, seed=13)

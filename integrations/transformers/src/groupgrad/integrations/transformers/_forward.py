@@ -43,23 +43,33 @@ def tokens_per_expert(sorted_ids_S: Tensor, num_experts: int) -> Tensor:
     return torch.bincount(sorted_ids_S, minlength=num_experts)
 
 
-def _check_no_negative_ids(top_k_index: Tensor) -> None:
-    """A negative expert id would drop its token from the counts; refuse it.
+def _check_ids(top_k_index: Tensor, num_experts: int) -> None:
+    """Expert ids run from 0 to ``num_experts``, the "no expert" slot; refuse any other.
 
-    On the CPU the check names the smallest id; on a GPU it is an asynchronous
-    device assertion (no host sync), which fails the next synchronizing call.
+    A negative id would drop its token from the counts; an id past
+    ``num_experts`` makes transformers' eager loop raise. On the CPU the check
+    names the offending id; on a GPU it is an asynchronous device assertion
+    (no host sync), which fails the next synchronizing call.
     """
     if top_k_index.numel() == 0:
         return
     if top_k_index.device.type == "cpu":
-        smallest = int(top_k_index.min())
+        smallest, largest = int(top_k_index.min()), int(top_k_index.max())
         if smallest < 0:
             raise ValueError(
                 f"top_k_index holds expert id {smallest}, expected ids >= 0 (an id below 0 "
                 "would drop its token from every expert)"
             )
+        if largest > num_experts:
+            raise ValueError(
+                f"top_k_index holds expert id {largest}, expected ids <= num_experts = "
+                f"{num_experts} ({num_experts} itself is the slot for no expert)"
+            )
     else:
         torch._assert_async(top_k_index.min() >= 0, "top_k_index holds a negative expert id")
+        torch._assert_async(
+            top_k_index.max() <= num_experts, "top_k_index holds an expert id past num_experts"
+        )
 
 
 def _tensor(experts: nn.Module, name: str) -> Tensor:
@@ -107,10 +117,13 @@ def groupgrad_experts_forward(
             which this implementation does not support.
         ValueError: ``top_k_index`` and ``top_k_weights`` disagree in shape,
             ``hidden_states`` is not ``(T, H)`` with ``T`` their rows, or an
-            expert id is negative.
+            expert id is negative or past ``num_experts`` (``num_experts``
+            itself is the "no expert" slot: such a choice computes nothing,
+            whatever its weight, as in transformers' eager loop).
         TypeError: ``top_k_index`` is not an integer tensor or
             ``top_k_weights`` not a floating one; a weight attribute of the
-            module is not a tensor.
+            module is not a tensor; ``hidden_states`` has another dtype than
+            the expert weights outside ``torch.autocast``.
     """
     if getattr(self, "_is_expert_parallel", False):
         raise RuntimeError(
@@ -129,7 +142,6 @@ def groupgrad_experts_forward(
         raise TypeError(
             f"top_k_weights has dtype {top_k_weights.dtype}, expected a floating-point dtype"
         )
-    _check_no_negative_ids(top_k_index)
     tokens, top_k = top_k_index.shape
     if hidden_states.dim() != 2 or hidden_states.shape[0] != tokens:
         raise ValueError(
@@ -138,18 +150,27 @@ def groupgrad_experts_forward(
         )
     route = experts_route(self)
     num_experts = int(cast(int, self.num_experts))
-    # Ids past the last expert are expert-parallel sentinels (zero router weight) in
-    # transformers 5.17, which has no _is_expert_parallel flag: keep them in range.
-    expert_ids_S = top_k_index.reshape(-1).clamp(max=num_experts - 1)
-    sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
-    splits_E = tokens_per_expert(sorted_ids_S, num_experts)
+    _check_ids(top_k_index, num_experts)
+    # id num_experts is the "no expert" slot (an expert-parallel sentinel): its rows sort last,
+    # ride along with the last expert's GEMMs and are zeroed before the sum, so they
+    # contribute nothing and receive no gradient, whatever their router weight
+    sorted_ids_S, perm_S = torch.sort(top_k_index.reshape(-1), stable=True)
+    splits_E = tokens_per_expert(sorted_ids_S.clamp(max=num_experts - 1), num_experts)
     has_gate = bool(getattr(self, "has_gate", True))
     has_bias = bool(getattr(self, "has_bias", False))
     up_name = "gate_up_proj" if has_gate else "up_proj"
     up, down = _tensor(self, up_name), _tensor(self, "down_proj")
     up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
     down_bias = _tensor(self, "down_proj_bias") if has_bias else None
-    x_SH = hidden_states[perm_S // top_k].to(up.dtype)
+    if hidden_states.dtype != up.dtype and not torch.is_autocast_enabled(
+        hidden_states.device.type
+    ):
+        raise TypeError(
+            f"hidden_states has dtype {hidden_states.dtype} but {type(self).__name__}.{up_name} "
+            f"has dtype {up.dtype}; expected one dtype (or torch.autocast), as the eager "
+            "experts require"
+        )
+    x_SH = hidden_states[perm_S // top_k]
     probs_S = top_k_weights.reshape(-1)[perm_S]
 
     if route.fused:
@@ -171,7 +192,8 @@ def groupgrad_experts_forward(
         y_SH = cast(Callable[[Tensor], Tensor], self.post_expert_norm)(y_SH)
     if not route.probs_in_mlp:
         y_SH = y_SH * probs_S.unsqueeze(-1)
+    y_SH = torch.where((sorted_ids_S < num_experts).unsqueeze(-1), y_SH, 0)
 
     unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)
-    out_TH = unsorted_SH.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32)
+    out_TH = unsorted_SH.view(tokens, top_k, y_SH.shape[-1]).sum(dim=1, dtype=torch.float32)
     return out_TH.to(hidden_states.dtype)

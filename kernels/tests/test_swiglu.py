@@ -104,6 +104,33 @@ def test_public_entry_points_run_the_ops_and_check_shapes() -> None:
         swiglu_probs_backward(da[:, :11], h, probs)
 
 
+BAD_DTYPES = [
+    # Catches: an int64 h computed in fp32 and truncated back, fp64 (the *_ref twin's oracle
+    # dtype) run through the public op, integer probs acting as float scales.
+    ("h-int64", lambda h, da, p: (h.long(), da, p), TypeError, r"h has dtype torch\.int64, expected"),
+    ("h-fp64", lambda h, da, p: (h.double(), da, p), TypeError, r"h has dtype torch\.float64, expected"),
+    ("probs-int", lambda h, da, p: (h, da, (p * 4).long()), TypeError,
+     r"probs has dtype torch\.int64, expected a floating-point tensor"),
+    ("da-int", lambda h, da, p: (h, da.long(), p), TypeError,
+     r"da has dtype torch\.int64, expected a floating-point tensor"),
+    ("probs-meta", lambda h, da, p: (h, da, p.to("meta")), ValueError,
+     r"probs is on meta, expected h's device cpu"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "change", "error", "match"), BAD_DTYPES, ids=[c[0] for c in BAD_DTYPES])
+def test_public_entry_points_check_dtypes_and_devices(name, change, error, match) -> None:
+    h, da, probs = change(*_inputs(9, 12, torch.bfloat16, torch.float32))
+    with pytest.raises(error, match=match):
+        if name.startswith("da"):
+            swiglu_probs_backward(da, h, probs)
+        else:
+            swiglu_probs(h, probs)
+    if not name.startswith("da"):
+        with pytest.raises(error, match=match):
+            swiglu_probs_backward(da.to(torch.float32), h, probs)
+
+
 def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:
     calls: list[str] = []
 

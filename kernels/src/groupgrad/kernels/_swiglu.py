@@ -37,6 +37,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from groupgrad.kernels._calls import INPUT_DTYPES
 from groupgrad.kernels._ops import direct_call_ok, run_directly
 
 __all__ = [
@@ -208,14 +209,28 @@ def _swiglu_probs_backward_cuda(
 
 
 def _check(h_T2F: Tensor, probs_T: Tensor | None) -> None:
+    """The public ops' arguments: ``h`` a ``(T, 2F)`` bf16/fp16/fp32 tensor, ``probs`` ``(T,)``
+    floating on ``h``'s device (fp64 is for the ``*_ref`` twins, the test oracles)."""
+    if not isinstance(h_T2F, Tensor) or h_T2F.dtype not in INPUT_DTYPES:
+        what = h_T2F.dtype if isinstance(h_T2F, Tensor) else type(h_T2F).__name__
+        raise TypeError(
+            f"h has dtype {what}, expected torch.bfloat16, torch.float16 or torch.float32"
+        )
     if h_T2F.dim() != 2 or h_T2F.shape[1] % 2:
         raise ValueError(
             f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F): gate and up halves side by side"
         )
-    if probs_T is not None and tuple(probs_T.shape) != (h_T2F.shape[0],):
+    if probs_T is None:
+        return
+    if not isinstance(probs_T, Tensor) or not probs_T.dtype.is_floating_point:
+        what = probs_T.dtype if isinstance(probs_T, Tensor) else type(probs_T).__name__
+        raise TypeError(f"probs has dtype {what}, expected a floating-point tensor")
+    if tuple(probs_T.shape) != (h_T2F.shape[0],):
         raise ValueError(
             f"probs has shape {tuple(probs_T.shape)}, expected (T,) = ({h_T2F.shape[0]},)"
         )
+    if probs_T.device != h_T2F.device:
+        raise ValueError(f"probs is on {probs_T.device}, expected h's device {h_T2F.device}")
 
 
 def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
@@ -239,7 +254,10 @@ def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
         ``a_TF``: a new contiguous ``(T, F)`` tensor in ``h``'s dtype.
 
     Raises:
-        ValueError: ``h`` is not ``(T, 2F)`` or ``probs`` is not ``(T,)``.
+        ValueError: ``h`` is not ``(T, 2F)`` or ``probs`` is not ``(T,)`` on
+            ``h``'s device.
+        TypeError: ``h`` is not bf16, fp16 or fp32, or ``probs`` is not
+            floating-point (fp64 and other dtypes are for the ``*_ref`` twin).
     """
     _check(h_T2F, probs_T)
     h, probs = h_T2F.contiguous(), None if probs_T is None else probs_T.contiguous()
@@ -274,10 +292,17 @@ def swiglu_probs_backward(
 
     Raises:
         ValueError: ``h`` is not ``(T, 2F)``, ``da`` not ``(T, F)`` or
-            ``probs`` not ``(T,)``.
+            ``probs`` not ``(T,)``, or either is not on ``h``'s device.
+        TypeError: ``h`` is not bf16, fp16 or fp32, or ``da`` or ``probs``
+            is not floating-point.
     """
     _check(h_T2F, probs_T)
     expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
+    if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
+        what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
+        raise TypeError(f"da has dtype {what}, expected a floating-point tensor")
+    if da_TF.device != h_T2F.device:
+        raise ValueError(f"da is on {da_TF.device}, expected h's device {h_T2F.device}")
     if tuple(da_TF.shape) != expected:
         raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
     probs = None if probs_T is None else probs_T.contiguous()

@@ -201,6 +201,13 @@ def _params(*shape: int, seed: int) -> Tensor:
         (lambda w: grouped_mlp(_XH, w[3], w[4], SPLITS, torch.rand(T + 1)), ValueError, r"probs has shape \(13,\), expected \(T,\) = \(12,\)"),
         (lambda w: grouped_mlp(_XH, "fc1", w[4], SPLITS), TypeError, r"fc1_weights is str, expected an \(E, ·, ·\) tensor"),
         (lambda w: grouped_mlp(_XH.numpy(), w[3], w[4], SPLITS), TypeError, r"x is a ndarray, expected a Tensor"),
+        # biases against their weights' outputs (an extra row was ignored, (E, 1) broadcast)
+        (lambda w: grouped_mlp(_XH, w[3], w[4], SPLITS, fc1_bias=torch.zeros(E + 1, 2 * FFN), fc2_bias=torch.zeros(E, H)), ValueError, r"fc1_bias has shape \(5, 16\), expected \(E, N\) = \(4, 16\) like fc1_weights"),
+        (lambda w: grouped_mlp(_XH, w[3], w[4], SPLITS, fc1_bias=torch.zeros(E, 2 * FFN), fc2_bias=torch.zeros(E, 1)), ValueError, r"fc2_bias has shape \(4, 1\), expected \(E, N\) = \(4, 16\) like fc2_weights"),
+        (lambda w: grouped_mlp(_XH, w[3], w[4], SPLITS, fc1_bias=torch.zeros(E - 1, 2 * FFN), fc2_bias=torch.zeros(E, H)), ValueError, r"fc1_bias has shape \(3, 16\), expected \(E, N\) = \(4, 16\)"),
+        (lambda w: grouped_mlp(_XH, list(w[3].unbind(0)), list(w[4].unbind(0)), SPLITS, fc1_bias=[torch.zeros(2 * FFN), torch.zeros(2 * FFN + 1), torch.zeros(2 * FFN), torch.zeros(2 * FFN)], fc2_bias=[torch.zeros(H)] * E), ValueError, r"fc1_bias\[1\] has shape \(17,\), expected \(N,\) = \(16,\) like fc1_weights\[1\]"),
+        (lambda w: grouped_linear(_X, w[1], SPLITS, bias=torch.zeros(E, N + 1)), ValueError, r"bias has shape \(4, 9\), expected \(E, N\) = \(4, 8\) like weights"),
+        (lambda w: grouped_linear(_X, w[1], SPLITS, bias=torch.zeros(E, N, device="meta")), ValueError, r"bias is on meta, expected cpu like weights"),
     ],
 )  # fmt: skip
 def test_bad_functional_arguments_are_named_and_write_nothing(call, error, match) -> None:
@@ -217,3 +224,11 @@ def test_bad_functional_arguments_are_named_and_write_nothing(call, error, match
     for w, old in zip(weights, before, strict=True):
         assert torch.equal(w.detach(), old)
         assert w.grad is None
+
+
+def test_splits_given_as_a_generator_is_read_once_for_every_gemm() -> None:
+    # Catches: fc1 consuming the generator and fc2 reporting "splits has 0 entries".
+    w1, w2 = _params(E, 2 * FFN, H, seed=15), _params(E, H, FFN, seed=16)
+    want = grouped_mlp(_XH, w1, w2, SPLITS)
+    got = grouped_mlp(_XH, w1, w2, (count for count in SPLITS))
+    assert torch.equal(got, want)

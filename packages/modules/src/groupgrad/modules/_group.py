@@ -17,7 +17,7 @@ copies the token counts, so a caller may refill its buffer at once. Under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor
 __all__ = [
     "Splits",
     "WeightGroupSpec",
+    "check_biases",
     "as_gemm_dtype",
     "autocast_dtype",
     "autocast_input",
@@ -41,8 +42,9 @@ Splits = Sequence[int] | Tensor
 def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
     """A private copy of ``splits``, taken at forward for every later GEMM of the op.
 
-    A sequence becomes a tuple; a tensor is cloned where it lives (on the
-    device without a host sync, so the CUDA-graph path stays capturable).
+    A tensor is cloned where it lives (on the device without a host sync, so
+    the CUDA-graph path stays capturable); any other iterable (a sequence, a
+    generator) becomes a tuple, read once.
     Values and length are checked by the kernels, not here. Under
     ``torch.compile`` a tensor's length is pinned to ``num_groups`` for the
     tracer (checked when the graph runs): a length traced from data (e.g.
@@ -53,8 +55,8 @@ def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
         if torch.compiler.is_compiling() and splits.dim() == 1:
             torch._check(splits.shape[0] == num_groups)
         return splits.clone()
-    if isinstance(splits, Sequence) and not isinstance(splits, str | bytes):
-        return tuple(splits)
+    if isinstance(splits, Iterable) and not isinstance(splits, str | bytes):
+        return tuple(splits)  # once: a generator feeds every GEMM of the op the same counts
     return splits  # not a token count container: the kernels name the problem
 
 
@@ -147,3 +149,30 @@ def expert_index(splits: Splits, num_groups: int, rows: int, device: torch.devic
         counts = counts.to(device, non_blocking=True)
     experts = torch.arange(num_groups, device=device)
     return torch.repeat_interleave(experts, counts, output_size=rows)
+
+
+def check_biases(
+    biases: Sequence[Tensor], weights: Sequence[Tensor], packed: bool, bias: str, weight: str
+) -> None:
+    """Each bias shaped and placed like its weight's output: ``(E, N)`` packed, ``(N,)`` per expert.
+
+    Args:
+        biases: The layer's biases (one packed tensor, or one per expert).
+        weights: The layer's plain weights (``(E, N, K)`` packed, or ``(N, K)`` each).
+        packed: The layout.
+        bias: How the caller named the biases (e.g. ``"fc1_bias"``).
+        weight: How the caller named the weights (e.g. ``"fc1_weights"``).
+
+    Raises:
+        ValueError: A bias of another shape or on another device than its weight.
+    """
+    for index, (b, w) in enumerate(zip(biases, weights, strict=True)):
+        b_name, w_name = (bias, weight) if packed else (f"{bias}[{index}]", f"{weight}[{index}]")
+        want = tuple(w.shape[:2]) if packed else tuple(w.shape[:1])
+        if tuple(b.shape) != want:
+            dims = "(E, N)" if packed else "(N,)"
+            raise ValueError(
+                f"{b_name} has shape {tuple(b.shape)}, expected {dims} = {want} like {w_name}"
+            )
+        if b.device != w.device:
+            raise ValueError(f"{b_name} is on {b.device}, expected {w.device} like {w_name}")

@@ -28,6 +28,7 @@ from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
     as_gemm_dtype,
+    check_biases,
     autocast_input,
     expert_index,
     no_autocast,
@@ -261,4 +262,6 @@ def _group_arguments(
             raise ValueError(
                 f"bias has {len(biases)} entries, expected {len(params)} (one per expert weight)"
             )
+        if not is_distributed_weight(params[0]):
+            check_biases(biases, params, spec.packed, "bias", "weights")
     return spec, params + biases, len(biases)

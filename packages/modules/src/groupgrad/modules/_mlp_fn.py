@@ -54,6 +54,7 @@ from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
     autocast_input,
+    check_biases,
     expert_index,
     no_autocast,
     snapshot_splits,
@@ -296,6 +297,8 @@ def _layer_group(
                 f"{name}_bias has {len(biases)} entries, expected {len(members)} (one per "
                 f"{name} weight)"
             )
+        if not is_distributed_weight(members[0]):
+            check_biases(biases, members, packed, f"{name}_bias", f"{name}_weights")
     return WeightGroupSpec(names, packed, False), members, biases
 
 

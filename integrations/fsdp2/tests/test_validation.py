@@ -106,9 +106,20 @@ def _sub_unit_sharded_by_plain_fsdp2() -> nn.Module:
     return block
 
 
+def _mixed_dtypes() -> nn.Module:
+    block = Block()
+    block.mlp.to(torch.bfloat16)  # the router stays fp32: FSDP2 would fail at the first forward
+    return block
+
+
 @pytest.mark.parametrize(
     ("build", "match"),
     [
+        (
+            _mixed_dtypes,
+            r"parameter 'mlp.fc1.weight0' has dtype torch.bfloat16 but 'router.weight' has "
+            r"torch.float32; FSDP2 expects one original dtype per unit",
+        ),
         (
             _fc2_switched_to_main_grad_later,
             r"GroupedLinear 'mlp.fc2' has accumulate_into_main_grad",

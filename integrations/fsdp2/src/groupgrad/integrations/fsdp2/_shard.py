@@ -21,6 +21,7 @@ from groupgrad.integrations.fsdp2._validate import (
     check_nested_units,
     check_plain_parameters,
     check_reduce_dtype,
+    check_uniform_dtype,
     mp_policy_of,
 )
 
@@ -90,7 +91,8 @@ def fully_shard(
             than fp32, bf16 or fp16; parameters computed in bf16/fp16 with no
             ``reduce_dtype`` (FSDP2 would reduce in 16 bits; pass it
             explicitly, e.g. ``reduce_dtype=torch.float32``); a module that
-            is an FSDP unit already; ``dp_mesh_dims`` (FSDP2 over ``DTensor``
+            is an FSDP unit already; trainable parameters of more than one
+            dtype in the unit (FSDP2 needs one); ``dp_mesh_dims`` (FSDP2 over ``DTensor``
             parameters; the grouped GEMMs take plain tensors).
         RuntimeError: PyTorch has no ``Tensor.grad_dtype`` (before 2.10).
     """
@@ -100,6 +102,7 @@ def fully_shard(
     check_plain_parameters(fsdp_kwargs)
     check_nested_units(modules)
     check_layers(modules)
+    check_uniform_dtype(modules)
     reduce_dtype = check_reduce_dtype(modules, policy)
 
     before = plain_param_slots(modules)

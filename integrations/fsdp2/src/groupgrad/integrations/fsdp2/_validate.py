@@ -27,6 +27,7 @@ __all__ = [
     "check_nested_units",
     "check_plain_parameters",
     "check_reduce_dtype",
+    "check_uniform_dtype",
     "compute_dtype",
     "mp_policy_of",
     "unit_members",
@@ -195,6 +196,31 @@ def check_layers(modules: Sequence[nn.Module]) -> None:
                     f"parameter {_join(name, param_name)!r} of {kind} {label!r} is already a "
                     f"DTensor (placements {param.placements}); groupgrad's grouped GEMMs take "
                     "plain tensors, expected an unsharded parameter before fully_shard"
+                )
+
+
+def check_uniform_dtype(modules: Sequence[nn.Module]) -> None:
+    """Reject a unit whose trainable parameters have more than one dtype (FSDP2 needs one).
+
+    FSDP2 itself fails at the unit's first forward, naming no parameter.
+
+    Raises:
+        ValueError: Two trainable parameters of the unit differ in dtype; the
+            message names one of each.
+    """
+    first: tuple[str, torch.dtype] | None = None
+    for name, sub in unit_members(modules):
+        for param_name, param in sub.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if first is None:
+                first = (_join(name, param_name), param.dtype)
+            elif param.dtype != first[1]:
+                raise ValueError(
+                    f"parameter {_join(name, param_name)!r} has dtype {param.dtype} but "
+                    f"{first[0]!r} has {first[1]}; FSDP2 expects one original dtype per unit: "
+                    "cast the module (e.g. module.float(), with mp_policy's param_dtype for the "
+                    "compute dtype) or shard the odd parameters' module as a unit of its own"
                 )
 
 

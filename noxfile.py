@@ -24,6 +24,7 @@ missing there, such as ``nvidia-cutlass``).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import site
@@ -32,8 +33,10 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import nox
+import nox.command
 import nox.virtualenv
 from packaging.version import Version
 
@@ -170,20 +173,25 @@ def tests(session: nox.Session) -> None:
     shared = [p for p in PACKAGES if p.removeprefix("./") not in OWN_TEST_ENVIRONMENT]
     _install_project_cpu(session, "pytest>=8", "pytest-timeout", "build", packages=shared)
     own = {f"{folder}/tests" for folder in OWN_TEST_ENVIRONMENT}
-    _run_cpu_tests(session, *(path for path in TEST_PATHS if path not in own))
+    failures: list[str] = []
+    try:  # a failing test does not stop the distribution checks: every failure is reported
+        _run_cpu_tests(session, *(path for path in TEST_PATHS if path not in own))
+    except nox.command.CommandFailed:
+        failures.append("pytest failed (its summary is above)")
     _build_dists(session)
-    _check_dists(session)
+    failures += _check_dists(session)
     for folder in OWN_TEST_ENVIRONMENT:
         session.notify(f"tests-{Path(folder).name.replace('_', '-')}")
+    if failures:
+        session.error("failed:\n  " + "\n  ".join(failures))
 
 
 @nox.session(name="tests-megatron-core", python=PYTHON_VERSIONS)
 def tests_megatron_core(session: nox.Session) -> None:
     """CPU tests of groupgrad-megatron-core in an environment without megatron-fsdp (run by tests)."""
     folder = "integrations/megatron_core"
-    # psutil: Megatron-Core's checkpoint writer imports it without declaring it
     packages = [*OWN_TEST_ENVIRONMENT[folder], f"./{folder}"]
-    _install_project_cpu(session, "pytest>=8", "pytest-timeout", "psutil", packages=packages)
+    _install_project_cpu(session, "pytest>=8", "pytest-timeout", packages=packages)
     _run_cpu_tests(session, f"{folder}/tests")
 
 
@@ -413,16 +421,24 @@ print(json.dumps({"installed": own, "imported": modules, "torch": torch.__versio
 """
 
 
-def _check_dists(session: nox.Session) -> None:
-    """Install each distribution alone from dist/ into a fresh environment and import it.
+def _check_dists(session: nox.Session) -> list[str]:
+    """Install each distribution alone from dist/ into a fresh environment, import it, run its README.
 
     The environment sees the shared ``torch==2.13.0`` (a ``.pth`` file) and
     gets everything else from ``pip install --find-links dist <name>``: the
-    monorepo siblings from dist/, third-party packages from the index. Fails
-    when the install pulls a sibling that the sources do not import, misses one
-    they do, pulls CUDA tooling, or a public module does not import.
+    monorepo siblings from dist/, third-party packages from the index. A
+    failure: the install pulls a sibling that the sources do not import,
+    misses one they do, pulls CUDA tooling, a public module does not import,
+    or a CPU example of the package's README (its advertised paths, e.g.
+    checkpoints) fails there — a runtime need the package does not declare.
+
+    Returns:
+        What failed, one line each (every distribution is checked).
     """
     import json
+
+    blocks = _readme_blocks_module()
+    failures: list[str] = []
 
     work = Path(session.create_tmp()) / "dist-check"
     shutil.rmtree(work, ignore_errors=True)
@@ -454,18 +470,41 @@ def _check_dists(session: nox.Session) -> None:
         siblings = {d for d in installed if d.startswith("groupgrad-")}
         expected = _sibling_closure(folder)
         if siblings != expected:
-            session.error(
+            failures.append(
                 f"pip install --find-links dist {name} installed the groupgrad distributions "
                 f"{sorted(siblings)}, expected {sorted(expected)} (what its sources import)"
             )
         tooling = sorted(d for d in installed if d.lower() in CUDA_TOOLING)
         if tooling:
-            session.error(f"pip install --find-links dist {name} pulled CUDA tooling {tooling}")
+            failures.append(f"pip install --find-links dist {name} pulled CUDA tooling {tooling}")
+        examples = [
+            b for b in blocks.parse(ROOT / folder / "README.md")[0]
+            if b.language in blocks.PYTHON and not b.gpu
+        ]  # fmt: skip
+        for block in examples:
+            folder_for_block = work / f"{name}-example-{block.line}"
+            folder_for_block.mkdir()
+            done = blocks.run_block(block, folder_for_block, 600, bin_dir=env / "bin")
+            if done.returncode != 0:
+                session.log(f"{block.id} failed with {name} alone:\n{done.stderr[-3000:]}")
+                failures.append(f"{block.id} exited {done.returncode} with {name} installed alone")
         seconds = time.perf_counter() - start
         timings.append(f"{name} {seconds:.0f} s")
         session.log(
             f"{name}: installed alone with {sorted(siblings - {name}) or 'no siblings'}, "
-            f"imported {len(report['imported'])} public modules (torch {report['torch']}) "
-            f"in {seconds:.0f} s"
+            f"imported {len(report['imported'])} public modules (torch {report['torch']}), "
+            f"ran {len(examples)} README examples, in {seconds:.0f} s"
         )
-    session.log("every distribution installs alone from dist/: " + ", ".join(timings))
+    session.log("every distribution installed alone from dist/: " + ", ".join(timings))
+    return failures
+
+
+def _readme_blocks_module() -> ModuleType:
+    """``tests/groupgrad_testsupport/readme_blocks.py`` (standard library only), loaded by path."""
+    path = ROOT / "tests" / "groupgrad_testsupport" / "readme_blocks.py"
+    spec = importlib.util.spec_from_file_location("groupgrad_readme_blocks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from groupgrad_testsupport import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_hf_moe.py"
@@ -20,7 +21,7 @@ BENCH = ROOT / "benchmarks" / "bench_hf_moe.py"
 
 def test_smoke_run_writes_every_variant(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = run_command(
         [
             sys.executable,
             str(BENCH),
@@ -32,9 +33,6 @@ def test_smoke_run_writes_every_variant(tmp_path: Path) -> None:
             "--out",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
         timeout=600,
         env=env,
     )

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from groupgrad_testsupport import run_command
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "moe_demo.py"
 
 
@@ -35,13 +37,7 @@ def _load_demo() -> ModuleType:
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, str(DEMO), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
+    result = run_command([sys.executable, str(DEMO), *args], timeout=600)
     if check:
         assert result.returncode == 0, result.stderr[-2000:]
     return result

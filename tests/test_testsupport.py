@@ -13,12 +13,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from groupgrad_testsupport import (
+    run_command,
     Case,
     GpuNeed,
     LaunchError,
@@ -278,7 +280,9 @@ assert dist.all_reduce(total) is None  # a synchronous call keeps its own result
 with dist.distributed_c10d._coalescing_manager(async_ops=True) as manager:
     dist.all_reduce(torch.ones(2))
 manager.wait()
-print("in order")
+print("in order", flush=True)
+dist.destroy_process_group()  # gloo's threads stopped now, not torn down at exit (an abort)
+os._exit(0)
 """
 
 
@@ -295,3 +299,33 @@ def test_cpu_collectives_complete_before_returning(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "in order"
+
+
+_SPAWNS_A_RANK = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(rank.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_timed_out_command_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``run_command`` kills the whole tree on a timeout (``subprocess.run`` kills one process)."""
+    pid_file = tmp_path / "rank.pid"
+    script = _SPAWNS_A_RANK.replace("print(rank.pid, flush=True)", f"open({str(pid_file)!r}, 'w').write(str(rank.pid))")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command([sys.executable, "-c", script], timeout=5)
+    rank = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(rank), f"rank {rank} survived its command's timeout"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

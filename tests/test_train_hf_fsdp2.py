@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
-from groupgrad_testsupport import torchrun
+from groupgrad_testsupport import run_command, torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_hf_fsdp2.py"
 
@@ -27,9 +26,7 @@ def test_example_trains_and_reports_the_gradient_difference() -> None:
         "--steps", "6", "--print-every", "3", "--layers", "1", "--batch", "4", "--seq", "16",
     ]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, capture_output=True, text=True, check=False, timeout=600, env=env
-    )
+    result = run_command(command, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "on 2 cpu ranks" in out, out

@@ -94,7 +94,7 @@ from __future__ import annotations
 from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
-from groupgrad_testsupport.launcher import LaunchError, Launches, launch, torchrun
+from groupgrad_testsupport.launcher import LaunchError, Launches, launch, run_command, torchrun
 from groupgrad_testsupport.matrix import (
     Case,
     assert_group_backward_ran_once,
@@ -145,6 +145,7 @@ __all__ = [
     "module_flags",
     "poison_",
     "poisoned",
+    "run_command",
     "run_worker",
     "torchrun",
     "write_into_dummies",

@@ -68,6 +68,48 @@ def torchrun(nproc: int) -> list[str]:
     ]
 
 
+def run_command(
+    args: Sequence[str], *, timeout: float, **options: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True, timeout=...)``, killing a whole tree.
+
+    The command runs in a process group of its own; on a timeout (or any
+    other way out, an interrupt included) the whole group is killed — the
+    ranks ``torchrun`` started with it, which ``subprocess.run`` would leave
+    running — before ``subprocess.TimeoutExpired`` is raised.
+
+    Args:
+        args: The command.
+        timeout: Seconds it may run.
+        **options: Further ``subprocess.Popen`` options (``env``, ``cwd``).
+    """
+    proc = subprocess.Popen(
+        list(args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **options,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still there (a rank outliving its parent)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def result_path(workdir: Path, scenario: str, rank: int) -> Path:
     """Where rank ``rank`` leaves scenario ``scenario``'s result (see :mod:`.results`)."""
     return workdir / "results" / f"{scenario}.rank{rank}.json"

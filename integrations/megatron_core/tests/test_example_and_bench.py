@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from groupgrad_testsupport import torchrun
+from groupgrad_testsupport import run_command, torchrun
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "train_megatron_core_moe.py"
@@ -27,9 +27,7 @@ def _cpu_env() -> dict[str, str]:
 
 
 def _run(command: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        command, capture_output=True, text=True, env=_cpu_env(), timeout=timeout, check=False
-    )
+    result = run_command(command, env=_cpu_env(), timeout=timeout)
     assert result.returncode in (0, 3), (
         f"{' '.join(command)} exited with {result.returncode}:\n{result.stdout[-3000:]}\n"
         f"{result.stderr[-5000:]}"

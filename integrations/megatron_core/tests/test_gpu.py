@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from groupgrad_testsupport import Launches, load_sibling, torchrun
+from groupgrad_testsupport import Launches, load_sibling, run_command, torchrun
 
 pytestmark = pytest.mark.gpu(2)
 
@@ -60,9 +59,7 @@ def test_moe_layer_on_two_gpus_against_sequential_mlp(runs: Launches, name: str)
 
 def _torchrun(script: Path, *args: str, timeout: int = 900) -> str:
     command = [*torchrun(2), str(script), *args]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, check=False, env=dict(os.environ)
-    )
+    result = run_command(command, timeout=timeout, env=dict(os.environ))
     assert result.returncode == 0, (
         f"{' '.join(command)} exited with {result.returncode}:\n{result.stdout[-3000:]}\n"
         f"{result.stderr[-6000:]}"

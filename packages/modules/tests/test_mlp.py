@@ -524,3 +524,22 @@ def test_importing_and_running_on_cpu_needs_neither_triton_nor_cuda() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_steps_bf16_weights_on_their_fp32_grads_and_adamw_refuses(momentum: float) -> None:
+    """What the transformers README says of optimizers for ``grad_dtype = float32`` on bf16 weights."""
+    torch.manual_seed(40)
+    mlp = GroupedMLP(4, 16, 8, dtype=torch.bfloat16, single_grouped_weight=True)
+    for p in mlp.parameters():
+        p.grad_dtype = torch.float32
+    splits = [5, 0, 7, 4]
+    mlp(torch.randn(16, 16, dtype=torch.bfloat16), splits).float().square().sum().backward()
+    weight = mlp.fc1.weight
+    before, grad = weight.detach().clone(), weight.grad.clone()
+    assert grad.dtype == torch.float32
+    torch.optim.SGD(mlp.parameters(), lr=0.1, momentum=momentum).step()
+    assert weight.dtype == torch.bfloat16
+    torch.testing.assert_close(weight.detach(), (before.float() - 0.1 * grad).bfloat16())
+    with pytest.raises(RuntimeError, match=r"expected dtype c10::BFloat16 for `end` but got dtype float"):
+        torch.optim.AdamW(mlp.parameters()).step()

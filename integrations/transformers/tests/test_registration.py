@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import transformers
@@ -43,3 +44,38 @@ def test_supported_versions_pass(version: str) -> None:
 def test_other_versions_fail_with_the_range(version: str) -> None:
     with pytest.raises(RuntimeError, match=f"transformers {re.escape(version)} is installed"):
         ggt.check_transformers_version(version)
+
+
+def _tiny_jetmoe() -> transformers.PreTrainedModel:
+    """A model whose experts lack transformers' @use_experts_implementation (JetMoE)."""
+    config = transformers.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.JetMoeForCausalLM(config)
+
+
+def test_experts_route_says_when_transformers_will_not_dispatch() -> None:
+    model = _tiny_jetmoe()
+    experts = model.model.layers[0].mlp.input_linear
+    route = ggt.experts_route(experts)
+    assert route.dispatched is False
+    assert not route.fused
+    assert "not decorated with transformers' @use_experts_implementation" in route.reason
+    qwen = transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_experts=4, num_experts_per_tok=2, mlp_only_layers=[],
+        )
+    )  # fmt: skip
+    assert ggt.experts_route(qwen.model.layers[0].mlp.experts).dispatched is True
+
+
+def test_setting_groupgrad_on_a_model_it_cannot_serve_warns_once() -> None:
+    model = _tiny_jetmoe()
+    with pytest.warns(UserWarning, match=r"changes nothing on JetMoeForCausalLM"):
+        model.set_experts_implementation("groupgrad")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call stays quiet
+        _tiny_jetmoe().set_experts_implementation("groupgrad")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Any
+
 from groupgrad.integrations.transformers._forward import groupgrad_experts_forward
 from groupgrad.integrations.transformers._version import check_transformers_version
+from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 __all__ = ["IMPLEMENTATION", "register"]
@@ -28,7 +33,8 @@ def register() -> None:
     ``model.set_experts_implementation("groupgrad")``,
     ``from_pretrained(..., experts_implementation="groupgrad")`` and every
     ``@use_experts_implementation`` module find it. Calling it again changes
-    nothing.
+    nothing. It also makes ``set_experts_implementation("groupgrad")`` warn,
+    once per model class, on a model transformers will not dispatch.
 
     Raises:
         RuntimeError: The installed transformers is not a supported release
@@ -45,3 +51,42 @@ def register() -> None:
             f"{groupgrad_experts_forward.__qualname__}"
         )
     ExpertsInterface.register(IMPLEMENTATION, groupgrad_experts_forward)
+    _watch_set_experts_implementation()
+
+
+_WARNED: set[str] = set()
+
+
+def _watch_set_experts_implementation() -> None:
+    """Make ``set_experts_implementation("groupgrad")`` warn (once per class) where it does nothing.
+
+    transformers leaves a model whose experts lack ``@use_experts_implementation``
+    (JetMoE, Llama-4) on its own code without a word; ``experts_route`` says
+    ``dispatched=False`` for such experts.
+    """
+    original = PreTrainedModel.set_experts_implementation
+    if getattr(original, "_groupgrad_watched", False):
+        return
+
+    @functools.wraps(original)
+    def set_experts_implementation(self: PreTrainedModel, experts_implementation: Any) -> Any:
+        result = original(self, experts_implementation)
+        asked = (
+            experts_implementation.values()
+            if isinstance(experts_implementation, dict)
+            else [experts_implementation]
+        )
+        name = type(self).__name__
+        if IMPLEMENTATION in asked and not self._can_set_experts_implementation():
+            if name not in _WARNED:
+                _WARNED.add(name)
+                warnings.warn(
+                    f"set_experts_implementation({IMPLEMENTATION!r}) changes nothing on {name}: its "
+                    "experts are not decorated with transformers' @use_experts_implementation, "
+                    "so they keep running transformers' own code",
+                    stacklevel=2,
+                )
+        return result
+
+    set_experts_implementation._groupgrad_watched = True  # type: ignore[attr-defined]
+    PreTrainedModel.set_experts_implementation = set_experts_implementation  # type: ignore[method-assign]

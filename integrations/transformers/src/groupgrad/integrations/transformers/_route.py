@@ -30,7 +30,7 @@ from torch import nn
 from transformers import activations
 from transformers.integrations import moe
 
-__all__ = ["ExpertsRoute", "experts_route"]
+__all__ = ["ExpertsRoute", "dispatches", "experts_route"]
 
 
 def _silu_types() -> tuple[type[nn.Module], ...]:
@@ -64,19 +64,41 @@ class ExpertsRoute:
             contiguous copy each forward; their gradient then flows back
             through the copy in the compute dtype, so a ``grad_dtype`` wider
             than the weights does not reach the GEMM.
-        reason: Why the fused MLP is not used (empty when it is).
+        reason: Why the fused MLP is not used (empty when it is), or why
+            transformers does not call groupgrad for the module at all.
+        dispatched: Whether transformers calls the experts implementation
+            for this module: only a class decorated with
+            ``@use_experts_implementation`` dispatches (JetMoE's and
+            Llama-4's experts do not; ``set_experts_implementation`` leaves
+            them on their own forward).
     """
 
     fused: bool
     probs_in_mlp: bool
     transposed: bool
     reason: str = ""
+    dispatched: bool = True
 
 
 def _uses_default_gate(experts: nn.Module) -> bool:
     """Whether the module gates with transformers' default ``act(gate) * up`` on concatenated halves."""
     default = getattr(moe, "_default_apply_gate", None)
     return default is not None and getattr(type(experts), "_apply_gate", None) is default
+
+
+def dispatches(experts: nn.Module) -> bool:
+    """Whether transformers dispatches ``experts`` to the chosen experts implementation.
+
+    True for a class whose ``forward`` is the wrapper transformers'
+    ``@use_experts_implementation`` installs.
+    """
+    forward = getattr(type(experts), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return (
+        getattr(forward, "__wrapped__", None) is not None
+        and code is not None
+        and code.co_filename == moe.__file__
+    )
 
 
 def experts_route(experts: nn.Module) -> ExpertsRoute:
@@ -89,8 +111,22 @@ def experts_route(experts: nn.Module) -> ExpertsRoute:
 
     Returns:
         The route. Qwen3-MoE, Mixtral and the other concatenated SwiGLU
-        models without bias take the fused MLP with the router weights inside.
+        models without bias take the fused MLP with the router weights inside;
+        a module transformers does not dispatch says so
+        (``dispatched=False``, with the reason).
     """
+    if not dispatches(experts):
+        return ExpertsRoute(
+            fused=False,
+            probs_in_mlp=False,
+            transposed=False,
+            reason=(
+                f"{type(experts).__name__} is not decorated with transformers' "
+                "@use_experts_implementation, so transformers never calls the groupgrad "
+                "implementation for it: it runs its own forward"
+            ),
+            dispatched=False,
+        )
     has_gate = bool(getattr(experts, "has_gate", True))
     transposed = bool(getattr(experts, "is_transposed", False))
     reasons = []

@@ -16,12 +16,16 @@ needed and what was found, and ``-ra`` lists it under the test's own file.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import pytest
+if TYPE_CHECKING:  # pytest only where the tests run: the support imports without it
+    import pytest
+
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ def unmet_reason(need: GpuNeed) -> str | None:
 
 def mark_unavailable(items: Iterable[pytest.Item]) -> None:
     """Add a ``skip`` marker, with the reason, to each item whose ``gpu`` marker cannot be met."""
+    import pytest
+
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is None:

@@ -37,11 +37,13 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
-import pytest
 
 from groupgrad_testsupport import results
+
+if TYPE_CHECKING:  # pytest only where the tests run: the support imports without it
+    import pytest
 
 LAUNCH_ENV = "GROUPGRAD_TESTSUPPORT_LAUNCH"
 SUPPORT_PATH = Path(__file__).resolve().parent.parent  # the folder that holds this package
@@ -315,6 +317,8 @@ class Launches:
     def __call__(self, world_size: int) -> dict[str, list[Any]]:
         """The results of the ``world_size`` launch (``{scenario name: [per-rank result]}``)."""
         if world_size in self._failed:
+            import pytest
+
             pytest.fail(f"the {world_size}-rank launch failed earlier:\n{self._failed[world_size]}")
         if world_size not in self._done:
             try:

@@ -9,7 +9,8 @@ weights from it. The task is synthetic: match a fixed random teacher MoE.
 
 At the end the demo says where every expert's gradient went and measures why
 it matters: the same expert gradients reduced across 8 simulated data-parallel
-ranks in fp32 and in bf16, against an fp64 reduction.
+ranks in fp32 and in bf16, against an fp64 reduction; ``--plot`` (default
+``moe_demo.png``) draws the loss curve and the two errors.
 """
 
 from __future__ import annotations
@@ -164,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-every", type=_at_least_one, default=50, help="print the loss every this many steps"
     )
+    parser.add_argument(
+        "--plot",
+        default="moe_demo.png",
+        help="write the loss curve and the fp32-vs-bf16 reduction error as a PNG to this path "
+        "(needs matplotlib; an empty string writes none)",
+    )
     args = parser.parse_args(argv)
     try:
         args.device = torch.device(args.device)
@@ -249,6 +256,28 @@ def main(argv: list[str] | None = None) -> None:
         "gradient reduction over 8 simulated ranks, relative error vs fp64: "
         f"fp32 {fp32_err:.2e}, bf16 {bf16_err:.2e} ({bf16_err / max(fp32_err, 1e-30):.0f}x larger)"
     )
+    if args.plot:
+        _plot(args.plot, losses, fp32_err, bf16_err, f"{args.experts} experts on {device}")
+
+
+def _plot(path: str, losses: list[float], fp32_err: float, bf16_err: float, title: str) -> None:
+    """The loss curve and the two reduction errors, side by side, as a PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no picture: matplotlib is not installed (pip install matplotlib), {path} not written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.plot(range(1, len(losses) + 1), losses)
+    left.set(yscale="log", xlabel="step", ylabel="loss (log)", title=f"training: {title}")
+    right.bar(["fp32", "bf16"], [fp32_err, bf16_err], color=["tab:green", "tab:red"])
+    right.set(yscale="log", ylabel="relative error vs fp64", title="wgrad reduction, 8 ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}: the loss curve and the two reduction errors")
 
 
 if __name__ == "__main__":

@@ -120,11 +120,17 @@ def test_demo_expert_gradients_match_an_fp64_per_expert_reference(experts: str) 
 
 
 @pytest.mark.parametrize(("experts", "steps"), [("linear", 30), ("mlp", 4)])
-def test_demo_trains_and_reports_where_gradients_went(experts: str, steps: int) -> None:
+def test_demo_trains_and_reports_where_gradients_went(
+    experts: str, steps: int, tmp_path: Path
+) -> None:
+    picture = tmp_path / "demo.png"
     out = _run(
-        "--device", "cpu", "--experts", experts, "--steps", str(steps), "--print-every", "10"
-    )
+        "--device", "cpu", "--experts", experts, "--steps", str(steps), "--print-every", "10",
+        "--plot", str(picture),
+    )  # fmt: skip
     out = out.stdout
+    assert f"wrote {picture}" in out, out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fell = re.search(r"loss went from ([0-9.]+) to ([0-9.]+) in (\d+) steps", out)
     assert fell is not None, out
     first, last = float(fell.group(1)), float(fell.group(2))
@@ -144,6 +150,7 @@ def test_help_describes_every_option_with_its_default() -> None:
         ("--experts", "linear"),
         ("--device", "cpu"),
         ("--print-every", "50"),
+        ("--plot", "moe_demo.png"),
     ]:
         described = re.search(rf"{option} \S+ (.+?)\(default: {default}\)", help_text)
         assert described is not None, f"{option}: no description with its default in\n{help_text}"

@@ -96,6 +96,24 @@ def test_every_package_carries_the_license_and_complete_metadata() -> None:
                 )
 
 
+@pytest.mark.parametrize("package", _existing_packages(), ids=lambda p: p.name)
+def test_package_says_its_version(package: Path) -> None:
+    """``__version__`` of the top package equals the distribution's version in pyproject.toml.
+
+    Read from the source (megatron-core's package is not importable in every test environment).
+    """
+    init = min((package / "src").glob("groupgrad/**/__init__.py"), key=lambda p: len(p.parts))
+    found = [
+        node.value.value
+        for node in ast.parse(init.read_text()).body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+        and isinstance(node.value, ast.Constant)
+    ]
+    version = tomllib.loads((package / "pyproject.toml").read_text())["project"]["version"]
+    assert found == [version], f"{init}: __version__ {found}, expected {version!r}"
+
+
 def test_kernels_installs_light_and_its_cuda_extra_holds_the_build_tools() -> None:
     meta = _meta(ROOT / "kernels")
     names = [r.split(">")[0].split("=")[0].strip() for r in meta["dependencies"]]

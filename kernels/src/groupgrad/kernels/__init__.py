@@ -17,6 +17,8 @@ Shapes: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
 rows per expert.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.kernels._api import (
     grouped_dgrad,
     grouped_dgrad_ref,

@@ -15,6 +15,8 @@ through the GEMM's epilogue (accumulate or overwrite), into a distributed
 implementer's buffers, or back to autograd.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.modules._linear import GroupedLinear
 from groupgrad.modules._linear_fn import grouped_linear
 from groupgrad.modules._mlp import GroupedMLP

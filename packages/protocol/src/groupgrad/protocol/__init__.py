@@ -23,6 +23,8 @@ Two parts:
   dtype a wgrad reaches autograd in, and the dummy's.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.protocol._attrs import (
     MAIN_GRAD_DTYPES,
     deliver_to_main_grad,

@@ -11,6 +11,8 @@ Unsupported setups are rejected when the unit is sharded, with a message that
 says what to change.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.integrations.fsdp2._shard import fully_shard
 
 __all__ = ["fully_shard"]

@@ -30,6 +30,8 @@ to the Python they need. Importing the package on another release raises
 ``ImportError``.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.integrations.megatron_core._compat import MEGATRON_CORE_VERSION, SUPPORTED_RELEASES
 from groupgrad.integrations.megatron_core._experts import GroupgradFusedExperts
 from groupgrad.integrations.megatron_core._linear import (

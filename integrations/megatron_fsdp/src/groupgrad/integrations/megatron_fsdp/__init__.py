@@ -17,6 +17,8 @@ tensors from the uneven shards (empty ones included), for inspection and
 checkpoints. Megatron-FSDP needs CUDA; :func:`shard_model` says so up front.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.integrations.megatron_fsdp._gather import gather_full_grads, gather_full_weights
 from groupgrad.integrations.megatron_fsdp._shard import (
     fp32_grad_policy,

@@ -17,6 +17,8 @@ leaves sharded experts alone), sharded ``DTensor`` state dicts for
 for a standard ``torch.optim`` optimizer stepping from ``main_grad``).
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.integrations.torch_distributed._checkpoint import (
     full_state_dict,
     load_full_state_dict,

@@ -19,6 +19,8 @@ Supported: transformers 5.17 through 5.24 (:data:`SUPPORTED_TRANSFORMERS`);
 other releases fail at import with a message naming the installed version.
 """
 
+__version__ = "0.1.0"
+
 from groupgrad.integrations.transformers._forward import (
     groupgrad_experts_forward,
     tokens_per_expert,

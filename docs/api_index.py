@@ -19,7 +19,10 @@ from pathlib import Path
 _CURRENT = re.compile(r"^\.\.\s+(?:currentmodule|automodule|module|py:module)::\s*(\S+)")
 _MODULE_TARGET = re.compile(r"^\.\.\s+(?:automodule|module|py:module)::\s*(\S+)")
 _AUTOSUMMARY = re.compile(r"^\.\.\s+autosummary::")
-_DIRECTIVE = re.compile(r"^\s*\.\.\s+py:(?:data|function|class|attribute|module)::\s*(\S+)")
+_DIRECTIVE = re.compile(
+    r"^\s*\.\.\s+(?:py:(?:data|function|class|attribute|module)|auto(?:data|function|class))::"
+    r"\s*(\S+)"
+)
 
 
 def public_modules(root: Path) -> list[str]:
@@ -77,7 +80,8 @@ def write_unsorted_page(docs: Path, root: Path) -> list[str]:
     pages = sorted((docs / "api").glob("*.rst"))
     on_pages = listed(pages)
     names = [name for name in exported(public_modules(root)) if name not in on_pages]
-    lines = ["Not yet sorted into the pages above", "=" * 35, ""]
+    # orphan: in no toctree (a passing build has nothing here: an unsorted name fails it)
+    lines = [":orphan:", "", "Not yet sorted into the API pages", "=" * 33, ""]
     if not names:
         lines.append("Every exported name is on its package's page.")
     else:

@@ -297,9 +297,15 @@ def _installed_already(
     digest = hashlib.sha256(" ".join([TORCH_CPU, *extras]).encode())
     for package in packages:
         for path in sorted((ROOT / package).rglob("*")):
-            if path.is_file() and not {"__pycache__", "build"} & set(path.parts) and ".egg-info" not in str(path):
+            if (
+                path.is_file()
+                and not {"__pycache__", "build"} & set(path.parts)
+                and ".egg-info" not in str(path)
+            ):
                 info = path.stat()
-                digest.update(f"{path.relative_to(ROOT)} {info.st_size} {info.st_mtime_ns}".encode())
+                digest.update(
+                    f"{path.relative_to(ROOT)} {info.st_size} {info.st_mtime_ns}".encode()
+                )
     stamp = Path(session.virtualenv.location) / ".groupgrad-installed"
     if record:
         stamp.write_text(digest.hexdigest())
@@ -537,7 +543,8 @@ def _readme_blocks_module() -> ModuleType:
     """``tests/groupgrad_testsupport/readme_blocks.py`` (standard library only), loaded by path."""
     path = ROOT / "tests" / "groupgrad_testsupport" / "readme_blocks.py"
     spec = importlib.util.spec_from_file_location("groupgrad_readme_blocks", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -265,7 +265,9 @@ def _plot(path: str, losses: list[float], fp32_err: float, bf16_err: float, titl
     try:
         import matplotlib
     except ImportError:
-        print(f"no picture: matplotlib is not installed (pip install matplotlib), {path} not written")
+        print(
+            f"no picture: matplotlib is not installed (pip install matplotlib), {path} not written"
+        )
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

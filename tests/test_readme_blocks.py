@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from groupgrad_testsupport.readme_blocks import (
-    OTHER,
     PYTHON,
     ROOT,
     Block,

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from groupgrad_testsupport import (
-    run_command,
     Case,
     GpuNeed,
     LaunchError,
@@ -32,6 +31,7 @@ from groupgrad_testsupport import (
     poison_,
     poisoned,
     results,
+    run_command,
 )
 from groupgrad_testsupport import gpu as gpu_support
 
@@ -312,7 +312,9 @@ time.sleep(300)
 def test_a_timed_out_command_leaves_no_process_behind(tmp_path: Path) -> None:
     """``run_command`` kills the whole tree on a timeout (``subprocess.run`` kills one process)."""
     pid_file = tmp_path / "rank.pid"
-    script = _SPAWNS_A_RANK.replace("print(rank.pid, flush=True)", f"open({str(pid_file)!r}, 'w').write(str(rank.pid))")
+    script = _SPAWNS_A_RANK.replace(
+        "print(rank.pid, flush=True)", f"open({str(pid_file)!r}, 'w').write(str(rank.pid))"
+    )
     with pytest.raises(subprocess.TimeoutExpired):
         run_command([sys.executable, "-c", script], timeout=5)
     rank = int(pid_file.read_text())

@@ -16,16 +16,14 @@ needed and what was found, and ``-ra`` lists it under the test's own file.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pytest only where the tests run: the support imports without it
     import pytest
-
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ right before it (see ``tests/test_readme_blocks.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -210,9 +211,7 @@ def run_block(
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # ranks a launcher left behind, too
-        except ProcessLookupError:
-            pass
         proc.wait()
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)

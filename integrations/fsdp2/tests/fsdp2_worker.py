@@ -37,7 +37,9 @@ def _full(t: Tensor) -> Tensor:
     return full.detach().cpu().clone()
 
 
-def shard(model: nn.Module, cfg: Mapping[str, Any], device: torch.device) -> tuple[nn.Module, list[str]]:
+def shard(
+    model: nn.Module, cfg: Mapping[str, Any], device: torch.device
+) -> tuple[nn.Module, list[str]]:
     """Shard per block (and the experts alone when asked) then the root, compiled as asked.
 
     ``cfg["compile"]``: ``"block"`` compiles each block (``fullgraph=True``)

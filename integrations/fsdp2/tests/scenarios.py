@@ -115,7 +115,12 @@ def compile_scenarios(shape: Mapping[str, Any], seed: int) -> list[dict[str, Any
     return [
         scenario("compile_block_mlp_per_expert", shape, seed, compile="block", **options),
         scenario(
-            "compile_block_ac_mlp_packed", shape, seed + 1, compile="block_ac", packed=True, **options
+            "compile_block_ac_mlp_packed",
+            shape,
+            seed + 1,
+            compile="block_ac",
+            packed=True,
+            **options,
         ),
         scenario(
             "compile_root_linear_packed",

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.gpu(1)
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 SHAPE = {**moe_model.SHAPE, "hidden": 128, "ffn": 64, "experts": 4, "tokens": 512}
-SCENARIOS = [{**cfg, "name": f"gpu_{cfg['name']}"} for cfg in scenarios.compile_scenarios(SHAPE, 70)]
+SCENARIOS = [
+    {**cfg, "name": f"gpu_{cfg['name']}"} for cfg in scenarios.compile_scenarios(SHAPE, 70)
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,7 @@ def test_compiled_expert_grads_are_unrounded_fp32(runs: Launches, name: str) -> 
     (result,) = runs(1)[name]
     for step in result["grads"]:
         experts = [g for n, g in step.items() if scenarios.is_expert(n)]
-        assert experts and all(g.dtype == torch.float32 for g in experts)
+        assert experts
+        assert all(g.dtype == torch.float32 for g in experts)
         share = reduce_scatter.representable_in_bf16(torch.cat([g.flatten() for g in experts]))
         assert share < 0.01, (name, share)

@@ -49,7 +49,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def test_compiled_causal_lm_matches_eager_in_fp32(device: str) -> None:
     want = _expert_grads(torch.float32, False, device)
     got = _expert_grads(torch.float32, True, device)
-    assert want.keys() == got.keys() and want
+    assert want
+    assert want.keys() == got.keys()
     for name, grad in got.items():
         assert_within_scale(grad, want[name], rel=1e-5, atol=0.0, what=name)
 
@@ -58,7 +59,8 @@ def test_compiled_causal_lm_matches_eager_in_fp32(device: str) -> None:
 def test_compiled_causal_lm_keeps_fp32_expert_wgrads_in_bf16(device: str) -> None:
     want = _expert_grads(torch.bfloat16, False, device)
     got = _expert_grads(torch.bfloat16, True, device)
-    assert want.keys() == got.keys() and want
+    assert want
+    assert want.keys() == got.keys()
     for name, grad in got.items():
         assert_within_scale(grad, want[name], rel=0.5, atol=0.0, what=name)
         assert_keeps_fp32(grad, want[name], name)

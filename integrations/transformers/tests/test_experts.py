@@ -255,9 +255,11 @@ def test_zero_tokens_give_an_empty_output_and_zero_gradients(name: str) -> None:
     assert out.shape == expected.shape == (0, tiny.HIDDEN)
     assert out.dtype == expected.dtype
     out.sum().backward()
-    assert hidden.grad is not None and hidden.grad.shape == (0, tiny.HIDDEN)
+    assert hidden.grad is not None
+    assert hidden.grad.shape == (0, tiny.HIDDEN)
     grads = [p.grad for p in ours.parameters()]
-    assert grads and all(g is not None and not g.any() for g in grads)
+    assert grads
+    assert all(g is not None and not g.any() for g in grads)
 
 
 def test_sentinel_ids_contribute_nothing() -> None:

@@ -541,5 +541,7 @@ def test_sgd_steps_bf16_weights_on_their_fp32_grads_and_adamw_refuses(momentum: 
     torch.optim.SGD(mlp.parameters(), lr=0.1, momentum=momentum).step()
     assert weight.dtype == torch.bfloat16
     torch.testing.assert_close(weight.detach(), (before.float() - 0.1 * grad).bfloat16())
-    with pytest.raises(RuntimeError, match=r"expected dtype c10::BFloat16 for `end` but got dtype float"):
+    with pytest.raises(
+        RuntimeError, match=r"expected dtype c10::BFloat16 for `end` but got dtype float"
+    ):
         torch.optim.AdamW(mlp.parameters()).step()

@@ -225,7 +225,8 @@ def test_a_frozen_members_own_main_grad_is_never_written(packed: bool, overwrite
     assert torch.equal(frozen.main_grad, before)  # bit-identical
     assert frozen.grad is None
     written = [p for p in module.parameters() if p.requires_grad]
-    assert written and all(not torch.equal(p.main_grad, torch.full_like(p, 0.25)) for p in written)
+    assert written
+    assert all(not torch.equal(p.main_grad, torch.full_like(p, 0.25)) for p in written)
 
 
 def test_frozen_member_without_main_grad_gets_none_from_autograd_route() -> None:
@@ -529,7 +530,8 @@ def test_a_delayed_wgrad_runs_each_hook_once_on_the_complete_gradient(
     # is written) and backward_dw() running them again.
     want = _hook_log(main_grad, delay=False, mlp=mlp)
     got = _hook_log(main_grad, delay=True, mlp=mlp)
-    assert len(want) == 2 and want[1] > want[0] > 0
+    assert len(want) == 2
+    assert want[1] > want[0] > 0
     assert got == pytest.approx(want, rel=1e-6)
 
 

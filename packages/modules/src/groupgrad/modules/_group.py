@@ -26,10 +26,10 @@ from torch import Tensor
 __all__ = [
     "Splits",
     "WeightGroupSpec",
-    "check_biases",
     "as_gemm_dtype",
     "autocast_dtype",
     "autocast_input",
+    "check_biases",
     "expert_index",
     "no_autocast",
     "snapshot_splits",

@@ -24,18 +24,18 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import grouped_dgrad, grouped_fprop
+from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
     as_gemm_dtype,
-    check_biases,
     autocast_input,
+    check_biases,
     expert_index,
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._compiled import hand_over
-from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
     is_distributed_weight,

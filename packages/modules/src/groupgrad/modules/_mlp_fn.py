@@ -50,6 +50,8 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
+from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
@@ -59,8 +61,6 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._compiled import hand_over
-from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._linear_fn import add_bias, layer_dgrad, layer_fprop, stack_bias
 from groupgrad.modules._wgrad import WgradQueue
 from groupgrad.protocol import is_distributed_weight

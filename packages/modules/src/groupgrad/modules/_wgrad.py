@@ -18,6 +18,7 @@ import collections
 import itertools
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -208,8 +209,10 @@ class WgradQueue:
     deferred); each ``backward_dw()`` runs the oldest job.
     """
 
-    _registry: weakref.WeakValueDictionary[int, WgradQueue] = weakref.WeakValueDictionary()
-    _count = itertools.count()
+    _registry: ClassVar[weakref.WeakValueDictionary[int, WgradQueue]] = (
+        weakref.WeakValueDictionary()
+    )
+    _count: ClassVar[itertools.count[int]] = itertools.count()
 
     def __init__(self) -> None:
         self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
@@ -270,7 +273,9 @@ class WgradQueue:
                 entry.check_unchanged(owner)
         except RuntimeError:  # the job is dropped: its parameters' held hooks go back
             for entry in job:
-                release_post_accumulate_grad_hooks(p for p in entry.target.params if p.requires_grad)
+                release_post_accumulate_grad_hooks(
+                    p for p in entry.target.params if p.requires_grad
+                )
             raise
         with no_autocast(job[0].dy_TN.device):
             plans = [entry.early_plan() for entry in job]

@@ -32,16 +32,16 @@ from groupgrad.protocol._attrs import (
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import check_grad_buffers, member_grad_buffers
-from groupgrad.protocol._hooks import (
-    hold_post_accumulate_grad_hooks,
-    release_post_accumulate_grad_hooks,
-    run_post_accumulate_grad_hooks,
-)
 from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
     finalize_members,
     is_distributed_weight,
+)
+from groupgrad.protocol._hooks import (
+    hold_post_accumulate_grad_hooks,
+    release_post_accumulate_grad_hooks,
+    run_post_accumulate_grad_hooks,
 )
 
 __all__ = [

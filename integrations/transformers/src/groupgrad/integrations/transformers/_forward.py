@@ -162,9 +162,7 @@ def groupgrad_experts_forward(
     up, down = _tensor(self, up_name), _tensor(self, "down_proj")
     up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
     down_bias = _tensor(self, "down_proj_bias") if has_bias else None
-    if hidden_states.dtype != up.dtype and not torch.is_autocast_enabled(
-        hidden_states.device.type
-    ):
+    if hidden_states.dtype != up.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
         raise TypeError(
             f"hidden_states has dtype {hidden_states.dtype} but {type(self).__name__}.{up_name} "
             f"has dtype {up.dtype}; expected one dtype (or torch.autocast), as the eager "

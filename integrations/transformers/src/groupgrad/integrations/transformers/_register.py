@@ -77,15 +77,15 @@ def _watch_set_experts_implementation() -> None:
             else [experts_implementation]
         )
         name = type(self).__name__
-        if IMPLEMENTATION in asked and not self._can_set_experts_implementation():
-            if name not in _WARNED:
-                _WARNED.add(name)
-                warnings.warn(
-                    f"set_experts_implementation({IMPLEMENTATION!r}) changes nothing on {name}: its "
-                    "experts are not decorated with transformers' @use_experts_implementation, "
-                    "so they keep running transformers' own code",
-                    stacklevel=2,
-                )
+        undispatched = IMPLEMENTATION in asked and not self._can_set_experts_implementation()
+        if undispatched and name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(
+                f"set_experts_implementation({IMPLEMENTATION!r}) changes nothing on {name}: its "
+                "experts are not decorated with transformers' @use_experts_implementation, so "
+                "they keep running transformers' own code",
+                stacklevel=2,
+            )
         return result
 
     set_experts_implementation._groupgrad_watched = True  # type: ignore[attr-defined]

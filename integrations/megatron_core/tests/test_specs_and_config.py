@@ -89,13 +89,15 @@ def test_other_releases_are_refused_naming_both_versions(major: int, minor: int)
 def test_gpt_layer_spec_puts_groupgrad_experts_in_megatrons_moe_layer(fused: bool) -> None:
     spec = get_gpt_layer_groupgrad_spec(8, fused=fused)
     module, submodules = _moe_experts(spec.submodules.mlp)
-    if fused:
-        assert module is GroupgradFusedExperts
+    if fused:  # the classes, bound to the spec's num_experts
+        assert issubclass(module, GroupgradFusedExperts)
+        assert module.spec_num_experts == 8
         assert submodules is None
     else:
         assert module is TEGroupedMLP
-        assert submodules.linear_fc1 is GroupgradColumnParallelGroupedLinear
-        assert submodules.linear_fc2 is GroupgradRowParallelGroupedLinear
+        assert issubclass(submodules.linear_fc1, GroupgradColumnParallelGroupedLinear)
+        assert issubclass(submodules.linear_fc2, GroupgradRowParallelGroupedLinear)
+        assert submodules.linear_fc1.spec_num_experts == 8
     # the rest of the layer is Megatron's local spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -107,9 +109,10 @@ def test_gpt_layer_spec_puts_groupgrad_experts_in_megatrons_moe_layer(fused: boo
 
 
 def test_spec_helpers_agree() -> None:
-    assert _moe_experts(get_moe_module_groupgrad_spec(4)) == _module_and_submodules(
-        get_groupgrad_experts_spec()
-    )
+    bound, _ = _moe_experts(get_moe_module_groupgrad_spec(4))
+    plain, submodules = _module_and_submodules(get_groupgrad_experts_spec())
+    assert bound.__mro__[1] is plain
+    assert submodules is None
     entry = GroupgradSpecProvider(fused=False).grouped_mlp_modules(True)
     # 0.16: (module, submodules); 0.19: the builder
     module = entry[0] if isinstance(entry, tuple) else _module_and_submodules(entry)[0]
@@ -120,6 +123,19 @@ def test_spec_helpers_agree() -> None:
 def test_spec_needs_a_positive_number_of_experts(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"num_experts is {bad!r}, expected a positive int"):
         get_gpt_layer_groupgrad_spec(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_spec_built_on_another_number_of_experts_is_refused(fused: bool) -> None:
+    # Catches: the spec's num_experts validated and then ignored (8 experts asked, 4 built).
+    experts, submodules = _moe_experts(get_moe_module_groupgrad_spec(8, fused=fused))
+    config = _config()  # num_moe_experts=4
+    match = r"the spec was made for num_experts=8 but config\.num_moe_experts is 4"
+    build = (
+        (lambda: experts(4, config)) if fused else (lambda: _linear(submodules.linear_fc1, config))
+    )
+    with pytest.raises(ValueError, match=match):
+        build()
 
 
 def test_fused_must_be_a_bool() -> None:

@@ -11,7 +11,17 @@ from typing import Any
 
 import torch.nn.functional as F
 
-__all__ = ["check_expert_config", "check_expert_groups", "check_fused_config", "process_groups"]
+__all__ = [
+    "SPEC_NUM_EXPERTS",
+    "check_expert_config",
+    "check_expert_groups",
+    "check_fused_config",
+    "check_spec_experts",
+    "process_groups",
+]
+
+SPEC_NUM_EXPERTS = "spec_num_experts"
+"""Class attribute of an experts class bound to a spec's ``num_experts`` (``_specs``)."""
 
 
 def process_groups(pg_collection: Any) -> Any:
@@ -95,3 +105,22 @@ def check_fused_config(config: Any, owner: str) -> None:
                 "unfused groupgrad experts (fused=False) for other activations, biases or a "
                 "latent projection"
             )
+
+
+def check_spec_experts(cls: type, config: Any, owner: str) -> None:
+    """Check a spec's ``num_experts`` against the config the layer is built with.
+
+    The spec helpers that take ``num_experts`` bind it to the experts class
+    they put in the spec (:data:`SPEC_NUM_EXPERTS`); Megatron builds the
+    layer from ``config.num_moe_experts``.
+
+    Raises:
+        ValueError: The two differ.
+    """
+    expected = getattr(cls, SPEC_NUM_EXPERTS, None)
+    if expected is not None and config.num_moe_experts != expected:
+        raise ValueError(
+            f"{owner}: the spec was made for num_experts={expected} but config.num_moe_experts is "
+            f"{config.num_moe_experts}; expected the same number (pass the config's "
+            "num_moe_experts to the spec helper)"
+        )

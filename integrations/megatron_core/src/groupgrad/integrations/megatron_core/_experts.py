@@ -31,6 +31,7 @@ from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
     check_expert_groups,
     check_fused_config,
+    check_spec_experts,
     process_groups,
 )
 from groupgrad.integrations.megatron_core._hooks import WgradHooks
@@ -94,6 +95,7 @@ class GroupgradFusedExperts(MegatronModule):
                 "their own layers)"
             )
         check_expert_config(config, owner)
+        check_spec_experts(type(self), config, owner)
         check_fused_config(config, owner)
         super().__init__(config=config)
         pg_collection = process_groups(pg_collection)

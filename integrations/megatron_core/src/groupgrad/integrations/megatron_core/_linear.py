@@ -31,6 +31,7 @@ from groupgrad.integrations.megatron_core._checkpoint import (
 from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
     check_expert_groups,
+    check_spec_experts,
     process_groups,
 )
 from groupgrad.integrations.megatron_core._hooks import WgradHooks
@@ -127,6 +128,7 @@ class GroupgradGroupedLinear(GroupedLinear):
                 f"{owner}: parallel_mode is {parallel_mode!r}, expected 'column' or 'row'"
             )
         check_expert_config(config, owner)
+        check_spec_experts(type(self), config, owner)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)
         add_bias_here = bias and not skip_bias_add

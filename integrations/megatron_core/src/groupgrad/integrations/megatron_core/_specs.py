@@ -23,6 +23,7 @@ from groupgrad.integrations.megatron_core._compat import (
     grouped_mlp_submodules,
     provider_experts_entry,
 )
+from groupgrad.integrations.megatron_core._config import SPEC_NUM_EXPERTS
 from groupgrad.integrations.megatron_core._experts import GroupgradFusedExperts
 from groupgrad.integrations.megatron_core._linear import (
     GroupgradColumnParallelGroupedLinear,
@@ -37,14 +38,28 @@ __all__ = [
 ]
 
 
-def _experts_class_and_submodules(fused: bool) -> tuple[type, Any]:
+def _experts_class_and_submodules(fused: bool, num_experts: int | None = None) -> tuple[type, Any]:
+    """The experts class (and submodules) of a spec; bound to ``num_experts`` when given.
+
+    A bound class checks, when Megatron builds it, that ``config.num_moe_experts``
+    is the spec's number (``_config.check_spec_experts``).
+    """
     if not isinstance(fused, bool):
         raise TypeError(f"fused is a {type(fused).__name__}, expected a bool")
     if fused:
-        return GroupgradFusedExperts, None
+        return _bound(GroupgradFusedExperts, num_experts), None
     return TEGroupedMLP, grouped_mlp_submodules(
-        GroupgradColumnParallelGroupedLinear, GroupgradRowParallelGroupedLinear
+        _bound(GroupgradColumnParallelGroupedLinear, num_experts),
+        _bound(GroupgradRowParallelGroupedLinear, num_experts),
     )
+
+
+def _bound(cls: type, num_experts: int | None) -> type:
+    """``cls``, or a subclass of the same name that knows the spec's ``num_experts``."""
+    if num_experts is None:
+        return cls
+    attrs = {SPEC_NUM_EXPERTS: num_experts, "__module__": cls.__module__}
+    return type(cls.__name__, (cls,), {**attrs, "__qualname__": cls.__qualname__})
 
 
 def get_groupgrad_experts_spec(fused: bool = True) -> Any:
@@ -75,11 +90,16 @@ class GroupgradSpecProvider(LocalSpecProvider):
 
     Args:
         fused: Which groupgrad experts (see :func:`get_groupgrad_experts_spec`).
+        num_experts: The model's ``num_moe_experts``, if known: the experts
+            then check it against the config they are built with (another
+            number raises ``ValueError``).
     """
 
-    def __init__(self, fused: bool = True) -> None:
+    def __init__(self, fused: bool = True, num_experts: int | None = None) -> None:
         super().__init__()
-        _experts_class_and_submodules(fused)  # type check
+        if num_experts is not None:
+            _check_num_experts(num_experts)
+        self.entry = _experts_class_and_submodules(fused, num_experts)
         self.fused = fused
 
     def grouped_mlp_modules(  # one signature serves 0.16 (two flags) and 0.19 (one)
@@ -91,7 +111,7 @@ class GroupgradSpecProvider(LocalSpecProvider):
             ``(module, submodules)`` on megatron-core 0.16, the experts
             builder on 0.19.
         """
-        return provider_experts_entry(*_experts_class_and_submodules(self.fused))
+        return provider_experts_entry(*self.entry)
 
 
 def _check_num_experts(num_experts: object) -> int:
@@ -107,7 +127,8 @@ def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> An
     :class:`GroupgradSpecProvider`.
 
     Args:
-        num_experts: The model's number of experts (``num_moe_experts``).
+        num_experts: The model's number of experts (``num_moe_experts``);
+            building the layer from a config with another number raises.
         fused: Which groupgrad experts (see :func:`get_groupgrad_experts_spec`).
 
     Returns:
@@ -115,8 +136,8 @@ def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> An
         megatron-core 0.16, an MoE-layer builder on 0.19.
     """
     return get_moe_module_spec_for_backend(
-        backend=GroupgradSpecProvider(fused=fused),
-        num_experts=_check_num_experts(num_experts),
+        backend=GroupgradSpecProvider(fused=fused, num_experts=_check_num_experts(num_experts)),
+        num_experts=num_experts,
         moe_grouped_gemm=True,
     )
 

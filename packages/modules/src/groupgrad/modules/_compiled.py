@@ -219,7 +219,23 @@ def _parameter_grads_fake(
     queue: int,
     dummies: list[bool],
 ) -> None:
-    return None
+    """Nothing to infer (the op returns nothing); refuses CUDA graphs while the graph is traced.
+
+    Under ``mode="reduce-overhead"`` inductor's CUDA graph trees keep every
+    allocation of the thread in their pool while they warm a graph up; the
+    gradients the op leaves in ``.grad`` would live on there, untracked
+    (PyTorch then stops the step). So a CUDA graph compile is refused here,
+    naming the layer, before anything runs.
+    """
+    import torch._inductor.config as inductor_config  # loaded already when this traces
+
+    if dys and dys[0].device.type == "cuda" and inductor_config.triton.cudagraphs:
+        leader = _LAYOUTS[layout][0].spec.names[0]
+        raise RuntimeError(
+            f"torch.compile(mode='reduce-overhead') (CUDA graphs) is not supported for the "
+            f"groupgrad layer of {leader!r}: its backward delivers parameter gradients at run "
+            "time, which CUDA graph trees cannot keep; compile with the default mode"
+        )
 
 
 torch.library._register_effectful_op(_parameter_grads_op._opoverload, EffectType.ORDERED)

@@ -93,7 +93,7 @@ CASES = [
     Bad("x-1d", _linear, lambda m: m(_X[0], SPLITS), ValueError, r"x has shape \(16,\), expected \(tokens, 16\)"),
     Bad("x-wrong-width", _linear, lambda m: m(_rand(T, 5), SPLITS), ValueError, r"x has shape \(12, 5\), expected \(tokens, 16\)"),
     Bad("x-not-a-tensor", _linear, lambda m: m([[1.0] * K], SPLITS), ValueError, r"x has shape list"),
-    Bad("x-dtype-mismatch", _linear, lambda m: m(_X.half(), SPLITS), TypeError, r"weights\[0\] has dtype torch\.float32, expected torch\.float16 like x"),
+    Bad("x-dtype-mismatch", _linear, lambda m: m(_X.half(), SPLITS), TypeError, r"weight0 has dtype torch\.float32, expected torch\.float16 like x"),
     Bad("x-float64", _linear, lambda m: m(_X.double(), SPLITS), TypeError, r"x has dtype torch\.float64, expected torch\.bfloat16, torch\.float16 or torch\.float32"),
     Bad("splits-sum", _linear, _backward_linear(_X, [3, 0, 5, 3]), ValueError, r"splits sums to 11 but x has 12 rows"),
     Bad("splits-negative", _linear, _backward_linear(_X, [4, -1, 5, 4]), ValueError, r"splits\[1\] is -1, expected a token count >= 0"),
@@ -208,6 +208,9 @@ def _params(*shape: int, seed: int) -> Tensor:
         (lambda w: grouped_mlp(_XH, list(w[3].unbind(0)), list(w[4].unbind(0)), SPLITS, fc1_bias=[torch.zeros(2 * FFN), torch.zeros(2 * FFN + 1), torch.zeros(2 * FFN), torch.zeros(2 * FFN)], fc2_bias=[torch.zeros(H)] * E), ValueError, r"fc1_bias\[1\] has shape \(17,\), expected \(N,\) = \(16,\) like fc1_weights\[1\]"),
         (lambda w: grouped_linear(_X, w[1], SPLITS, bias=torch.zeros(E, N + 1)), ValueError, r"bias has shape \(4, 9\), expected \(E, N\) = \(4, 8\) like weights"),
         (lambda w: grouped_linear(_X, w[1], SPLITS, bias=torch.zeros(E, N, device="meta")), ValueError, r"bias is on meta, expected cpu like weights"),
+        # the kernels' messages name the caller's arguments, not their own
+        (lambda w: grouped_mlp(_XH, [m.half() if e == 1 else m for e, m in enumerate(w[3].unbind(0))], list(w[4].unbind(0)), SPLITS), TypeError, r"fc1_weights\[1\] has dtype torch\.float16, expected torch\.float32 like fc1_weights\[0\]"),
+        (lambda w: grouped_mlp(_XH, w[3], w[4].half(), SPLITS), TypeError, r"fc2_weights has dtype torch\.float16, expected torch\.float32 like x"),
     ],
 )  # fmt: skip
 def test_bad_functional_arguments_are_named_and_write_nothing(call, error, match) -> None:

@@ -24,7 +24,12 @@ OutList = TypeVar("OutList", bound=Sequence[Tensor])
 
 
 def grouped_fprop(
-    x: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+    x: Tensor,
+    weights: Weights,
+    splits: Splits,
+    *,
+    out: Tensor | None = None,
+    names: Sequence[str] | None = None,
 ) -> Tensor:
     """Grouped forward GEMM: ``y_e = x_e @ w_e.T`` for every expert ``e``.
 
@@ -46,6 +51,9 @@ def grouped_fprop(
             never reads them on the host).
         out: optional ``(T, N)`` row-major tensor in ``x``'s dtype; it is
             overwritten (the only argument written).
+        names: how error messages name the weights: one name for a packed
+            tensor, one per matrix of a sequence (e.g. the parameters'
+            names); default ``weights`` / ``weights[e]``.
 
     Returns:
         ``y`` of shape ``(T, N)`` in ``x``'s dtype: ``out`` itself when given.
@@ -55,13 +63,18 @@ def grouped_fprop(
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
             Nothing is written when a call is rejected.
     """
-    call = _validate.grouped_call("fprop", x, weights, splits, out)
+    call = _validate.grouped_call("fprop", x, weights, splits, out, names)
     _ops.fprop(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
 
 
 def grouped_dgrad(
-    dy: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+    dy: Tensor,
+    weights: Weights,
+    splits: Splits,
+    *,
+    out: Tensor | None = None,
+    names: Sequence[str] | None = None,
 ) -> Tensor:
     """Grouped input-gradient GEMM: ``dx_e = dy_e @ w_e`` for every expert ``e``.
 
@@ -76,6 +89,7 @@ def grouped_dgrad(
             :func:`grouped_fprop`).
         out: optional ``(T, K)`` row-major tensor in ``dy``'s dtype; it is
             overwritten (the only argument written).
+        names: how error messages name the weights (see :func:`grouped_fprop`).
 
     Returns:
         ``dx`` of shape ``(T, K)`` in ``dy``'s dtype: ``out`` itself when given.
@@ -85,7 +99,7 @@ def grouped_dgrad(
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
             Nothing is written when a call is rejected.
     """
-    call = _validate.grouped_call("dgrad", dy, weights, splits, out)
+    call = _validate.grouped_call("dgrad", dy, weights, splits, out, names)
     _ops.dgrad(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
 
@@ -170,7 +184,12 @@ def grouped_wgrad(
 
 
 def grouped_fprop_ref(
-    x: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+    x: Tensor,
+    weights: Weights,
+    splits: Splits,
+    *,
+    out: Tensor | None = None,
+    names: Sequence[str] | None = None,
 ) -> Tensor:
     """Pure-PyTorch twin of :func:`grouped_fprop`: same arguments, checks and result.
 
@@ -183,17 +202,23 @@ def grouped_fprop_ref(
         weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)`` tensors.
         splits: ``E`` token counts summing to ``T``.
         out: optional ``(T, N)`` tensor in ``x``'s dtype; overwritten.
+        names: how error messages name the weights (see :func:`grouped_fprop`).
 
     Returns:
         ``y`` of shape ``(T, N)``: ``out`` itself when given.
     """
-    call = _validate.grouped_call("fprop", x, weights, splits, out)
+    call = _validate.grouped_call("fprop", x, weights, splits, out, names)
     _reference.fprop(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
 def grouped_dgrad_ref(
-    dy: Tensor, weights: Weights, splits: Splits, *, out: Tensor | None = None
+    dy: Tensor,
+    weights: Weights,
+    splits: Splits,
+    *,
+    out: Tensor | None = None,
+    names: Sequence[str] | None = None,
 ) -> Tensor:
     """Pure-PyTorch twin of :func:`grouped_dgrad`: same arguments, checks and result.
 
@@ -204,11 +229,12 @@ def grouped_dgrad_ref(
         weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)`` tensors.
         splits: ``E`` token counts summing to ``T``.
         out: optional ``(T, K)`` tensor in ``dy``'s dtype; overwritten.
+        names: how error messages name the weights (see :func:`grouped_fprop`).
 
     Returns:
         ``dx`` of shape ``(T, K)``: ``out`` itself when given.
     """
-    call = _validate.grouped_call("dgrad", dy, weights, splits, out)
+    call = _validate.grouped_call("dgrad", dy, weights, splits, out, names)
     _reference.dgrad(call.a, call.weights, call.splits, call.out)
     return call.out
 

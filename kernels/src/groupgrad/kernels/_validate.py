@@ -25,7 +25,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, cast
 
 import torch
@@ -44,14 +44,20 @@ def grouped_call(
     weights: object,
     splits: object,
     out: object,
+    names: object = None,
 ) -> GroupedCall:
-    """Check an fprop/dgrad call and put its arguments into op form."""
+    """Check an fprop/dgrad call and put its arguments into op form.
+
+    ``names``: how messages name the weights (``None``: ``weights`` /
+    ``weights[e]``); checked when a message needs it.
+    """
     lean = _lean.packed_call(op, a, weights, splits, out)
     if lean is not None:
         return lean
     a_name = "x" if op == "fprop" else "dy"
     a_TX = _input_matrix(a_name, a)
-    w_group, (E, N, K), listed = _weights(weights, a_name, a_TX)
+    label = _labeler("weights", names)
+    w_group, (E, N, K), listed = _weights(weights, a_name, a_TX, label)
     T = a_TX.shape[0]
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
     if a_TX.shape[1] != inner:
@@ -75,7 +81,7 @@ def grouped_call(
             )
         _check_row_major("out", out_TX)
         _check_writable("out", out_TX)
-        _check_group_apart("weights", w_group, listed, [("out", out_TX)], [(a_name, a_TX)])
+        _check_group_apart(label, w_group, listed, [("out", out_TX)], [(a_name, a_TX)])
     return GroupedCall(a_TX, w_group, splits_E, out_TX, listed)
 
 
@@ -162,9 +168,9 @@ def _input_matrix(name: str, value: object) -> Tensor:
 
 
 def _weights(
-    weights: object, a_name: str, a: Tensor
+    weights: object, a_name: str, a: Tensor, label: Labeler
 ) -> tuple[list[Tensor], tuple[int, int, int], ListedFacts | None]:
-    """Check ``weights`` against the row operand ``a``.
+    """Check ``weights`` against the row operand ``a``; ``label(e)`` names member ``e``.
 
     Returns:
         The op form, ``(E, N, K)``, and what one pass over listed members
@@ -172,50 +178,80 @@ def _weights(
     """
     expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
     if isinstance(weights, Tensor):
+        name = label(None)
         if weights.dim() != 3:
             raise ValueError(
-                f"weights must be {expected}, got a tensor of shape {tuple(weights.shape)}"
+                f"{name} must be {expected}, got a tensor of shape {tuple(weights.shape)}"
             )
         E, N, K = weights.shape
         if E == 0:
-            raise ValueError("weights has shape (0, N, K), expected at least one expert")
-        _weight_member("weights", weights, a_name, a, None)
+            raise ValueError(f"{name} has shape (0, N, K), expected at least one expert")
+        _weight_member(name, weights, a_name, a, None, "")
         return _grouped.op_form(weights), (E, N, K), None
     if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
-        raise TypeError(f"weights must be {expected}, got {type(weights).__name__}")
+        raise TypeError(f"{label(None)} must be {expected}, got {type(weights).__name__}")
     members = list(weights)
     if not members:
-        raise ValueError(f"weights holds no experts, expected {expected}")
-    first = _weight_member("weights[0]", members[0], a_name, a, None)
+        raise ValueError(f"{label(None)} holds no experts, expected {expected}")
+    first = _weight_member(label(0), members[0], a_name, a, None, "")
     if first.dim() != 2:
-        raise ValueError(f"weights[0] must be 2-D (N, K), got shape {tuple(first.shape)}")
+        raise ValueError(f"{label(0)} must be 2-D (N, K), got shape {tuple(first.shape)}")
     listed = listed_facts(members, first)
     if not listed.alike:
         for e, member in enumerate(members):
-            _weight_member(f"weights[{e}]", member, a_name, a, first)
+            _weight_member(label(e), member, a_name, a, first, label(0))
     N, K = first.shape
     return _grouped.op_form(members), (len(members), N, K), listed
 
 
 def _weight_member(
-    name: str, value: object, a_name: str, a: Tensor, first: Tensor | None
+    name: str, value: object, a_name: str, a: Tensor, first: Tensor | None, first_name: str
 ) -> Tensor:
-    """Check one weight (a listed member when ``first``, the listed ``weights[0]``, is given)."""
+    """Check one weight (a listed member when ``first``, the listed first member, is given)."""
     w = _tensor(name, value)
     if first is not None:
         if w.dim() != 2:
             raise ValueError(f"{name} must be 2-D (N, K), got shape {tuple(w.shape)}")
         if w.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype}, expected {first.dtype} like weights[0]")
+            raise TypeError(f"{name} has dtype {w.dtype}, expected {first.dtype} like {first_name}")
         if w.shape != first.shape:
             raise ValueError(
-                f"{name} has shape {tuple(w.shape)}, expected {tuple(first.shape)} like weights[0]"
+                f"{name} has shape {tuple(w.shape)}, expected {tuple(first.shape)} like {first_name}"
             )
     if w.dtype != a.dtype:
         raise TypeError(f"{name} has dtype {w.dtype}, expected {a.dtype} like {a_name}")
     _check_device(name, w, a_name, a)
     _check_row_major(name, w)
     return w
+
+
+Labeler = Callable[[int | None], str]
+"""How messages name a group: ``label(None)`` the group, ``label(e)`` its member ``e``."""
+
+
+def _labeler(default: str, names: object) -> Labeler:
+    """Name member ``e`` ``names[e]`` and a packed group ``names[0]``; else ``default[e]``, ``default``.
+
+    Names only shape messages: where ``names`` has no entry for a member the
+    default name is used.
+
+    Raises:
+        TypeError: ``names`` is neither ``None`` nor a sequence of strings.
+    """
+    given: list[str] = []
+    if names is not None:
+        if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+            raise TypeError(f"names is a {type(names).__name__}, expected a sequence of str")
+        given = list(names)
+        if not all(isinstance(n, str) for n in given):
+            raise TypeError("names holds an entry that is not a str, expected a sequence of str")
+
+    def label(e: int | None) -> str:
+        if e is None:
+            return given[0] if len(given) == 1 else default
+        return given[e] if e < len(given) else f"{default}[{e}]"
+
+    return label
 
 
 def _wgrad_out_member(
@@ -318,7 +354,7 @@ def _check_writable(name: str, t: Tensor) -> None:
 
 
 def _check_group_apart(
-    group_name: str,
+    group_name: str | Labeler,
     group: list[Tensor],
     listed: ListedFacts | None,
     outputs: list[tuple[str, Tensor]],
@@ -344,8 +380,9 @@ def _check_group_apart(
         _overlap.check_no_overlap(outputs, [*inputs, *named])
 
 
-def _named(prefix: str, group: list[Tensor]) -> list[tuple[str, Tensor]]:
+def _named(label: str | Labeler, group: list[Tensor]) -> list[tuple[str, Tensor]]:
     """Each tensor of a group in op form with the name an error message gives it."""
+    name = _labeler(label, None) if isinstance(label, str) else label
     if _grouped.is_packed(group):
-        return [(prefix, group[0])]
-    return [(f"{prefix}[{i}]", t) for i, t in enumerate(group)]
+        return [(name(None), group[0])]
+    return [(name(i), t) for i, t in enumerate(group)]

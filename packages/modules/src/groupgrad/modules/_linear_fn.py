@@ -93,7 +93,7 @@ def layer_fprop(
     materialized = materialize_weight_for_forward(list(weights))
     target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
     materialized = as_gemm_dtype(materialized, cast_dtype)
-    y = grouped_fprop(x, spec.gemm_weights(materialized), splits)
+    y = grouped_fprop(x, spec.gemm_weights(materialized), splits, names=spec.names)
     return y, target, spec.num_groups(materialized)
 
 
@@ -106,7 +106,7 @@ def layer_dgrad(
 ) -> Tensor:
     """One layer's grouped dgrad ``dy_e @ w_e`` on its weights materialized again for backward."""
     materialized = as_gemm_dtype(materialize_weight_for_backward(list(weights)), cast_dtype)
-    return grouped_dgrad(dy, spec.gemm_weights(materialized), splits)
+    return grouped_dgrad(dy, spec.gemm_weights(materialized), splits, names=spec.names)
 
 
 class GroupedLinearFunction(torch.autograd.Function):

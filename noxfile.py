@@ -480,7 +480,7 @@ def _check_dists(session: nox.Session) -> list[str]:
     blocks = _readme_blocks_module()
     failures: list[str] = []
 
-    work = Path(session.create_tmp()) / "dist-check"
+    work = Path(session.create_tmp()).resolve() / "dist-check"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     probe_script = work / "probe.py"

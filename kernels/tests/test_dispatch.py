@@ -1,4 +1,4 @@
-"""Routing of the CUDA kernels (``_dispatch``) between CUTLASS and the reference.
+"""Routing of the CUDA kernels (``_ops``) between CUTLASS and the reference.
 
 The CUDA kernels are plain functions, so they run here on CPU tensors with a
 fake ``groupgrad.kernels._cutlass`` that records its calls and computes with
@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _dispatch, grouped_dgrad_ref, grouped_fprop_ref, grouped_wgrad_ref
-from groupgrad.kernels._grouped import per_expert
+from groupgrad.kernels import _ops, grouped_dgrad_ref, grouped_fprop_ref, grouped_wgrad_ref
+from groupgrad.kernels._group import per_expert
 
 E, N, K = 4, 16, 24
 SPLITS = [5, 0, 11, 3]
@@ -34,7 +34,7 @@ class FakeCutlass(types.ModuleType):
     """Stands in for ``groupgrad.kernels._cutlass``: records calls, computes with the reference."""
 
     def __init__(self) -> None:
-        super().__init__(_dispatch.CUTLASS_MODULE)
+        super().__init__(_ops.CUTLASS_MODULE)
         self.reason: str | None = None
         self.asked: list[torch.device] = []
         self.calls: list[tuple[Any, ...]] = []
@@ -60,11 +60,11 @@ class FakeCutlass(types.ModuleType):
 def fake(monkeypatch):
     """A fresh fake backend in ``sys.modules``, with an empty import cache and log-once set."""
     backend = FakeCutlass()
-    monkeypatch.setitem(sys.modules, _dispatch.CUTLASS_MODULE, backend)
-    monkeypatch.setattr(_dispatch, "_reasons_said", set())
-    _dispatch.load_cutlass.cache_clear()
+    monkeypatch.setitem(sys.modules, _ops.CUTLASS_MODULE, backend)
+    monkeypatch.setattr(_ops, "_reasons_said", set())
+    _ops.load_cutlass.cache_clear()
     yield backend
-    _dispatch.load_cutlass.cache_clear()
+    _ops.load_cutlass.cache_clear()
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Tensor:
@@ -85,7 +85,7 @@ def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_
     splits = torch.tensor(SPLITS, dtype=splits_dtype)
     if strided:  # every other entry of a longer tensor: the kernels read a contiguous copy
         splits = torch.stack([splits, torch.full_like(splits, -7)], dim=1).reshape(-1)[::2]
-    _dispatch.fprop_on_device(x, [w_ENK], splits, y)
+    _ops.fprop_on_device(x, [w_ENK], splits, y)
     [(op, a, w_group, got_splits, out)] = fake.calls
     assert op == "fprop"
     assert a is x
@@ -103,7 +103,7 @@ def test_fprop_hands_cutlass_packed_weights_whole_and_int64_splits(fake, splits_
 def test_dgrad_hands_cutlass_the_callers_weights(fake):
     dy, dx = rand(T, N), nans(T, K)
     w_list = [rand(N, K, seed=e) for e in range(E)]
-    _dispatch.dgrad_on_device(dy, w_list, torch.tensor(SPLITS), dx)
+    _ops.dgrad_on_device(dy, w_list, torch.tensor(SPLITS), dx)
     [(op, a, got_w, _, out)] = fake.calls
     assert op == "dgrad"
     assert a is dy
@@ -119,7 +119,7 @@ def test_wgrad_hands_cutlass_a_list_of_outputs(fake, accumulate, out_form):
     main_ENK = rand(E, N, K, dtype=torch.float32, seed=2)
     out = [main_ENK] if out_form == "packed" else [t.clone() for t in main_ENK.unbind(0)]
     expected = grouped_wgrad_ref(dy, x, SPLITS, out=main_ENK.clone(), accumulate=accumulate)
-    _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, accumulate)
+    _ops.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, accumulate)
     [(op, a, b, _, dw_group, got_accumulate)] = fake.calls
     assert (op, got_accumulate) == ("wgrad", accumulate)
     assert a is dy
@@ -137,10 +137,10 @@ def test_wgrad_hands_cutlass_a_list_of_outputs(fake, accumulate, out_form):
 def test_unavailable_backend_falls_back_and_is_logged_once(fake, caplog, capsys):
     fake.reason = "no kernel for this shape"
     x, w_ENK = rand(T, K), rand(E, N, K, seed=1)
-    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
+    with caplog.at_level(logging.WARNING, logger=_ops.__name__):
         for _ in range(3):
             y = nans(T, N)
-            _dispatch.fprop_on_device(x, [w_ENK], torch.tensor(SPLITS), y)
+            _ops.fprop_on_device(x, [w_ENK], torch.tensor(SPLITS), y)
             assert torch.equal(y, grouped_fprop_ref(x, w_ENK, SPLITS))
     assert fake.calls == []
     assert len(fake.asked) == 3
@@ -150,16 +150,16 @@ def test_unavailable_backend_falls_back_and_is_logged_once(fake, caplog, capsys)
 
 
 def test_missing_backend_falls_back_and_is_logged_once(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, _dispatch.CUTLASS_MODULE, None)  # import fails
-    monkeypatch.setattr(_dispatch, "_reasons_said", set())
-    _dispatch.load_cutlass.cache_clear()
+    monkeypatch.setitem(sys.modules, _ops.CUTLASS_MODULE, None)  # import fails
+    monkeypatch.setattr(_ops, "_reasons_said", set())
+    _ops.load_cutlass.cache_clear()
     try:
         dy, x, out = rand(T, N), rand(T, K, seed=1), [nans(N, K) for _ in range(E)]
-        with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
-            _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
-            _dispatch.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
+        with caplog.at_level(logging.WARNING, logger=_ops.__name__):
+            _ops.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
+            _ops.wgrad_on_device(dy, x, torch.tensor(SPLITS), out, False)
     finally:
-        _dispatch.load_cutlass.cache_clear()
+        _ops.load_cutlass.cache_clear()
     assert torch.equal(torch.stack(out), grouped_wgrad_ref(dy, x, SPLITS))
     [record] = caplog.records
     assert "grouped_wgrad runs on the reference path: the CUTLASS backend cannot be imported" in (
@@ -169,8 +169,8 @@ def test_missing_backend_falls_back_and_is_logged_once(monkeypatch, caplog):
 
 def test_unsupported_operands_fall_back_without_asking_the_backend(fake, caplog):
     x, w_ENK, y = rand(T, K), rand(E, N, K + 8, seed=1)[:, :, :K], nans(T, N)
-    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
-        _dispatch.fprop_on_device(x, [w_ENK], torch.tensor(SPLITS), y)
+    with caplog.at_level(logging.WARNING, logger=_ops.__name__):
+        _ops.fprop_on_device(x, [w_ENK], torch.tensor(SPLITS), y)
     assert fake.calls == []
     assert fake.asked == []
     assert [r.getMessage() for r in caplog.records] == [
@@ -196,9 +196,9 @@ def test_no_tokens_runs_nothing(fake):
     kept = [rand(N, K, dtype=torch.float32, seed=e) for e in range(E)]
     before = [t.clone() for t in kept]
     zeros = torch.zeros(E, dtype=torch.int64)
-    _dispatch.wgrad_on_device(dy, x, zeros, out, False)
-    _dispatch.wgrad_on_device(dy, x, zeros, kept, True)
-    _dispatch.fprop_on_device(x, [rand(E, N, K)], zeros, nans(0, N))
+    _ops.wgrad_on_device(dy, x, zeros, out, False)
+    _ops.wgrad_on_device(dy, x, zeros, kept, True)
+    _ops.fprop_on_device(x, [rand(E, N, K)], zeros, nans(0, N))
     assert fake.calls == []
     assert fake.asked == []
     assert all(torch.equal(t, torch.zeros(N, K)) for t in out)
@@ -209,14 +209,14 @@ def test_reference_fallback_checks_splits_values(fake):
     fake.reason = "not today"
     x, w_ENK, y = rand(T, K), rand(E, N, K, seed=1), nans(T, N)
     with pytest.raises(ValueError, match=r"splits\[1\] is -1"):
-        _dispatch.fprop_on_device(x, [w_ENK], torch.tensor([5, -1, 12, 3]), y)
+        _ops.fprop_on_device(x, [w_ENK], torch.tensor([5, -1, 12, 3]), y)
     assert y.isnan().all()
 
 
 def test_splits_on_device_keeps_values_and_makes_int64():
-    from groupgrad.kernels import _splits
+    from groupgrad.kernels import _group
 
     for dtype in (torch.int32, torch.int64):
-        moved = _splits.on_device(torch.tensor(SPLITS, dtype=dtype), torch.device("cpu"))
+        moved = _group.on_device(torch.tensor(SPLITS, dtype=dtype), torch.device("cpu"))
         assert moved.dtype == torch.int64
         assert moved.tolist() == SPLITS

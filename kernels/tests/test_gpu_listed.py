@@ -19,7 +19,7 @@ from torch import Tensor
 
 from groupgrad.kernels import (
     _cutlass,
-    _listed,
+    _group,
     grouped_fprop,
     grouped_fprop_ref,
     grouped_wgrad,
@@ -87,23 +87,23 @@ CHANGES = [
 ]
 
 
-def _python_facts(members: list[object]) -> _listed.ListedFacts:
-    native = list(_listed._native)
-    _listed._native.clear()
+def _python_facts(members: list[object]) -> _group.ListedFacts:
+    native = list(_group._native)
+    _group._native.clear()
     try:
-        return _listed.listed_facts(members, members[0])  # type: ignore[arg-type]
+        return _group.listed_facts(members, members[0])  # type: ignore[arg-type]
     finally:
-        _listed._native[:] = native
+        _group._native[:] = native
 
 
 @pytest.mark.parametrize("change", CHANGES)
 def test_the_cpp_reader_agrees_with_python(change: str) -> None:
     _cutlass.build()
-    assert _listed._native, "loading the extension registers its reader"
+    assert _group._native, "loading the extension registers its reader"
     members = _group(change)
-    native = _listed._native[0](members)  # type: ignore[arg-type]
+    native = _group._native[0](members)  # type: ignore[arg-type]
     python = _python_facts(members)
-    both = _listed.listed_facts(members, members[0])  # type: ignore[arg-type]
+    both = _group.listed_facts(members, members[0])  # type: ignore[arg-type]
     assert both == python
     plain = all(type(m) in (Tensor, torch.nn.Parameter) for m in members)
     assert (native is None) == (not plain)

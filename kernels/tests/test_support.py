@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels._listed import listed_facts
+from groupgrad.kernels._group import listed_facts
 from groupgrad.kernels._support import unsupported_reason
 
 E, N, K = 4, 16, 24

@@ -293,12 +293,23 @@ def snapshot(out: object) -> list[Tensor]:
     return []
 
 
+SPLITS_FORMS = {  # the list takes the naming branch of splits' rule, a tensor its cheap test
+    "list": lambda: SPLITS,
+    "cpu_tensor": lambda: torch.tensor(SPLITS),
+    "int32_tensor": lambda: torch.tensor(SPLITS, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("splits_form", list(SPLITS_FORMS))
 @pytest.mark.parametrize("impl", list(GEMMS))
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_rejected_call_raises_and_writes_nothing(case, impl):
+def test_rejected_call_raises_and_writes_nothing(case, impl, splits_form):
+    """Each misfit is named, with valid ``splits`` of each form beside it (and nothing written)."""
     args = valid_args(case.op)
+    args["splits"] = SPLITS_FORMS[splits_form]()
     getattr(GEMMS[impl], case.op)(**args)  # the unchanged call is valid
     args = valid_args(case.op)
+    args["splits"] = SPLITS_FORMS[splits_form]()
     case.change(args)
     before = snapshot(args.get("out"))
     with pytest.raises(case.error, match=case.match):
@@ -333,3 +344,17 @@ def test_alike_members_that_only_touch_are_not_overlapping(impl):
     assert all(torch.equal(o, e) for o, e in zip(out, expected.unbind(0), strict=True))
     assert torch.equal(dy_in, dy)
     assert torch.equal(x_in, x)
+
+
+@pytest.mark.parametrize("op", ["fprop", "wgrad"])
+def test_the_validator_checks_cpu_splits_values_itself(op):
+    """Not left to the reference kernel: the CUTLASS path never reads ``splits``."""
+    from groupgrad.kernels import _validate
+
+    bad = torch.tensor([3, 0, 5, 5])
+    calls = {
+        "fprop": lambda: _validate.grouped_call("fprop", rand(T, K), rand(E, N, K), bad, None),
+        "wgrad": lambda: _validate.wgrad_call(rand(T, N), rand(T, K), bad, None, None, False),
+    }
+    with pytest.raises(ValueError, match=r"splits sums to 13 but x has 12 rows"):
+        calls[op]()

@@ -47,10 +47,8 @@ _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
-_LEAN = "kernels/src/groupgrad/kernels/_lean.py"
-_OVERLAP = "kernels/src/groupgrad/kernels/_overlap.py"
+_GROUP = "kernels/src/groupgrad/kernels/_group.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
-_LISTED = "kernels/src/groupgrad/kernels/_listed.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
 _PLAN_KERNELS = "kernels/src/groupgrad/kernels/_plan.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
@@ -353,7 +351,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-overlap-ignores-inputs",
         "the lean overlap sweep of alike members never compares them with the inputs",
-        _OVERLAP,
+        _GROUP,
         "        if starts and (is_output or group_is_output):",
         "        if False:",
         (f"{KERNELS}/test_validation.py",),
@@ -361,7 +359,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-overlap-ignores-members",
         "the lean overlap sweep of alike outputs never compares them with each other",
-        _OVERLAP,
+        _GROUP,
         "        group_is_output\n        and len(starts) > 1",
         "        False\n        and len(starts) > 1",
         (f"{KERNELS}/test_validation.py",),
@@ -377,7 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-test-ignores-shape",
         "the lean test of a listed group does not compare shapes",
-        _LISTED,
+        _GROUP,
         "        set(map(_SHAPE, tensors)) == {first.shape}\n        and ",
         "        ",
         (f"{KERNELS}/test_validation.py",),
@@ -398,20 +396,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         (f"{KERNELS}/test_build.py",),
     ),
+    # --- each rule's cheap test for the common call accepts nothing its naming checks reject
     Mutant(
-        "lean-call-ignores-overlap",
-        "the lean check of the common fprop/dgrad call lets out share memory with the weights",
-        _LEAN,
-        "        or _overlap.contiguous_meets(out_TX, (a_TX, w_ENK))\n",
+        "cheap-call-ignores-overlap",
+        "the cheap test of fprop/dgrad's out lets it share memory with packed weights",
+        _VALIDATE,
+        "        and not _group.contiguous_meets(out_TX, (a_TX, w_group[0]))\n",
         "",
-        (f"{KERNELS}/test_validation_lean.py",),
+        (f"{KERNELS}/test_validation.py",),
     ),
     Mutant(
-        "lean-wgrad-ignores-rows",
-        "the lean check of the common wgrad call takes x with other rows than dy",
-        _LEAN,
-        "        or x_TK.shape[0] != dy_TN.shape[0]\n",
+        "cheap-wgrad-out-ignores-shape",
+        "the cheap test of a packed wgrad out takes another (E, N, K)",
+        _VALIDATE,
+        "        and out.shape == shape\n",
         "",
-        (f"{KERNELS}/test_validation_lean.py",),
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "cheap-splits-ignores-values",
+        "the cheap test of a CPU splits tensor takes counts that do not sum to the rows",
+        _VALIDATE,
+        "            if _group.counts_fit(splits_E.tolist(), rows):",
+        "            if True:",
+        (f"{KERNELS}/test_validation.py",),
     ),
 )

@@ -1,7 +1,7 @@
 """CUTLASS sm_90a backend: loading the kernels, saying whether they can run, launching them.
 
 Internal to ``groupgrad.kernels``: the CUDA kernels of the custom ops
-(``_dispatch``) receive validated operands that the support check
+(``_ops``) receive validated operands that the support check
 (``_support``) accepted, ask :func:`unavailable_reason` for the device, and
 call :func:`fprop`, :func:`dgrad` or :func:`wgrad` here, which choose a kernel
 (``_plan``) and launch it. Nothing in this module compiles or initialises
@@ -34,8 +34,7 @@ from typing import cast
 
 import torch
 
-from groupgrad.kernels._grouped import group_size
-from groupgrad.kernels._listed import use_native_reader
+from groupgrad.kernels._group import group_size, use_native_reader
 from groupgrad.kernels._plan import Plan, plan_for
 from groupgrad.kernels.build import (
     BUILD_TIME_HINT,

@@ -1,17 +1,35 @@
-"""The ``torch.library`` custom ops ``groupgrad::grouped_{fprop,dgrad,wgrad}``, and how calls reach them.
+"""The ``groupgrad::grouped_{fprop,dgrad,wgrad}`` custom ops, their kernels, and how calls reach them.
 
 Each op writes into its ``out`` argument (declared in ``mutates_args``) and
 returns nothing. The default kernel, used on every device but CUDA, is the
-pure-PyTorch reference (``_reference``); the CUDA kernel (``_dispatch``) runs
-CUTLASS or falls back to the reference. The fake kernels do nothing — the
+pure-PyTorch reference (``_reference``). The fake kernels do nothing — the
 output already exists — so ``torch.compile`` traces a call without running
 it. Arguments arrive validated by the public functions; groups of matrices
-travel in the form described in ``_grouped``; ``splits`` is an int32/int64
-tensor on the CPU or the operands' device.
+travel in op form (``_group``); ``splits`` is an int32/int64 tensor on the
+CPU or the operands' device.
 
-The public functions call :func:`fprop`, :func:`dgrad` and :func:`wgrad`
-here (the SwiGLU ops of ``_swiglu`` follow the same rule). In plain eager
-code — plain tensors on the CPU or a CUDA device, nothing tracing
+**The CUDA kernels** (``*_on_device``): a call runs on CUTLASS when the
+support check (``_support.unsupported_reason``: dtypes, sizes, layout,
+alignment) accepts its operands, the backend module
+``groupgrad.kernels._cutlass`` imports (on the first CUDA call, never at
+package import), and the backend can run on the operands' device
+(``unavailable_reason(device)``: sm_90, a toolchain to build it). Otherwise
+the call runs on the reference path and the reason is logged once (per
+distinct reason) at WARNING level through this module's logger. The
+reference path reads ``splits`` on the host, which synchronizes with the
+device when ``splits`` is a device tensor; the CUTLASS path never does. The
+backend's contract: arguments validated and accepted by the support check;
+``splits`` an int64 tensor on the operands' device; groups in op form:
+
+* ``unavailable_reason(device) -> str | None``
+* ``fprop(x_TK, w_group, splits_E, y_TN) -> None``
+* ``dgrad(dy_TN, w_group, splits_E, dx_TK) -> None``
+* ``wgrad(dy_TN, x_TK, splits_E, dw_group, accumulate) -> None``; ``dw_group``
+  holds ``E`` ``(N, K)`` matrices of one dtype (bf16, fp16 or fp32).
+
+**Direct calls.** The public functions call :func:`fprop`, :func:`dgrad` and
+:func:`wgrad` here (the SwiGLU ops of ``_swiglu`` follow the same rule). In
+plain eager code — plain tensors on the CPU or a CUDA device, nothing tracing
 (``torch.compile``, fake or functional tensors, any dispatch or function
 mode) and no input that autograd would record — these call the op's kernel
 for that device directly (:func:`run_directly`) and bump the version counter
@@ -25,19 +43,141 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 from collections.abc import Callable, Sequence
-from typing import ParamSpec, TypeVar
+from types import ModuleType
+from typing import Literal, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _dispatch, _reference
-from groupgrad.kernels._listed import PLAIN_TYPES, ListedFacts, any_requires_grad
+from groupgrad.kernels import _group, _reference, _support
+from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, any_requires_grad
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 _DIRECT_DEVICES = ("cpu", "cuda")
+
+
+# --------------------------------------------------------------------------- CUDA kernels
+
+logger = logging.getLogger(__name__)
+
+CUTLASS_MODULE = "groupgrad.kernels._cutlass"
+
+_reasons_said: set[str] = set()
+_REFERENCE_ROW_GEMMS = {"fprop": _reference.fprop, "dgrad": _reference.dgrad}
+
+
+def fprop_on_device(
+    x: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    *,
+    listed: ListedFacts | None = None,
+) -> None:
+    """CUDA kernel of ``groupgrad::grouped_fprop``: ``y_e = x_e @ w_e.T`` into ``out``.
+
+    ``listed``: what validation's pass over listed weights found (``_group``),
+    which spares the support check its own pass.
+    """
+    _row_grouped_on_device("fprop", x, weights, splits, out, listed)
+
+
+def dgrad_on_device(
+    dy: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    *,
+    listed: ListedFacts | None = None,
+) -> None:
+    """CUDA kernel of ``groupgrad::grouped_dgrad``: ``dx_e = dy_e @ w_e`` into ``out``."""
+    _row_grouped_on_device("dgrad", dy, weights, splits, out, listed)
+
+
+def _row_grouped_on_device(
+    op: Literal["fprop", "dgrad"],
+    a: Tensor,
+    weights: list[Tensor],
+    splits: Tensor,
+    out: Tensor,
+    listed: ListedFacts | None,
+) -> None:
+    """fprop or dgrad: each expert's rows of ``a`` times its weight into ``out`` (CUTLASS or reference)."""
+    if a.shape[0] == 0:
+        return
+    cutlass, reason = cutlass_or_reason(op, a, weights, out, listed)
+    if cutlass is None:
+        _say_once(op, reason)
+        _REFERENCE_ROW_GEMMS[op](a, weights, splits, out)
+    else:
+        getattr(cutlass, op)(a, weights, _group.on_device(splits, a.device), out)
+
+
+def wgrad_on_device(
+    dy: Tensor,
+    x: Tensor,
+    splits: Tensor,
+    out: list[Tensor],
+    accumulate: bool,
+    *,
+    listed: ListedFacts | None = None,
+) -> None:
+    """CUDA kernel of ``groupgrad::grouped_wgrad``: ``dw_e = dy_e.T @ x_e`` into ``out``."""
+    dy_TN, x_TK = dy, x
+    if x_TK.shape[0] == 0:  # every expert has no tokens: a zero gradient
+        if not accumulate:
+            for dw in out:
+                dw.zero_()
+        return
+    cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out, listed)
+    if cutlass is None:
+        _say_once("wgrad", reason)
+        _reference.wgrad(dy_TN, x_TK, splits, out, accumulate)
+    else:
+        cutlass.wgrad(dy_TN, x_TK, _group.on_device(splits, x_TK.device), out, accumulate)
+
+
+def cutlass_or_reason(
+    op: _support.Op,
+    a: Tensor,
+    b: Tensor | Sequence[Tensor],
+    out: Tensor | Sequence[Tensor],
+    listed: ListedFacts | None = None,
+) -> tuple[ModuleType | None, str | None]:
+    """``(backend, None)`` when CUTLASS runs this validated call, else ``(None, reason)``."""
+    reason = _support.unsupported_reason(op, a, b, out, listed=listed)
+    if reason is not None:
+        return None, reason
+    cutlass, reason = load_cutlass()
+    if cutlass is not None:
+        reason = cutlass.unavailable_reason(a.device)
+    return (cutlass, None) if reason is None else (None, reason)
+
+
+@functools.cache
+def load_cutlass() -> tuple[ModuleType | None, str | None]:
+    """Import the CUTLASS backend once: ``(module, None)`` or ``(None, reason)``."""
+    try:
+        return importlib.import_module(CUTLASS_MODULE), None
+    except ImportError as error:
+        return None, f"the CUTLASS backend cannot be imported ({error})"
+
+
+def _say_once(op: str, reason: str | None) -> None:
+    """Log, once per distinct reason, that ``grouped_<op>`` runs on the reference path."""
+    message = f"grouped_{op} runs on the reference path: {reason}"
+    if message not in _reasons_said:
+        _reasons_said.add(message)
+        logger.warning(message)
+
+
+# --------------------------------------------------------------------------- custom ops
 
 
 @torch.library.custom_op("groupgrad::grouped_fprop", mutates_args=("out",))
@@ -60,9 +200,9 @@ def grouped_wgrad_op(
     _reference.wgrad(dy, x, splits, out, accumulate)
 
 
-grouped_fprop_op.register_kernel("cuda")(_dispatch.fprop_on_device)
-grouped_dgrad_op.register_kernel("cuda")(_dispatch.dgrad_on_device)
-grouped_wgrad_op.register_kernel("cuda")(_dispatch.wgrad_on_device)
+grouped_fprop_op.register_kernel("cuda")(fprop_on_device)
+grouped_dgrad_op.register_kernel("cuda")(dgrad_on_device)
+grouped_wgrad_op.register_kernel("cuda")(wgrad_on_device)
 
 
 @grouped_fprop_op.register_fake
@@ -99,7 +239,7 @@ def direct_call_ok(
     Args:
         tensors: the call's tensors, the first one's device deciding.
         group: the members of a group of matrices, checked like ``tensors``.
-        listed: what one pass over ``group`` found (``_listed``); when its
+        listed: what one pass over ``group`` found (``_group``); when its
             members are alike, their types and ``requires_grad`` are read
             from it instead of from each member.
     """
@@ -139,14 +279,14 @@ def fprop(
 ) -> None:
     """``groupgrad::grouped_fprop`` on validated arguments (directly in plain eager code).
 
-    ``listed``: what validation's pass over listed weights found (``_listed``),
+    ``listed``: what validation's pass over listed weights found (``_group``),
     read by the direct-call test and the CUDA kernel's support check instead
     of the members.
     """
     if not direct_call_ok([x, out, splits], weights, listed):
         grouped_fprop_op(x, weights, splits, out)
         return
-    kernels = (_dispatch.fprop_on_device, _reference.fprop)
+    kernels = (fprop_on_device, _reference.fprop)
     _run_direct("groupgrad::grouped_fprop", kernels, (x, weights, splits, out), listed)
     torch.autograd.graph.increment_version(out)  # as the op's in-place bookkeeping does
 
@@ -162,7 +302,7 @@ def dgrad(
     if not direct_call_ok([dy, out, splits], weights, listed):
         grouped_dgrad_op(dy, weights, splits, out)
         return
-    kernels = (_dispatch.dgrad_on_device, _reference.dgrad)
+    kernels = (dgrad_on_device, _reference.dgrad)
     _run_direct("groupgrad::grouped_dgrad", kernels, (dy, weights, splits, out), listed)
     torch.autograd.graph.increment_version(out)
 
@@ -179,7 +319,7 @@ def wgrad(
     if not direct_call_ok([dy, x, splits], out, listed):
         grouped_wgrad_op(dy, x, splits, out, accumulate)
         return
-    kernels = (_dispatch.wgrad_on_device, _reference.wgrad)
+    kernels = (wgrad_on_device, _reference.wgrad)
     _run_direct("groupgrad::grouped_wgrad", kernels, (dy, x, splits, out, accumulate), listed)
     torch.autograd.graph.increment_version(out)
 

@@ -1,7 +1,7 @@
 """Pure-PyTorch grouped GEMMs: the reference path and the oracle for GPU tests.
 
 These functions take validated arguments in op form (a group of matrices as
-``_grouped`` describes it; ``splits_E`` an int32/int64 tensor) and write into
+``_group`` describes it; ``splits_E`` an int32/int64 tensor) and write into
 ``out``; they run on any device. They are the default kernels of the custom
 ops, the fallback of the CUDA kernels and the body of the ``*_ref`` twins;
 each reads the token counts on the host (a sync for a device tensor; the
@@ -29,8 +29,7 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _splits
-from groupgrad.kernels._grouped import per_expert
+from groupgrad.kernels._group import host_values, per_expert
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -54,7 +53,7 @@ def _per_expert_and_counts(
     group: Sequence[Tensor], splits_E: Tensor, rows_of: Tensor, rows_name: str
 ) -> tuple[list[Tensor], list[int]]:
     """The group's per-expert matrices and the token counts as host ints, checked against ``rows_of``."""
-    return per_expert(group), _splits.host_values(splits_E, rows_of.shape[0], rows_name)
+    return per_expert(group), host_values(splits_E, rows_of.shape[0], rows_name)
 
 
 @_autocast_off

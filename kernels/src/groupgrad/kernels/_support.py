@@ -15,7 +15,7 @@ backend's own question (``_cutlass.unavailable_reason``).
 Operands per op, as the custom ops receive them (``a``, ``b``, ``out``):
 fprop ``(x_TK, w_group, y_TN)``, dgrad ``(dy_TN, w_group, dx_TK)``, wgrad
 ``(dy_TN, x_TK, dw_group)``; a group of ``(N, K)`` matrices is in op form
-(``_grouped``). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features,
+(``_group``). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features,
 ``N`` out_features.
 """
 
@@ -27,8 +27,7 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels._grouped import is_packed
-from groupgrad.kernels._listed import ListedFacts
+from groupgrad.kernels._group import ListedFacts, is_packed
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
@@ -56,7 +55,7 @@ def unsupported_reason(
         b: the weights' group (fprop, dgrad) or ``x_TK`` (wgrad).
         out: ``y_TN`` (fprop), ``dx_TK`` (dgrad) or the outputs' group (wgrad).
         listed: what validation's pass over a listed group found
-            (``_listed``): when its members are alike (contiguous, one shape,
+            (``_group``): when its members are alike (contiguous, one shape,
             dtype and device), only the first is checked in full and the
             others for their address alone.
 

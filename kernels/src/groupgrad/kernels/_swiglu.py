@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from groupgrad.kernels._calls import INPUT_DTYPES
+from groupgrad.kernels._validate import INPUT_DTYPES
 from groupgrad.kernels._ops import direct_call_ok, run_directly
 
 __all__ = [

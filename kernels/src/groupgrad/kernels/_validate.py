@@ -1,11 +1,18 @@
-"""Argument checks and normalization for the grouped GEMMs.
+"""The one validator of the grouped GEMMs: their argument rules, each written once.
 
 Every public entry point — kernel and reference twin alike — passes its
 arguments through :func:`grouped_call` (fprop, dgrad) or :func:`wgrad_call`
-before anything is written, so a rejected call leaves ``out`` untouched.
-Problems raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape,
-device, layout, token counts, overlap) naming the argument, its value and
-what was expected.
+before anything is written, so a rejected call leaves ``out`` untouched, and
+gets back a :class:`GroupedCall` or :class:`WgradCall` in op form. Problems
+raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device,
+layout, token counts, overlap) naming the argument — as the caller named it,
+through ``names`` — its value and what was expected.
+
+Each rule has one form: one combined cheap test that accepts the common case
+(plain contiguous tensors on one device, a packed group, integer ``splits``)
+and, only when that test fails, the checks that name the misfit. So the
+common call passes in one pass of cheap tests and a wrong one gets its
+message from the same function.
 
 What is checked for ``splits`` depends on where it lives:
 
@@ -15,9 +22,11 @@ What is checked for ``splits`` depends on where it lives:
   synchronize the host. The reference path reads (and then checks) them
   anyway; the CUTLASS path never does.
 
-Under ``torch.compile`` the checks that need real memory (the values of a
-CPU ``splits`` tensor, overlap between outputs and inputs) are skipped; the
-reference kernel still checks the values of ``splits`` when it reads them.
+Under ``torch.compile`` (fake and functional tensors: never the cheap test's
+plain types) the checks that need real memory (the values of a CPU
+``splits`` tensor, overlap between outputs and inputs) are skipped, a length
+traced from data is checked when the graph runs, and the reference kernel
+still checks the values of ``splits`` when it reads them.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
@@ -25,17 +34,57 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _grouped, _lean, _overlap, _splits
-from groupgrad.kernels._calls import INPUT_DTYPES, WGRAD_OUT_DTYPES, GroupedCall, WgradCall
-from groupgrad.kernels._listed import ListedFacts, listed_facts
+from groupgrad.kernels import _group
+from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, listed_facts
 
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_CHOICES = "torch.bfloat16, torch.float16 or torch.float32"
+
+
+@dataclass(frozen=True)
+class GroupedCall:
+    """A validated fprop (``y_e = x_e @ w_e.T``) or dgrad (``dx_e = dy_e @ w_e``) call.
+
+    ``a`` is ``x_TK`` for fprop and ``dy_TN`` for dgrad; ``out`` is ``y_TN``
+    or ``dx_TK``; ``weights`` is in op form (``_group``); ``splits`` is
+    ``splits_E``, an int32/int64 tensor on the CPU or ``a``'s device;
+    ``listed`` holds what one pass over listed weights found (``None`` for
+    packed weights).
+    """
+
+    a: Tensor
+    weights: list[Tensor]
+    splits: Tensor
+    out: Tensor
+    listed: ListedFacts | None = None
+
+
+@dataclass(frozen=True)
+class WgradCall:
+    """A validated wgrad call: ``dw_e = dy_e.T @ x_e`` written into ``out``.
+
+    ``dy`` is ``dy_TN``, ``x`` is ``x_TK``, ``splits`` is ``splits_E``;
+    ``out`` is in op form (``[dw_ENK]`` or ``E`` matrices); ``result`` is
+    what the public function returns (the caller's ``out`` object, or the
+    freshly allocated ``(E, N, K)`` tensor); ``listed`` holds what one pass
+    over listed outputs found (``None`` otherwise).
+    """
+
+    dy: Tensor
+    x: Tensor
+    splits: Tensor
+    out: list[Tensor]
+    accumulate: bool
+    result: Tensor | Sequence[Tensor]
+    listed: ListedFacts | None = None
 
 
 def grouped_call(
@@ -49,14 +98,11 @@ def grouped_call(
     """Check an fprop/dgrad call and put its arguments into op form.
 
     ``names``: how messages name the weights (``None``: ``weights`` /
-    ``weights[e]``); checked when a message needs it.
+    ``weights[e]``).
     """
-    lean = _lean.packed_call(op, a, weights, splits, out)
-    if lean is not None:
-        return lean
     a_name = "x" if op == "fprop" else "dy"
     a_TX = _input_matrix(a_name, a)
-    label = _labeler("weights", names)
+    label = _group.labeler("weights", names)
     w_group, (E, N, K), listed = _weights(weights, a_name, a_TX, label)
     T = a_TX.shape[0]
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
@@ -67,21 +113,32 @@ def grouped_call(
         )
     splits_E = _splits_arg(splits, a_name, a_TX, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
-    out_dims = "(T, N)" if op == "fprop" else "(T, K)"
     if out is None:
-        out_TX = a_TX.new_empty(out_shape)
-    else:
-        out_TX = _tensor("out", out)
-        if out_TX.dtype != a_TX.dtype:
-            raise TypeError(f"out has dtype {out_TX.dtype}, expected {a_TX.dtype} like {a_name}")
-        _check_device("out", out_TX, a_name, a_TX)
-        if tuple(out_TX.shape) != out_shape:
-            raise ValueError(
-                f"out has shape {tuple(out_TX.shape)}, expected {out_dims} = {out_shape}"
-            )
-        _check_row_major("out", out_TX)
-        _check_writable("out", out_TX)
-        _check_group_apart(label, w_group, listed, [("out", out_TX)], [(a_name, a_TX)])
+        return GroupedCall(a_TX, w_group, splits_E, a_TX.new_empty(out_shape), listed)
+    out_TX = cast(Tensor, out)
+    if (  # the common out: plain, contiguous, like a, apart from a and packed weights
+        type(out) in PLAIN_TYPES
+        and not torch.compiler.is_compiling()
+        and out_TX.dtype == a_TX.dtype
+        and out_TX.device == a_TX.device
+        and out_TX.shape == out_shape
+        and out_TX.is_contiguous()
+        and not (out_TX.requires_grad and torch.is_grad_enabled())
+        and listed is None
+        and w_group[0].is_contiguous()
+        and not _group.contiguous_meets(out_TX, (a_TX, w_group[0]))
+    ):
+        return GroupedCall(a_TX, w_group, splits_E, out_TX, listed)
+    out_TX = _tensor("out", out)
+    if out_TX.dtype != a_TX.dtype:
+        raise TypeError(f"out has dtype {out_TX.dtype}, expected {a_TX.dtype} like {a_name}")
+    _check_device("out", out_TX, a_name, a_TX)
+    if tuple(out_TX.shape) != out_shape:
+        dims = "(T, N)" if op == "fprop" else "(T, K)"
+        raise ValueError(f"out has shape {tuple(out_TX.shape)}, expected {dims} = {out_shape}")
+    _check_row_major("out", out_TX)
+    _check_writable("out", out_TX)
+    _group.check_group_apart(label, w_group, listed, [("out", out_TX)], [(a_name, a_TX)])
     return GroupedCall(a_TX, w_group, splits_E, out_TX, listed)
 
 
@@ -94,9 +151,6 @@ def wgrad_call(
     accumulate: object,
 ) -> WgradCall:
     """Check a wgrad call and put its arguments into op form."""
-    lean = _lean.packed_wgrad_call(dy, x, splits, out, out_dtype, accumulate)
-    if lean is not None:
-        return lean
     dy_TN = _input_matrix("dy", dy)
     x_TK = _input_matrix("x", x)
     if x_TK.dtype != dy_TN.dtype:
@@ -104,7 +158,7 @@ def wgrad_call(
     _check_device("x", x_TK, "dy", dy_TN)
     if x_TK.shape[0] != dy_TN.shape[0]:
         raise ValueError(f"x has {x_TK.shape[0]} rows but dy has {dy_TN.shape[0]} rows")
-    if not isinstance(accumulate, bool):
+    if type(accumulate) is not bool:
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if out_dtype is not None and out_dtype not in WGRAD_OUT_DTYPES:
         raise TypeError(f"out_dtype is {out_dtype}, expected {_DTYPE_CHOICES} or None")
@@ -118,31 +172,28 @@ def wgrad_call(
         dtype = dy_TN.dtype if out_dtype is None else out_dtype
         dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
         return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
-    listed = None
     if isinstance(out, Tensor):
-        members = [out]
-        _wgrad_out_member("out", out, (E, N, K), "(E, N, K)", out_dtype, dy_TN)
-        _overlap.check_experts_apart(out)
-    elif isinstance(out, Iterable) and not isinstance(out, str | bytes):
-        members = list(out)
-        if len(members) != E:
-            raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
-        first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
-        listed = listed_facts(members, first)
-        if not listed.alike or listed.requires_grad:
-            for e, member in enumerate(members):
-                name = f"out[{e}]"
-                dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
-                if dw_NK.dtype != first.dtype:
-                    raise TypeError(
-                        f"{name} has dtype {dw_NK.dtype}, expected {first.dtype} like out[0]"
-                    )
-    else:
+        _packed_wgrad_out(out, (E, N, K), out_dtype, dy_TN, x_TK)
+        return WgradCall(dy_TN, x_TK, splits_E, [out], accumulate, out)
+    if not isinstance(out, Iterable) or isinstance(out, str | bytes):
         raise TypeError(
             "out must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
             f"got {type(out).__name__}"
         )
-    _check_group_apart("out", members, listed, [], [("dy", dy_TN), ("x", x_TK)])
+    members = list(out)
+    if len(members) != E:
+        raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
+    first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
+    listed = listed_facts(members, first)
+    if not listed.alike or listed.requires_grad:
+        for e, member in enumerate(members):
+            name = f"out[{e}]"
+            dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
+            if dw_NK.dtype != first.dtype:
+                raise TypeError(
+                    f"{name} has dtype {dw_NK.dtype}, expected {first.dtype} like out[0]"
+                )
+    _group.check_group_apart("out", members, listed, [], [("dy", dy_TN), ("x", x_TK)])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
     return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, listed)
 
@@ -157,6 +208,14 @@ def _tensor(name: str, value: object) -> Tensor:
 
 
 def _input_matrix(name: str, value: object) -> Tensor:
+    """A GEMM's row operand: a 2-D row-major bf16/fp16/fp32 tensor."""
+    if (
+        type(value) in PLAIN_TYPES
+        and cast(Tensor, value).dtype in INPUT_DTYPES
+        and cast(Tensor, value).dim() == 2
+        and cast(Tensor, value).is_contiguous()
+    ):
+        return cast(Tensor, value)
     t = _tensor(name, value)
     if t.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}, expected {_DTYPE_CHOICES}")
@@ -168,7 +227,7 @@ def _input_matrix(name: str, value: object) -> Tensor:
 
 
 def _weights(
-    weights: object, a_name: str, a: Tensor, label: Labeler
+    weights: object, a_name: str, a: Tensor, label: _group.Labeler
 ) -> tuple[list[Tensor], tuple[int, int, int], ListedFacts | None]:
     """Check ``weights`` against the row operand ``a``; ``label(e)`` names member ``e``.
 
@@ -176,6 +235,17 @@ def _weights(
         The op form, ``(E, N, K)``, and what one pass over listed members
         found (``_listed``; ``None`` for a packed tensor).
     """
+    if (  # the common weights: one plain contiguous (E, N, K) tensor like a
+        type(weights) in PLAIN_TYPES
+        and cast(Tensor, weights).dim() == 3
+        and cast(Tensor, weights).dtype == a.dtype
+        and cast(Tensor, weights).device == a.device
+        and cast(Tensor, weights).is_contiguous()
+        and cast(Tensor, weights).shape[0]
+    ):
+        w_ENK = cast(Tensor, weights)
+        E, N, K = w_ENK.shape
+        return [w_ENK], (E, N, K), None
     expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
     if isinstance(weights, Tensor):
         name = label(None)
@@ -187,7 +257,7 @@ def _weights(
         if E == 0:
             raise ValueError(f"{name} has shape (0, N, K), expected at least one expert")
         _weight_member(name, weights, a_name, a, None, "")
-        return _grouped.op_form(weights), (E, N, K), None
+        return _group.op_form(weights), (E, N, K), None
     if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
         raise TypeError(f"{label(None)} must be {expected}, got {type(weights).__name__}")
     members = list(weights)
@@ -201,7 +271,7 @@ def _weights(
         for e, member in enumerate(members):
             _weight_member(label(e), member, a_name, a, first, label(0))
     N, K = first.shape
-    return _grouped.op_form(members), (len(members), N, K), listed
+    return _group.op_form(members), (len(members), N, K), listed
 
 
 def _weight_member(
@@ -225,35 +295,6 @@ def _weight_member(
     return w
 
 
-Labeler = Callable[[int | None], str]
-"""How messages name a group: ``label(None)`` the group, ``label(e)`` its member ``e``."""
-
-
-def _labeler(default: str, names: object) -> Labeler:
-    """Name member ``e`` ``names[e]`` and a packed group ``names[0]``; else ``default[e]``, ``default``.
-
-    Names only shape messages: where ``names`` has no entry for a member the
-    default name is used.
-
-    Raises:
-        TypeError: ``names`` is neither ``None`` nor a sequence of strings.
-    """
-    given: list[str] = []
-    if names is not None:
-        if isinstance(names, str | bytes) or not isinstance(names, Sequence):
-            raise TypeError(f"names is a {type(names).__name__}, expected a sequence of str")
-        given = list(names)
-        if not all(isinstance(n, str) for n in given):
-            raise TypeError("names holds an entry that is not a str, expected a sequence of str")
-
-    def label(e: int | None) -> str:
-        if e is None:
-            return given[0] if len(given) == 1 else default
-        return given[e] if e < len(given) else f"{default}[{e}]"
-
-    return label
-
-
 def _wgrad_out_member(
     name: str,
     value: object,
@@ -275,11 +316,46 @@ def _wgrad_out_member(
     return t
 
 
+def _packed_wgrad_out(
+    out: Tensor, shape: tuple[int, int, int], out_dtype: object, dy: Tensor, x: Tensor
+) -> None:
+    """A packed ``(E, N, K)`` wgrad output: shaped, typed and placed, its experts apart, apart
+    from the inputs."""
+    if (  # the common out: plain, contiguous (so its experts are apart), apart from dy and x
+        type(out) in PLAIN_TYPES
+        and not torch.compiler.is_compiling()
+        and out.shape == shape
+        and out.dtype in WGRAD_OUT_DTYPES
+        and (out_dtype is None or out.dtype == out_dtype)
+        and out.device == dy.device
+        and out.is_contiguous()
+        and not (out.requires_grad and torch.is_grad_enabled())
+        and not _group.contiguous_meets(out, (dy, x))
+    ):
+        return
+    _wgrad_out_member("out", out, shape, "(E, N, K)", out_dtype, dy)
+    _group.check_experts_apart(out)
+    _group.check_group_apart("out", [out], None, [], [("dy", dy), ("x", x)])
+
+
 def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | None) -> Tensor:
     """``splits`` as an integer tensor (CPU or ``rows_of``'s device), checked."""
     rows = rows_of.shape[0]
+    if (  # the common splits: a plain 1-D integer tensor of E counts on the CPU or rows' device
+        type(splits) in PLAIN_TYPES
+        and not torch.compiler.is_compiling()
+        and cast(Tensor, splits).dtype in _group.SPLITS_DTYPES
+        and cast(Tensor, splits).dim() == 1
+        and (experts is None or cast(Tensor, splits).shape[0] == experts)
+    ):
+        splits_E = cast(Tensor, splits)
+        if splits_E.device.type == "cpu":
+            if _group.counts_fit(splits_E.tolist(), rows):
+                return splits_E
+        elif splits_E.device == rows_of.device:
+            return splits_E
     if isinstance(splits, Tensor):
-        if splits.dtype not in _splits.SPLITS_DTYPES:
+        if splits.dtype not in _group.SPLITS_DTYPES:
             raise TypeError(f"splits has dtype {splits.dtype}, expected torch.int32 or torch.int64")
         if splits.dim() != 1:
             raise ValueError(f"splits must be 1-D (E,), got shape {tuple(splits.shape)}")
@@ -288,7 +364,7 @@ def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | 
             where = "cpu" if rows_of.device.type == "cpu" else f"cpu or {rows_of.device}"
             raise ValueError(f"splits is on {splits.device}, expected {where} like {rows_name}")
         if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-            _splits.check_values(splits.tolist(), rows, rows_name)
+            _group.check_values(splits.tolist(), rows, rows_name)
         return splits
     if not isinstance(splits, Iterable) or isinstance(splits, str | bytes):
         raise TypeError(
@@ -296,7 +372,7 @@ def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | 
         )
     values = [_token_count(e, count) for e, count in enumerate(splits)]
     _check_length(len(values), experts)
-    _splits.check_values(values, rows, rows_name)
+    _group.check_values(values, rows, rows_name)
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -351,38 +427,3 @@ def _check_writable(name: str, t: Tensor) -> None:
             "autograd, so expected a tensor that does not require grad (e.g. a main_grad "
             "buffer, or call under torch.no_grad())"
         )
-
-
-def _check_group_apart(
-    group_name: str | Labeler,
-    group: list[Tensor],
-    listed: ListedFacts | None,
-    outputs: list[tuple[str, Tensor]],
-    inputs: list[tuple[str, Tensor]],
-) -> None:
-    """The overlap rule for a group in op form beside the call's single ``outputs`` and ``inputs``.
-
-    The group is the outputs (wgrad: ``outputs`` is then empty) or, with any
-    ``outputs``, inputs (the weights). Alike listed members take the lean
-    sweep over their sorted addresses (``listed.starts``, empty unless
-    alike); the named check runs where there is no such sweep or it finds an
-    overlap, and raises naming the culprits.
-    """
-    group_is_output = not outputs
-    starts = listed.starts if listed is not None else ()
-    singles = [(t, True) for _, t in outputs] + [(t, False) for _, t in inputs]
-    if starts and _overlap.group_apart(starts, group[0].nbytes, group_is_output, singles):
-        return
-    named = _named(group_name, group)
-    if group_is_output:
-        _overlap.check_no_overlap(named, inputs)
-    else:
-        _overlap.check_no_overlap(outputs, [*inputs, *named])
-
-
-def _named(label: str | Labeler, group: list[Tensor]) -> list[tuple[str, Tensor]]:
-    """Each tensor of a group in op form with the name an error message gives it."""
-    name = _labeler(label, None) if isinstance(label, str) else label
-    if _grouped.is_packed(group):
-        return [(name(None), group[0])]
-    return [(name(i), t) for i, t in enumerate(group)]

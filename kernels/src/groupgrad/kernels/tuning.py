@@ -41,14 +41,14 @@ from torch import Tensor
 from groupgrad.kernels import (
     _api,
     _cutlass,
-    _dispatch,
-    _splits,
+    _group,
+    _ops,
     _support,
     _swiglu,
     _validate,
 )
 from groupgrad.kernels._cutlass import build, compiled_variants
-from groupgrad.kernels._grouped import op_form
+from groupgrad.kernels._group import op_form
 from groupgrad.kernels._plan import LARGE_GROUP_ROWS, Plan, plan_for
 from groupgrad.kernels.build import TUNING_VARIANTS, VARIANT_SETS, VARIANTS, Variant
 
@@ -159,8 +159,8 @@ def fallback_reason(op: Op, a: Tensor, b: Group, out: Group) -> str | None:
         The reason the fallback would log, or ``None`` when CUTLASS runs the call.
     """
     if op == "wgrad":
-        return _dispatch.cutlass_or_reason(op, a, b, op_form(out))[1]
-    return _dispatch.cutlass_or_reason(op, a, op_form(b), out)[1]
+        return _ops.cutlass_or_reason(op, a, b, op_form(out))[1]
+    return _ops.cutlass_or_reason(op, a, op_form(b), out)[1]
 
 
 def triton_unavailable_reason() -> str | None:
@@ -216,10 +216,10 @@ def host_stages(
         raise TypeError(f"out must be a torch.Tensor for {op}, got {type(out).__name__}")
     call = _validate.grouped_call(op, a, b, splits, out)
     x, w, y, listed = call.a, call.weights, call.out, call.listed
-    splits_E = _splits.on_device(call.splits, x.device)
+    splits_E = _group.on_device(call.splits, x.device)
     plan = _cutlass.default_plan(op, x, w, y)
     launch = _cutlass.fprop if op == "fprop" else _cutlass.dgrad
-    kernel = _dispatch.fprop_on_device if op == "fprop" else _dispatch.dgrad_on_device
+    kernel = _ops.fprop_on_device if op == "fprop" else _ops.dgrad_on_device
     public = _api.grouped_fprop if op == "fprop" else _api.grouped_dgrad
     custom_op = getattr(torch.ops.groupgrad, f"grouped_{op}")
 
@@ -230,7 +230,7 @@ def host_stages(
     return {
         "validate": lambda: _validate.grouped_call(op, a, b, splits, out),
         "support check": lambda: _support.unsupported_reason(op, x, w, y, listed=listed),
-        "fallback check": lambda: _dispatch.cutlass_or_reason(op, x, w, y, listed),
+        "fallback check": lambda: _ops.cutlass_or_reason(op, x, w, y, listed),
         "plan": lambda: _cutlass.default_plan(op, x, w, y),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: launch(x, w, splits_E, y),
@@ -245,7 +245,7 @@ def _wgrad_stages(
 ) -> dict[str, Callable[[], object]]:
     call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
     dy_TN, x_TK, dw, listed = call.dy, call.x, call.out, call.listed
-    splits_E = _splits.on_device(call.splits, dy_TN.device)
+    splits_E = _group.on_device(call.splits, dy_TN.device)
     plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
     out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
 
@@ -258,11 +258,11 @@ def _wgrad_stages(
         "support check": lambda: _support.unsupported_reason(
             "wgrad", dy_TN, x_TK, dw, listed=listed
         ),
-        "fallback check": lambda: _dispatch.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, listed),
+        "fallback check": lambda: _ops.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, listed),
         "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: _cutlass.wgrad(dy_TN, x_TK, splits_E, dw, accumulate),
-        "CUDA kernel of the op": lambda: _dispatch.wgrad_on_device(
+        "CUDA kernel of the op": lambda: _ops.wgrad_on_device(
             dy_TN, x_TK, call.splits, dw, accumulate, listed=listed
         ),
         "custom op": lambda: torch.ops.groupgrad.grouped_wgrad(

@@ -47,7 +47,7 @@ _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
 _VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
-_GROUP = "kernels/src/groupgrad/kernels/_group.py"
+_KERNEL_GROUP = "kernels/src/groupgrad/kernels/_group.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
 _PLAN_KERNELS = "kernels/src/groupgrad/kernels/_plan.py"
@@ -128,7 +128,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "splits-list-by-reference",
         "a splits list kept by reference",
         _GROUP,
-        "        return tuple(splits)\n",
+        "        return tuple(splits)  # once: a generator feeds every GEMM of the op the same counts\n",
         "        return splits\n",
         (MODULES,),
     ),
@@ -351,7 +351,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-overlap-ignores-inputs",
         "the lean overlap sweep of alike members never compares them with the inputs",
-        _GROUP,
+        _KERNEL_GROUP,
         "        if starts and (is_output or group_is_output):",
         "        if False:",
         (f"{KERNELS}/test_validation.py",),
@@ -359,7 +359,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-overlap-ignores-members",
         "the lean overlap sweep of alike outputs never compares them with each other",
-        _GROUP,
+        _KERNEL_GROUP,
         "        group_is_output\n        and len(starts) > 1",
         "        False\n        and len(starts) > 1",
         (f"{KERNELS}/test_validation.py",),
@@ -375,7 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lean-test-ignores-shape",
         "the lean test of a listed group does not compare shapes",
-        _GROUP,
+        _KERNEL_GROUP,
         "        set(map(_SHAPE, tensors)) == {first.shape}\n        and ",
         "        ",
         (f"{KERNELS}/test_validation.py",),

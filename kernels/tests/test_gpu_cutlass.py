@@ -369,7 +369,7 @@ def test_fallback_reasons_on_the_device() -> None:
     assert reason == "weights[1] is not 16-byte aligned"
     dw = [torch.empty(128, 256, device="cuda", dtype=torch.float16)]
     assert tuning.fallback_reason("wgrad", y, x, dw) == (
-        "no compiled kernel for torch.bfloat16 inputs with torch.float16 output"
+        "no compiled wgrad kernel for torch.bfloat16 inputs with torch.float16 output"
     )
     assert tuning.fallback_reason("wgrad", y, x, [t.float() for t in dw]) is None
     assert _cutlass.unavailable_reason(x.device) is None

@@ -1,7 +1,8 @@
 """Which validated calls the CUTLASS kernels can take: the one support check.
 
 The kernels are compiled for bf16 and fp16 inputs with outputs in the input
-dtype (wgrad: also fp32), and read and write every matrix through TMA, which
+dtype (wgrad: also fp32; :data:`COMPILED_DTYPES`, which ``build`` compiles
+from), and read and write every matrix through TMA, which
 needs 16-byte aligned base addresses and row strides: ``K`` and ``N`` are
 multiples of 8 (16 bytes of bf16/fp16). Dense operands and a packed group
 must be contiguous; the members of a listed group may have padded rows (a row
@@ -31,7 +32,19 @@ from groupgrad.kernels._group import ListedFacts, is_packed
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
-CUTLASS_DTYPES = (torch.bfloat16, torch.float16)
+#: The (input, output) dtypes each op's kernels are compiled for: the one table
+#: (``build`` compiles its variants from it; the support check reads it).
+COMPILED_DTYPES: dict[str, tuple[tuple[torch.dtype, torch.dtype], ...]] = {
+    "fprop": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
+    "dgrad": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
+    "wgrad": (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.float32),
+    ),
+}
+CUTLASS_DTYPES = tuple(dict.fromkeys(din for pairs in COMPILED_DTYPES.values() for din, _ in pairs))
 ALIGNMENT_BYTES = 16  # TMA: base addresses and row strides
 SIZE_MULTIPLE = 8  # K and N, in elements: 16 bytes of bf16/fp16
 MAX_DIMENSION = 2**31  # sizes are int32 on the device
@@ -75,10 +88,9 @@ def unsupported_reason(
         K, N = (a.shape[1], second.shape[1]) if op == "fprop" else (second.shape[1], a.shape[1])
     if not group:
         return f"{group_name} holds no matrices"
-    if op != "wgrad" and second.dtype != a.dtype:
-        return f"{op} output dtype {second.dtype} differs from the inputs' {a.dtype}"
-    if op == "wgrad" and group[0].dtype not in (a.dtype, torch.float32):
-        return f"no compiled kernel for {a.dtype} inputs with {group[0].dtype} output"
+    out_dtype = group[0].dtype if op == "wgrad" else second.dtype
+    if (a.dtype, out_dtype) not in COMPILED_DTYPES[op]:
+        return f"no compiled {op} kernel for {a.dtype} inputs with {out_dtype} output"
     packed = is_packed(group)
     whole = [(a_name, a), (second_name, second)]
     if packed:

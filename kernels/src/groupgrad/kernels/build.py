@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from groupgrad.kernels._support import COMPILED_DTYPES
+
 CSRC_DIR = Path(__file__).parent / "csrc"
 CACHE_ENV = "GROUPGRAD_KERNELS_CACHE"
 #: How to get what a build needs beside nvcc: the CUTLASS headers, pybind11 and ninja.
@@ -115,10 +117,10 @@ def _cpp_bool(value: bool) -> str:
 #: ping-pong for large ones.
 COOP_TILE = ("coop", (128, 256, 64), (1, 1))
 PONG_TILE = ("pong", (128, 128, 64), (1, 2))
-_IO_DTYPES = {
-    "fprop": (("bf16", "bf16"), ("f16", "f16")),
-    "dgrad": (("bf16", "bf16"), ("f16", "f16")),
-    "wgrad": (("bf16", "bf16"), ("bf16", "f32"), ("f16", "f16"), ("f16", "f32")),
+_TAGS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_IO_DTYPES = {  # the support check's table of compiled dtypes, as the generator's tags
+    op: tuple((_TAGS[din], _TAGS[dout]) for din, dout in pairs)
+    for op, pairs in COMPILED_DTYPES.items()
 }
 
 #: The kernels every build compiles (and :func:`plan_for` chooses among).

@@ -407,3 +407,25 @@ def test_torch_compile_of_forward_and_backward_matches_eager() -> None:
         assert got[f"weight{e}"].abs().sum() > 0  # not a comparison of zeros against zeros
     for name, expected in want.items():
         torch.testing.assert_close(got[name].double(), expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_per_expert_autograd_wgrads_reach_the_kernel_as_one_packed_output(monkeypatch) -> None:
+    """Fresh buffers are views of one ``(E, N, K)`` allocation: the GEMM takes its packed path."""
+    import groupgrad.modules._wgrad as wgrad_module
+
+    seen: list[object] = []
+    real = wgrad_module.grouped_wgrad
+
+    def spy(dy, x, splits, *, out, accumulate):
+        seen.append(out)
+        return real(dy, x, splits, out=out, accumulate=accumulate)
+
+    monkeypatch.setattr(wgrad_module, "grouped_wgrad", spy)
+    module = GroupedLinear(E, K, N, bias=False)
+    x, dy = _inputs([3, 1, 0, 4])
+    module(x, [3, 1, 0, 4]).backward(dy)
+    (out,) = seen
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == (E, N, K)
+    for e in range(E):  # each parameter's .grad is its expert's slice of that one output
+        assert getattr(module, f"weight{e}").grad.data_ptr() == out[e].data_ptr()

@@ -14,7 +14,13 @@ from groupgrad.protocol._distributed import (
     members_grad_dtype,
 )
 
-__all__ = ["check_grad_buffers", "member_grad_buffers", "same_device", "weight_grad_buffers"]
+__all__ = [
+    "check_grad_buffers",
+    "member_grad_buffers",
+    "packed_grad_buffer",
+    "same_device",
+    "weight_grad_buffers",
+]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -163,8 +169,7 @@ def member_grad_buffers(
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
     if not is_distributed_weight(members[0]):
-        packed = torch.empty((len(members), *shape), dtype=compute_dtype, device=device)
-        return list(packed.unbind(0))
+        return list(packed_grad_buffer(len(members), shape, compute_dtype, device).unbind(0))
 
     scratch_dtype = members_grad_dtype(members, compute_dtype)
     buffers: list[torch.Tensor | None] = []
@@ -179,3 +184,14 @@ def member_grad_buffers(
     resolved = [b for b in buffers if b is not None]
     check_grad_buffers(resolved, shape, device)
     return resolved
+
+
+def packed_grad_buffer(
+    count: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One ``(count, *shape)`` allocation: a plain group's buffers are its ``unbind(0)`` views.
+
+    A wgrad GEMM handed this tensor whole writes every member's buffer on its
+    packed path (one ``(E, N, K)`` output) instead of a list of ``E``.
+    """
+    return torch.empty((count, *shape), dtype=dtype, device=device)

@@ -31,7 +31,11 @@ from groupgrad.protocol._attrs import (
     overwrites_main_grad,
     takes_grad_added_flag,
 )
-from groupgrad.protocol._buffers import check_grad_buffers, member_grad_buffers
+from groupgrad.protocol._buffers import (
+    check_grad_buffers,
+    member_grad_buffers,
+    packed_grad_buffer,
+)
 from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
@@ -135,6 +139,9 @@ class WeightGradPlan:
         trainable: Per parameter, whether it requires grad (read when the
             plan was made). A frozen member is never written and receives
             ``None``.
+        packed: The one ``(len(weights), *shape)`` tensor whose ``unbind(0)``
+            views are :attr:`buffers`, when they are such views (a plain
+            group's fresh buffers); ``None`` otherwise.
     """
 
     route: WgradRoute
@@ -144,6 +151,7 @@ class WeightGradPlan:
     accumulate: bool
     deferred: bool = False
     trainable: tuple[bool, ...] = ()
+    packed: torch.Tensor | None = None
     _finished: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,9 +197,13 @@ class WeightGradPlan:
         """:attr:`buffers` in the form a grouped-wgrad kernel's ``out`` takes.
 
         A one-parameter group gives its single buffer (e.g. the ``(E, N, K)``
-        ``main_grad`` of a packed weight); otherwise the list.
+        ``main_grad`` of a packed weight); buffers that are views of one
+        packed tensor give that tensor (the GEMM's packed path, no per-member
+        work on the host); otherwise the list.
         """
-        return self.buffers[0] if len(self.buffers) == 1 else list(self.buffers)
+        if len(self.buffers) == 1:
+            return self.buffers[0]
+        return self.packed if self.packed is not None else list(self.buffers)
 
 
 def _gets_dummy(param: torch.Tensor) -> bool:
@@ -368,8 +380,9 @@ def plan_weight_grads(
         return WeightGradPlan(route, members, buffers, buffers[0].dtype, False, deferred)
     _check_shape(members, shape, labels)
     dtype = _autograd_dtype(members)
-    buffers = member_grad_buffers(members, shape, dtype, device)
-    return WeightGradPlan(route, members, buffers, dtype, False, deferred)
+    packed = packed_grad_buffer(len(members), shape, dtype, device)
+    buffers = list(packed.unbind(0))
+    return WeightGradPlan(route, members, buffers, dtype, False, deferred, packed=packed)
 
 
 def defer_weight_grads(

@@ -282,9 +282,7 @@ def bench_wgrad_fp32(
     # Each expert's own fp32 main_grad (separate allocations, as a framework would hold them).
     main_grads = [torch.zeros(case.N, case.K, device="cuda") for _ in range(case.E)]
     packed_main_grad = torch.zeros(case.E, case.N, case.K, device="cuda")
-    plan = tuning.plan_for(
-        "wgrad", torch.bfloat16, torch.float32, case.T, case.E, case.N, case.K, accumulate=True
-    )
+    plan = tuning.plan_for("wgrad", torch.bfloat16, torch.float32, case.T, case.E, case.N, case.K)
 
     def ours(i: int) -> None:
         grouped_wgrad(case.dy[i], case.x[i], case.splits_dev, out=main_grads, accumulate=True)

@@ -37,7 +37,7 @@ def _zeros(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.zeros(*shape, device="cuda", dtype=dtype)
 
 
-def _group(change: str) -> list[object]:
+def _members_with(change: str) -> list[object]:
     members: list[object] = [_zeros(N, K) for _ in range(E)]
     if change == "shape":
         members[3] = _zeros(N, K + 8)
@@ -100,7 +100,7 @@ def _python_facts(members: list[object]) -> _group.ListedFacts:
 def test_the_cpp_reader_agrees_with_python(change: str) -> None:
     _cutlass.build()
     assert _group._native, "loading the extension registers its reader"
-    members = _group(change)
+    members = _members_with(change)
     native = _group._native[0](members)  # type: ignore[arg-type]
     python = _python_facts(members)
     both = _group.listed_facts(members, members[0])  # type: ignore[arg-type]

@@ -164,8 +164,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "frozen-member-flagged",
         "a frozen member is flagged grad_added_to_main_grad and handed a dummy",
         _PLAN,
-        "        if not (param.requires_grad and takes_grad_added_flag(param)):",
-        "        if not takes_grad_added_flag(param):",
+        "    return bool(param.requires_grad) and takes_grad_added_flag(param)",
+        "    return takes_grad_added_flag(param)",
         (MODULES,),
     ),
     Mutant(
@@ -195,7 +195,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "accumulate-reshapes",
         "accumulate_grads_like_autograd reshapes a same-numel gradient of another shape",
-        _PLAN,
+        "packages/protocol/src/groupgrad/protocol/_hooks.py",
         "        if grad.shape != param.shape:",
         "        if grad.numel() != param.numel():",
         (MODULES, PROTOCOL),
@@ -220,9 +220,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mlp-half-written",
         "a fused MLP writes fc2's main_grad before fc1's main_grad is found malformed",
-        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
-        "    if deferred is None:\n        plans = [",
-        "    if False:\n        plans = [",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    if deferred is None:  # every main_grad group is checked before any GEMM writes\n",
+        "    if False:\n",
         (f"{MODULES}/test_bad_inputs.py",),
     ),
     Mutant(

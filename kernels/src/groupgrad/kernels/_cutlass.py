@@ -208,13 +208,12 @@ def default_plan(
     a: torch.Tensor,
     b: torch.Tensor | Group,
     out: torch.Tensor | Group,
-    accumulate: bool = False,
 ) -> Plan:
     """:func:`~groupgrad.kernels._plan.plan_for` of a call in op form (operands as in ``_support``)."""
     if op == "wgrad":
         dw_group, x_TK = cast(Group, out), cast(torch.Tensor, b)
         E, N, K = group_size(dw_group), a.size(1), x_TK.size(1)
-        return plan_for(op, a.dtype, dw_group[0].dtype, a.size(0), E, N, K, accumulate)
+        return plan_for(op, a.dtype, dw_group[0].dtype, a.size(0), E, N, K)
     w_group, out_T = cast(Group, b), cast(torch.Tensor, out)
     N, K = (out_T.size(1), a.size(1)) if op == "fprop" else (a.size(1), out_T.size(1))
     return plan_for(op, a.dtype, out_T.dtype, a.size(0), group_size(w_group), N, K)
@@ -274,7 +273,7 @@ def wgrad(
     if len(out) == 0:
         return
     if plan is None:
-        plan = default_plan("wgrad", dy_TN, x_TK, out, accumulate)
+        plan = default_plan("wgrad", dy_TN, x_TK, out)
     _extension(plan.variant).wgrad(
         dy_TN,
         x_TK,

@@ -44,6 +44,7 @@ from torch import Tensor
 
 # ------------------------------------------------------------------ op form
 
+
 def op_form(group: Tensor | Sequence[Tensor]) -> list[Tensor]:
     """A validated group as an op argument: ``[w_ENK]`` for a tensor, else the list of matrices."""
     if isinstance(group, Tensor):
@@ -180,8 +181,8 @@ def span(t: Tensor) -> tuple[int, int] | None:
 def contiguous_meets(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
     """Whether the contiguous ``out`` shares memory with one of the contiguous ``inputs``.
 
-    :func:`span` for tensors known to be contiguous, in one pass: what the lean
-    checks of the common call (``_lean``) ask before the detailed rule.
+    :func:`span` for tensors known to be contiguous, in one pass: what the cheap
+    tests of the common call (``_validate``) ask before the detailed rule.
     """
     if not out.numel():
         return False
@@ -225,7 +226,7 @@ def group_apart(
     """Whether :func:`check_no_overlap` passes, for alike contiguous group members.
 
     Args:
-        starts: the members' data addresses, ascending (``_listed.ListedFacts``).
+        starts: the members' data addresses, ascending (:class:`ListedFacts`).
         width: the bytes each member spans (contiguous members of one shape and
             dtype: ``nbytes`` alike); 0 for empty members, which touch nothing.
         group_is_output: the members are outputs (they must also be apart

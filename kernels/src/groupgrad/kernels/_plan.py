@@ -57,7 +57,6 @@ def plan_for(
     E: int,
     N: int,
     K: int,
-    accumulate: bool = False,
 ) -> Plan:
     """Choose the kernel of one call (the heuristic of ``kernels/NOTES.md``).
 
@@ -75,8 +74,6 @@ def plan_for(
         E: groups (experts).
         N: out_features.
         K: in_features.
-        accumulate: whether a wgrad adds into its output (every wgrad variant
-            can; it does not change the choice).
 
     Returns:
         The :class:`Plan` (default raster order and swizzle).

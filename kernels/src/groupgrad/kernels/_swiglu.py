@@ -37,8 +37,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from groupgrad.kernels._validate import INPUT_DTYPES
 from groupgrad.kernels._ops import direct_call_ok, run_directly
+from groupgrad.kernels._validate import INPUT_DTYPES
 
 __all__ = [
     "swiglu_probs",

@@ -233,7 +233,7 @@ def _weights(
 
     Returns:
         The op form, ``(E, N, K)``, and what one pass over listed members
-        found (``_listed``; ``None`` for a packed tensor).
+        found (:class:`~groupgrad.kernels._group.ListedFacts`; ``None`` for a packed tensor).
     """
     if (  # the common weights: one plain contiguous (E, N, K) tensor like a
         type(weights) in PLAIN_TYPES

@@ -19,9 +19,11 @@ machinery for measuring and tuning it, so benchmarks need no private module:
 * **Fallbacks** — :func:`fallback_reason` says why a call would run on the
   reference path; :func:`triton_unavailable_reason` loads the Triton SwiGLU
   kernels and says why they cannot run, if they cannot.
-* **Per-call timing** — :func:`host_stages` hands out each layer of one
-  call (validation, support check, plan, C++ launch, CUDA kernel of the op,
-  custom op, public function) as a callable, to time its host (CPU) cost.
+* **Per-call timing (unstable)** — :func:`host_stages` hands out each layer
+  of one call (validation, support check, plan, C++ launch, CUDA kernel of
+  the op, custom op, public function) as a callable, to time its host (CPU)
+  cost. Its stages follow the internal layers and change with them: for
+  ``benchmarks/host_profile.py``, not for code that must keep working.
 
 Importing this module neither initializes CUDA nor compiles; the CUTLASS
 functions build the default variant set on first use. Variants and plans are
@@ -178,7 +180,7 @@ def triton_unavailable_reason() -> str | None:
 def host_stages(
     op: Op, a: Tensor, b: Group, splits: _api.Splits, out: Group, *, accumulate: bool = False
 ) -> dict[str, Callable[[], object]]:
-    """Each layer of one grouped-GEMM call as a callable, to time its host (CPU) cost.
+    """Each layer of one grouped-GEMM call as a callable, to time its host (CPU) cost (unstable).
 
     Every callable runs one layer of ``grouped_<op>(a, b, splits, out=out)``
     on the same arguments, outermost last:
@@ -246,7 +248,7 @@ def _wgrad_stages(
     call = _validate.wgrad_call(dy, x, splits, out, None, accumulate)
     dy_TN, x_TK, dw, listed = call.dy, call.x, call.out, call.listed
     splits_E = _group.on_device(call.splits, dy_TN.device)
-    plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate)
+    plan = _cutlass.default_plan("wgrad", dy_TN, x_TK, dw)
     out_seq = cast(Sequence[Tensor], out)  # a tensor or a sequence: one overload takes each
 
     def cxx() -> None:
@@ -259,7 +261,7 @@ def _wgrad_stages(
             "wgrad", dy_TN, x_TK, dw, listed=listed
         ),
         "fallback check": lambda: _ops.cutlass_or_reason("wgrad", dy_TN, x_TK, dw, listed),
-        "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw, accumulate),
+        "plan": lambda: _cutlass.default_plan("wgrad", dy_TN, x_TK, dw),
         "C++ launch": cxx,
         "CUTLASS backend": lambda: _cutlass.wgrad(dy_TN, x_TK, splits_E, dw, accumulate),
         "CUDA kernel of the op": lambda: _ops.wgrad_on_device(

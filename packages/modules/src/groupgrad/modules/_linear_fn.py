@@ -5,9 +5,10 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features;
 
 Forward materializes the weights (a ``DistributedWeight`` leader gathers the
 group), runs the grouped fprop GEMM and never saves the materialized weights.
-Backward re-materializes them for dgrad and runs the wgrad step of
-:mod:`groupgrad.modules._group`, which resolves every ``main_grad`` /
-distributed / deferred variant into a plan before its GEMM.
+Backward re-materializes them for dgrad and hands the parameter gradients
+over through :func:`groupgrad.modules._compiled.hand_over` (the wgrad step of
+``_grads`` and ``_wgrad``, which resolves every ``main_grad`` / distributed /
+deferred variant into a plan before its GEMM).
 
 Under ``torch.autocast`` the GEMMs run in the autocast dtype, like
 ``nn.Linear``: ``x`` is cast before the op (autograd casts ``dx`` back) and

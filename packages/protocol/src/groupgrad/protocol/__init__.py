@@ -50,6 +50,7 @@ from groupgrad.protocol._distributed import (
     weight_grad_dtype,
 )
 from groupgrad.protocol._hooks import (
+    accumulate_grads_like_autograd,
     hold_post_accumulate_grad_hooks,
     release_post_accumulate_grad_hooks,
     run_post_accumulate_grad_hooks,
@@ -57,7 +58,7 @@ from groupgrad.protocol._hooks import (
 from groupgrad.protocol._plan import (
     WeightGradPlan,
     WgradRoute,
-    accumulate_grads_like_autograd,
+    autograd_dummies,
     autograd_grad_dtype,
     defer_weight_grads,
     plan_weight_grads,
@@ -72,6 +73,7 @@ __all__ = [
     "WeightGroup",
     "WgradRoute",
     "accumulate_grads_like_autograd",
+    "autograd_dummies",
     "autograd_grad_dtype",
     "defer_weight_grads",
     "deliver_to_main_grad",

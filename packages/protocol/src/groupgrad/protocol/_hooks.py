@@ -1,4 +1,7 @@
-"""Post-accumulate-grad hooks of parameters whose gradient lands later than autograd thinks.
+"""Gradients that land later than autograd thinks: delivered and hooked as autograd would.
+
+:func:`accumulate_grads_like_autograd` adds a gradient computed outside
+autograd into ``.grad`` as AccumulateGrad would, then runs the hooks.
 
 Autograd runs a parameter's post-accumulate-grad hooks when its
 AccumulateGrad node runs, with a gradient or with ``None``. A deferred wgrad
@@ -16,11 +19,15 @@ comes back when they are released.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from groupgrad.protocol._attrs import grad_dtype_of
+from groupgrad.protocol._distributed import WeightGroup, as_weight_list
+
 __all__ = [
+    "accumulate_grads_like_autograd",
     "hold_post_accumulate_grad_hooks",
     "release_post_accumulate_grad_hooks",
     "run_post_accumulate_grad_hooks",
@@ -81,3 +88,59 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     hooks = {**(held[1] if held is not None else {}), **(_live(param) or {})}
     for hook in hooks.values():
         hook(param)
+
+
+def accumulate_grads_like_autograd(
+    weights: WeightGroup, grads: Sequence[torch.Tensor | None], *, run_hooks: bool = True
+) -> None:
+    """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
+
+    For each parameter that requires grad: a non-``None`` gradient goes into
+    ``.grad`` in the parameter's ``grad_dtype`` (the gradient itself,
+    detached, no copy when it has that dtype, when ``.grad`` is ``None``; else
+    added in place); then the parameter's post-accumulate-grad hooks run, as
+    autograd runs them (it does so for a ``None`` gradient too), and one hold
+    :func:`defer_weight_grads` put on them is released. Call it with
+    all-``None`` gradients to run the hooks once a deferred GEMM has written
+    ``main_grad``.
+
+    Args:
+        weights: The group's parameters.
+        grads: One entry per parameter, e.g. :meth:`WeightGradPlan.finish`'s result.
+        run_hooks: ``False`` where autograd's own AccumulateGrad runs the
+            hooks afterwards (it does, for a ``None`` gradient too, when the
+            backward that delivers them reaches the parameter).
+
+    Raises:
+        ValueError: ``grads`` does not have one entry per parameter.
+        RuntimeError: A gradient's shape differs from its parameter's, or it
+            lives on another device (autograd rejects both); nothing is
+            accumulated then.
+    """
+    members = as_weight_list(weights)
+    if len(grads) != len(members):
+        raise ValueError(f"grads has {len(grads)} entries but the group has {len(members)} weights")
+    for index, (param, grad) in enumerate(zip(members, grads, strict=True)):
+        if grad is None or not param.requires_grad:
+            continue
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"grads[{index}] has shape {tuple(grad.shape)}, expected the parameter's shape "
+                f"{tuple(param.shape)}"
+            )
+        if grad.device != param.device:
+            raise RuntimeError(
+                f"grads[{index}] is on {grad.device}, expected the parameter's device {param.device}"
+            )
+    with torch.no_grad():
+        for param, grad in zip(members, grads, strict=True):
+            if not param.requires_grad:
+                continue
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad.detach().to(grad_dtype_of(param))
+                else:
+                    param.grad.add_(grad)
+            if run_hooks:
+                run_post_accumulate_grad_hooks(param)
+            release_post_accumulate_grad_hooks([param])

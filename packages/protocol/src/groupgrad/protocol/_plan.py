@@ -42,16 +42,12 @@ from groupgrad.protocol._distributed import (
     finalize_members,
     is_distributed_weight,
 )
-from groupgrad.protocol._hooks import (
-    hold_post_accumulate_grad_hooks,
-    release_post_accumulate_grad_hooks,
-    run_post_accumulate_grad_hooks,
-)
+from groupgrad.protocol._hooks import hold_post_accumulate_grad_hooks
 
 __all__ = [
     "WeightGradPlan",
     "WgradRoute",
-    "accumulate_grads_like_autograd",
+    "autograd_dummies",
     "autograd_grad_dtype",
     "defer_weight_grads",
     "plan_weight_grads",
@@ -227,24 +223,32 @@ def receives_dummy(
 
 
 def _hand_over_main_grad(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Flag and dummy for every trainable member that carries the flag; ``None`` elsewhere.
+    """Flag and dummy for every trainable member that carries the flag; ``None`` elsewhere."""
+    for param in weights:
+        if _gets_dummy(param):
+            mark_grad_added(param)
+    return autograd_dummies(weights)
 
-    Members of one group share shape, grad dtype and device, hence one cached
-    dummy: it is fetched (and re-zeroed where needed) once per group and each
-    member gets its own alias.
+
+def autograd_dummies(weights: WeightGroup) -> list[torch.Tensor | None]:
+    """What autograd receives for each member whose wgrad went to ``main_grad``.
+
+    A zero dummy (:func:`~groupgrad.protocol.dummy_wgrad`) for every trainable
+    member that carries ``grad_added_to_main_grad``, ``None`` elsewhere. Members
+    of one shape and grad dtype share one cached buffer: it is fetched (and
+    re-zeroed where needed) once and each member gets its own ``.detach()``
+    alias. Sets no flag.
     """
     handed: list[torch.Tensor | None] = []
     dummy: torch.Tensor | None = None
-    for param in weights:
+    for param in as_weight_list(weights):
         if not _gets_dummy(param):
             handed.append(None)
-            continue
-        mark_grad_added(param)
-        if dummy is None or dummy.shape != param.shape or dummy.dtype != grad_dtype_of(param):
+        elif dummy is None or dummy.shape != param.shape or dummy.dtype != grad_dtype_of(param):
             dummy = dummy_wgrad(param)
             handed.append(dummy)
-            continue
-        handed.append(dummy.detach())
+        else:
+            handed.append(dummy.detach())
     return handed
 
 
@@ -405,59 +409,3 @@ def defer_weight_grads(
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)
     return [None] * len(members)
-
-
-def accumulate_grads_like_autograd(
-    weights: WeightGroup, grads: Sequence[torch.Tensor | None], *, run_hooks: bool = True
-) -> None:
-    """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
-
-    For each parameter that requires grad: a non-``None`` gradient goes into
-    ``.grad`` in the parameter's ``grad_dtype`` (the gradient itself,
-    detached, no copy when it has that dtype, when ``.grad`` is ``None``; else
-    added in place); then the parameter's post-accumulate-grad hooks run, as
-    autograd runs them (it does so for a ``None`` gradient too), and one hold
-    :func:`defer_weight_grads` put on them is released. Call it with
-    all-``None`` gradients to run the hooks once a deferred GEMM has written
-    ``main_grad``.
-
-    Args:
-        weights: The group's parameters.
-        grads: One entry per parameter, e.g. :meth:`WeightGradPlan.finish`'s result.
-        run_hooks: ``False`` where autograd's own AccumulateGrad runs the
-            hooks afterwards (it does, for a ``None`` gradient too, when the
-            backward that delivers them reaches the parameter).
-
-    Raises:
-        ValueError: ``grads`` does not have one entry per parameter.
-        RuntimeError: A gradient's shape differs from its parameter's, or it
-            lives on another device (autograd rejects both); nothing is
-            accumulated then.
-    """
-    members = as_weight_list(weights)
-    if len(grads) != len(members):
-        raise ValueError(f"grads has {len(grads)} entries but the group has {len(members)} weights")
-    for index, (param, grad) in enumerate(zip(members, grads, strict=True)):
-        if grad is None or not param.requires_grad:
-            continue
-        if grad.shape != param.shape:
-            raise RuntimeError(
-                f"grads[{index}] has shape {tuple(grad.shape)}, expected the parameter's shape "
-                f"{tuple(param.shape)}"
-            )
-        if grad.device != param.device:
-            raise RuntimeError(
-                f"grads[{index}] is on {grad.device}, expected the parameter's device {param.device}"
-            )
-    with torch.no_grad():
-        for param, grad in zip(members, grads, strict=True):
-            if not param.requires_grad:
-                continue
-            if grad is not None:
-                if param.grad is None:
-                    param.grad = grad.detach().to(grad_dtype_of(param))
-                else:
-                    param.grad.add_(grad)
-            if run_hooks:
-                run_post_accumulate_grad_hooks(param)
-            release_post_accumulate_grad_hooks([param])

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from groupgrad.modules import GroupedLinear
+from groupgrad.protocol import set_overwrite_main_grad
 
 __all__ = ["groupgrad_weight_names", "keep_unsharded_grads_accumulating", "unsharded_grad_params"]
 
@@ -100,7 +101,7 @@ def keep_unsharded_grads_accumulating(model: Any, names: Iterable[str]) -> list[
         result = gather(params, *args, **kwargs)
         for param in params:
             if id(param) in ids:
-                param.overwrite_main_grad = False  # type: ignore[attr-defined]
+                set_overwrite_main_grad(param, False)
         return result
 
     model.all_gather_and_wait_parameters_ready = gather_then_keep_accumulating

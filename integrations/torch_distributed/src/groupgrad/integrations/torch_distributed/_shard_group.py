@@ -29,11 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from groupgrad.protocol import (
+    autograd_dummies,
     deliver_to_main_grad,
-    dummy_wgrad,
-    grad_dtype_of,
     main_grad_or_none,
-    takes_grad_added_flag,
 )
 
 __all__ = ["ExpertShardGroup", "GradReduction"]
@@ -259,7 +257,7 @@ class ExpertShardGroup:
     def autograd_dummies(self) -> list[Tensor | None]:
         """What autograd receives for each member once its gradient is in ``main_grad``.
 
-        The protocol's one dummy rule (:func:`groupgrad.protocol.dummy_wgrad`):
+        The protocol's one dummy rule (:func:`groupgrad.protocol.autograd_dummies`):
         a zero tensor shaped like the shard, in its grad dtype, a ``.detach()``
         alias of one cached buffer shared by every parameter of that shape
         (frameworks that honour ``grad_added_to_main_grad`` ignore ``.grad``),
@@ -267,14 +265,4 @@ class ExpertShardGroup:
         where ``zero_out_wgrad`` is set. ``None`` for a member that does not
         require grad or carries no ``grad_added_to_main_grad``.
         """
-        handed: list[Tensor | None] = []
-        dummy: Tensor | None = None
-        for member in self.members:
-            if not (member.requires_grad and takes_grad_added_flag(member)):
-                handed.append(None)
-            elif dummy is None or dummy.dtype != grad_dtype_of(member):
-                dummy = dummy_wgrad(member)  # one shape per group: fetched once per grad dtype
-                handed.append(dummy)
-            else:
-                handed.append(dummy.detach())
-        return handed
+        return autograd_dummies(self.members)

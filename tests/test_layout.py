@@ -345,3 +345,60 @@ def test_source_files_stay_small(package: Path) -> None:
         if len(lines) > MAX_SOURCE_LINES:
             too_long.append(f"{source.relative_to(ROOT)}: {len(lines)} lines")
     assert too_long == [], f"over {MAX_SOURCE_LINES} lines: {too_long}"
+
+
+KERNELS_SRC = ROOT / "kernels" / "src" / "groupgrad" / "kernels"
+MAX_KERNELS_EDGES = 30
+
+
+def _module_graph(folder: Path, package: str) -> dict[str, set[str]]:
+    """``module -> the sibling modules it imports`` for the ``.py`` files of one package folder.
+
+    Every import counts, at any depth of the file (a function's lazy import
+    too): ``import p.m``, ``from p.m import x`` and ``from p import m``.
+    """
+    modules = {path.stem for path in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for path in folder.glob("*.py"):
+        for _, module, names in _imported(ast.parse(path.read_text())):
+            if module.startswith(package + "."):
+                graph[path.stem].add(module[len(package) + 1 :].split(".")[0])
+            elif module == package:
+                graph[path.stem].update(name for name in names if name in modules)
+    for name in graph:
+        graph[name] &= modules - {name}
+    return graph
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that close a loop (``a -> b`` where ``b`` reaches ``a``): each runs back up."""
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        return False
+
+    return sorted(f"{a} -> {b}" for a in graph for b in graph[a] if reaches(b, a))
+
+
+def test_the_graph_reader_finds_each_import_form_and_each_loop() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}
+    assert _upward_imports(graph) == []
+    graph["c"].add("a")
+    assert _upward_imports(graph) == ["a -> b", "b -> c", "c -> a"]
+
+
+def test_kernels_private_import_graph_stays_small_and_points_down() -> None:
+    """The kernels' host path: at most 30 imports between its modules, none back up a floor."""
+    graph = _module_graph(KERNELS_SRC, "groupgrad.kernels")
+    assert {"_group", "_validate", "_api"} <= set(graph), "the reader lost the kernels' modules"
+    assert "_group" in graph["_validate"], "the reader misses `from groupgrad.kernels._x import`"
+    edges = sum(len(targets) for targets in graph.values())
+    assert edges <= MAX_KERNELS_EDGES, f"{edges} imports between the kernels' modules: {graph}"
+    assert _upward_imports(graph) == []

@@ -9,6 +9,8 @@ micro-batches, as FSDP2 reduces), and SGD (with momentum) on master weights.
 * ``compute=torch.bfloat16``: fp32 master weights, bf16 compute with bf16
   parameters (autograd's wgrads are bf16), gradients reduced in fp32 — what
   PyTorch itself computes for the same thing in bf16 (the bf16 rule's yardstick).
+
+:func:`replays` gives both for a scenario, from the model it builds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,25 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+
+def replays(
+    cfg: Mapping[str, Any], world: int, moe_model: Any
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The fp64 and (bf16 scenarios only) PyTorch-bf16 replays, on one thread like the ranks.
+
+    Small ops on two threads of a busy two-core machine run several times
+    slower than on one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        init = {n: p.detach() for n, p in moe_model.build(cfg).named_parameters()}
+        fp64 = replay(cfg, init, world, torch.float64, moe_model)
+        bf16 = replay(cfg, init, world, torch.bfloat16, moe_model) if cfg["bf16"] else None
+    finally:
+        torch.set_num_threads(threads)
+    return fp64, bf16
 
 
 def replay(

@@ -47,23 +47,7 @@ def _scenario(world: int, name: str) -> dict[str, Any]:
 
 @functools.cache
 def _replays(world: int, name: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The fp64 and (bf16 scenarios) PyTorch-bf16 replays, on one thread like the ranks.
-
-    Small ops on two threads of a busy two-core machine run several times
-    slower than on one.
-    """
-    cfg = _scenario(world, name)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        init = {n: p.detach() for n, p in moe_model.build(cfg).named_parameters()}
-        fp64 = reference.replay(cfg, init, world, torch.float64, moe_model)
-        bf16 = (
-            reference.replay(cfg, init, world, torch.bfloat16, moe_model) if cfg["bf16"] else None
-        )
-    finally:
-        torch.set_num_threads(threads)
-    return fp64, bf16
+    return reference.replays(_scenario(world, name), world, moe_model)
 
 
 @pytest.mark.parametrize(("world", "name"), CASES, ids=[f"{w}ranks-{n}" for w, n in CASES])

@@ -270,7 +270,8 @@ def hand_over(
         for layer in layers
     )
     params = [p for layer in layers for p in layer.params]
-    dummies = _traced_dummies(_layout_key(layouts), *params)
+    key = _layout_key(layouts)
+    dummies = _traced_dummies(key, *params)
     is_tensor = isinstance(splits, Tensor)
     torch.ops.groupgrad.parameter_grads(
         list(dys),
@@ -278,7 +279,7 @@ def hand_over(
         splits if is_tensor else None,
         None if is_tensor else [int(s) for s in splits],
         params,
-        _layout_key(layouts),
+        key,
         -1 if queue is None else queue.number,
         list(dummies),
     )

@@ -7,7 +7,10 @@ alternating rounds (A B A B …), the same cells on the same seeded inputs:
 * kernels: ``grouped_fprop`` and ``grouped_dgrad`` with packed weights,
   ``grouped_wgrad`` into a packed bf16 output and, accumulating, into ``E``
   separate fp32 ``main_grad`` buffers — the "ours" rows of
-  ``bench_kernels.py`` for its first four configs;
+  ``bench_kernels.py`` for its first four configs — and the autograd route
+  of ``E`` per-expert bf16 parameters whose ``grad_dtype`` is fp32 (the
+  protocol's plan, the wgrad into its buffers, the plan's finish: what a
+  per-expert layer's backward runs for its weights);
 * MLP: ``GroupedMLP`` forward + backward with packed and with per-expert
   parameters, fp32 ``main_grad`` — the "ours" rows of ``bench_mlp.py`` for
   its first three configs;
@@ -45,6 +48,7 @@ import kernels_timing as kt
 import groupgrad.kernels
 from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
 from groupgrad.modules import GroupedMLP
+from groupgrad.protocol import plan_weight_grads
 
 KERNEL_CONFIGS = [(8, 4096, 28672, 16384), (8, 7168, 4096, 32768), (128, 2048, 1536, 32768), (32, 2048, 7168, 65536)]  # fmt: skip
 MLP_CONFIGS = [(8, 4096, 14336, 16384), (32, 7168, 2048, 65536), (128, 2048, 768, 32768)]
@@ -68,14 +72,30 @@ def _kernel_cells(E: int, K: int, N: int, T: int, kind: str, seed: int) -> list[
     main_grads = [torch.zeros(N, K, device="cuda") for _ in range(E)]
     tag = f"E={E} K={K} N={N} T={T} {kind}"
 
+    params = [torch.nn.Parameter(torch.empty(N, K, device="cuda", dtype=torch.bfloat16)) for _ in range(E)]  # fmt: skip
+    for p in params:
+        p.grad_dtype = torch.float32
+
     def wgrad_fp32(i: int) -> None:
         grouped_wgrad(dy[i], x[i], splits, out=main_grads, accumulate=True)
+
+    def wgrad_autograd_route(i: int) -> None:
+        plan = plan_weight_grads(
+            params,
+            shape=(N, K),
+            compute_dtype=torch.bfloat16,
+            device=dy[i].device,
+            wgrad_into_main_grad=False,
+        )
+        grouped_wgrad(dy[i], x[i], splits, out=plan.gemm_out)
+        plan.finish()
 
     return [
         (f"fprop {tag}", lambda i: grouped_fprop(x[i], w[i], splits, out=y)),
         (f"dgrad {tag}", lambda i: grouped_dgrad(dy[i], w[i], splits, out=dx)),
         (f"wgrad_bf16 {tag}", lambda i: grouped_wgrad(dy[i], x[i], splits, out=dw)),
         (f"wgrad_fp32_acc {tag}", wgrad_fp32),
+        (f"wgrad_autograd_route {tag}", wgrad_autograd_route),
     ]
 
 
@@ -110,13 +130,15 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
 
 
-def _worker(reps: int) -> list[dict]:
-    """Time every cell with whichever groupgrad ``PYTHONPATH`` provides."""
+def _worker(reps: int, only: str) -> list[dict]:
+    """Time every cell (whose name holds ``only``) with whichever groupgrad ``PYTHONPATH`` provides."""
     print(f"groupgrad.kernels from {groupgrad.kernels.__file__}", file=sys.stderr)
     rows = []
 
     def measure(cells: list[Cell]) -> None:
         for name, fn in cells:
+            if only not in name:
+                continue
             ms = kt.median_ms(fn, 2, reps)
             rows.append({"cell": name, "ms": ms, "host_us": kt.host_us(fn, 2, calls=50)})
         torch.cuda.empty_cache()
@@ -155,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", default="", help="time only the cells whose name holds this")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.reps)))
+        print(json.dumps(_worker(args.reps, args.only)))
         return 0
     names = [str(t) for t in args.trees]
     samples: dict[str, list[list[dict]]] = {n: [] for n in names}
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree, name in zip(args.trees, names, strict=True):
             env = {**os.environ, "PYTHONPATH": _source_path(tree.resolve())}
             command = [sys.executable, __file__, "--worker", "--reps", str(args.reps)]
+            command += ["--only", args.only]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             samples[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             source = next((line for line in done.stderr.splitlines() if " from " in line), "")

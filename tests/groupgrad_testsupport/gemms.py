@@ -27,10 +27,14 @@ KERNEL_ENTRIES = (
     "swiglu_probs_backward",
 )
 
+# Public names that are not kernels, so have no twin: a checked wgrad call run later.
+OTHER_PUBLIC_NAMES = ("PreparedWgrad", "prepare_wgrad")
+
 
 def public_kernel_names() -> list[str]:
-    """What ``groupgrad.kernels.__all__`` must hold, sorted: every entry and its twin."""
-    return sorted(name for entry in KERNEL_ENTRIES for name in (entry, f"{entry}_ref"))
+    """What ``groupgrad.kernels.__all__`` must hold, sorted: every entry and its twin, and the rest."""
+    twins = [name for entry in KERNEL_ENTRIES for name in (entry, f"{entry}_ref")]
+    return sorted([*twins, *OTHER_PUBLIC_NAMES])
 
 
 class Gemms(NamedTuple):

@@ -207,3 +207,42 @@ def test_grouped_mlp_module_under_autocast_on_cuda() -> None:
         values = p.grad.flatten()[p.grad.flatten() != 0]
         representable = (values == values.bfloat16().float()).float().mean().item()
         assert representable < 0.05, f"{name}: {representable:.1%} bf16-representable (rounded?)"
+
+
+@pytest.mark.parametrize("form", ["list", "cpu-tensor"])
+def test_later_gemms_reuse_one_device_copy_of_host_splits(monkeypatch, form: str) -> None:
+    """fc1's fprop checks the host counts; fc2's fprop and every backward GEMM reuse one
+    int64 device copy made at forward (no per-GEMM conversion, no host sync)."""
+    import groupgrad.modules._linear_fn as linear_fn
+    import groupgrad.modules._wgrad as wgrad_module
+
+    seen: list[object] = []
+    real_fprop, real_dgrad, real_wgrad = (
+        linear_fn.grouped_fprop,
+        linear_fn.grouped_dgrad,
+        wgrad_module.prepare_wgrad,
+    )
+
+    def spy(real):
+        def call(a, b, splits, **kwargs):
+            seen.append(splits)
+            return real(a, b, splits, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(linear_fn, "grouped_fprop", spy(real_fprop))
+    monkeypatch.setattr(linear_fn, "grouped_dgrad", spy(real_dgrad))
+    monkeypatch.setattr(wgrad_module, "prepare_wgrad", spy(real_wgrad))
+    torch.manual_seed(0)
+    mlp = GroupedMLP(E, K, N, dtype=torch.bfloat16, device=CUDA)
+    x = _randn(sum(SPLITS), K, seed=41).requires_grad_()
+    splits = list(SPLITS) if form == "list" else torch.tensor(SPLITS)
+    mlp(x, splits).float().square().sum().backward()
+    assert len(seen) == 6  # fc1, fc2 fprop; fc2, fc1 dgrad; fc2, fc1 wgrad
+    assert not isinstance(seen[0], torch.Tensor) or seen[0].device.type == "cpu"
+    copy = seen[1]
+    assert isinstance(copy, torch.Tensor)
+    assert copy.is_cuda
+    assert copy.dtype == torch.int64
+    assert all(s is copy for s in seen[1:])
+    assert copy.tolist() == SPLITS

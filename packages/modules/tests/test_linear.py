@@ -414,13 +414,13 @@ def test_per_expert_autograd_wgrads_reach_the_kernel_as_one_packed_output(monkey
     import groupgrad.modules._wgrad as wgrad_module
 
     seen: list[object] = []
-    real = wgrad_module.grouped_wgrad
+    real = wgrad_module.prepare_wgrad
 
-    def spy(dy, x, splits, *, out, accumulate):
+    def spy(dy, x, splits, *, out, accumulate, names):
         seen.append(out)
-        return real(dy, x, splits, out=out, accumulate=accumulate)
+        return real(dy, x, splits, out=out, accumulate=accumulate, names=names)
 
-    monkeypatch.setattr(wgrad_module, "grouped_wgrad", spy)
+    monkeypatch.setattr(wgrad_module, "prepare_wgrad", spy)
     module = GroupedLinear(E, K, N, bias=False)
     x, dy = _inputs([3, 1, 0, 4])
     module(x, [3, 1, 0, 4]).backward(dy)

@@ -20,12 +20,14 @@ rows per expert.
 __version__ = "0.1.0"
 
 from groupgrad.kernels._api import (
+    PreparedWgrad,
     grouped_dgrad,
     grouped_dgrad_ref,
     grouped_fprop,
     grouped_fprop_ref,
     grouped_wgrad,
     grouped_wgrad_ref,
+    prepare_wgrad,
 )
 from groupgrad.kernels._swiglu import (
     swiglu_probs,
@@ -35,12 +37,14 @@ from groupgrad.kernels._swiglu import (
 )
 
 __all__ = [
+    "PreparedWgrad",
     "grouped_dgrad",
     "grouped_dgrad_ref",
     "grouped_fprop",
     "grouped_fprop_ref",
     "grouped_wgrad",
     "grouped_wgrad_ref",
+    "prepare_wgrad",
     "swiglu_probs",
     "swiglu_probs_backward",
     "swiglu_probs_backward_ref",

@@ -113,6 +113,7 @@ def grouped_wgrad(
     out: None = None,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor: ...
 @overload
 def grouped_wgrad(
@@ -123,6 +124,7 @@ def grouped_wgrad(
     out: Tensor,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor: ...
 @overload
 def grouped_wgrad(
@@ -133,6 +135,7 @@ def grouped_wgrad(
     out: OutList,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> OutList: ...
 def grouped_wgrad(
     dy: Tensor,
@@ -142,6 +145,7 @@ def grouped_wgrad(
     out: Tensor | Sequence[Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor | Sequence[Tensor]:
     """Grouped weight-gradient GEMM: ``dw_e = dy_e.T @ x_e`` for every expert ``e``.
 
@@ -168,6 +172,9 @@ def grouped_wgrad(
             in fp32, rounded once); ``False`` overwrites ``out`` without
             reading it (old contents, even NaN, do not matter). ``True``
             requires ``out``.
+        names: how error messages name ``out``: one name for a packed
+            ``(E, N, K)`` tensor, or one per member (e.g. the parameters'
+            ``weight3.main_grad``); default ``out`` / ``out[e]``.
 
     Returns:
         ``dw``: ``out`` itself (the same tensor or the same sequence object)
@@ -178,9 +185,65 @@ def grouped_wgrad(
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
             Nothing is written when a call is rejected.
     """
-    call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
-    _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
-    return call.result
+    return prepare_wgrad(
+        dy, x, splits, out=out, out_dtype=out_dtype, accumulate=accumulate, names=names
+    ).run()
+
+
+class PreparedWgrad:
+    """A :func:`grouped_wgrad` call whose arguments were checked; :meth:`run` runs it.
+
+    Made by :func:`prepare_wgrad`. Run it before changing any of its
+    arguments: the checks held for the arguments as they were then.
+
+    Args:
+        call: The validator's op form of the call.
+    """
+
+    def __init__(self, call: _validate.WgradCall) -> None:
+        self._call = call
+
+    def run(self) -> Tensor | Sequence[Tensor]:
+        """Run the GEMM (CUTLASS or the reference, as :func:`grouped_wgrad`).
+
+        Returns:
+            What :func:`grouped_wgrad` returns: ``out`` itself, or the new
+            ``(E, N, K)`` tensor.
+        """
+        call = self._call
+        _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
+        return call.result
+
+
+def prepare_wgrad(
+    dy: Tensor,
+    x: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor | Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    names: Sequence[str] | None = None,
+) -> PreparedWgrad:
+    """Check a :func:`grouped_wgrad` call now and run it later, writing nothing yet.
+
+    An op with several wgrad GEMMs (a fused MLP's fc1 and fc2) prepares every
+    one before the first runs, so a call rejected for any layer writes no
+    layer's ``out``. ``grouped_wgrad(...)`` is ``prepare_wgrad(...).run()``:
+    the arguments are checked once.
+
+    Args:
+        dy, x, splits, out, out_dtype, accumulate, names: as
+            :func:`grouped_wgrad`.
+
+    Returns:
+        The checked call; its :meth:`PreparedWgrad.run` runs the GEMM.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
+    """
+    return PreparedWgrad(_validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate, names))
 
 
 def grouped_fprop_ref(
@@ -248,6 +311,7 @@ def grouped_wgrad_ref(
     out: None = None,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor: ...
 @overload
 def grouped_wgrad_ref(
@@ -258,6 +322,7 @@ def grouped_wgrad_ref(
     out: Tensor,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor: ...
 @overload
 def grouped_wgrad_ref(
@@ -268,6 +333,7 @@ def grouped_wgrad_ref(
     out: OutList,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> OutList: ...
 def grouped_wgrad_ref(
     dy: Tensor,
@@ -277,6 +343,7 @@ def grouped_wgrad_ref(
     out: Tensor | Sequence[Tensor] | None = None,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Tensor | Sequence[Tensor]:
     """Pure-PyTorch twin of :func:`grouped_wgrad`: same arguments, checks and result.
 
@@ -290,10 +357,11 @@ def grouped_wgrad_ref(
             tensors, bf16, fp16 or fp32; written in place.
         out_dtype: dtype of a freshly allocated output.
         accumulate: add into ``out`` (``True``) or overwrite it (``False``).
+        names: how error messages name ``out`` (see :func:`grouped_wgrad`).
 
     Returns:
         ``dw``: ``out`` itself when given, else a new ``(E, N, K)`` tensor.
     """
-    call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate)
+    call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate, names)
     _reference.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate)
     return call.result

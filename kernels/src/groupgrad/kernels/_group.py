@@ -258,7 +258,7 @@ def group_apart(
     return True
 
 
-def check_experts_apart(out: Tensor) -> None:
+def check_experts_apart(out: Tensor, name: str = "out") -> None:
     """Raise unless each expert's matrix of a row-major ``(E, N, K)`` tensor ends before the next starts.
 
     The packed form of the overlap rule (outputs whose address ranges meet or
@@ -270,7 +270,7 @@ def check_experts_apart(out: Tensor) -> None:
     reach = (N - 1) * out.stride(1) + (K - 1) * out.stride(2) + 1  # elements one matrix reaches
     if out.stride(0) < reach:
         raise ValueError(
-            f"out[1] overlaps out[0] in memory (out has strides {out.stride()} for shape "
+            f"{name}[1] overlaps {name}[0] in memory ({name} has strides {out.stride()} for shape "
             f"{tuple(out.shape)}); outputs must not overlap each other or the inputs"
         )
 

@@ -149,8 +149,12 @@ def wgrad_call(
     out: object,
     out_dtype: object,
     accumulate: object,
+    names: object = None,
 ) -> WgradCall:
-    """Check a wgrad call and put its arguments into op form."""
+    """Check a wgrad call and put its arguments into op form.
+
+    ``names``: how messages name ``out`` (``None``: ``out`` / ``out[e]``).
+    """
     dy_TN = _input_matrix("dy", dy)
     x_TK = _input_matrix("x", x)
     if x_TK.dtype != dy_TN.dtype:
@@ -162,6 +166,7 @@ def wgrad_call(
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     if out_dtype is not None and out_dtype not in WGRAD_OUT_DTYPES:
         raise TypeError(f"out_dtype is {out_dtype}, expected {_DTYPE_CHOICES} or None")
+    label = _group.labeler("out", names)
     splits_E = _splits_arg(splits, "x", x_TK, experts=None)
     E, N, K = splits_E.shape[0], dy_TN.shape[1], x_TK.shape[1]
     if E == 0:
@@ -173,27 +178,26 @@ def wgrad_call(
         dw_ENK = torch.empty((E, N, K), dtype=dtype, device=dy_TN.device)
         return WgradCall(dy_TN, x_TK, splits_E, [dw_ENK], accumulate, dw_ENK)
     if isinstance(out, Tensor):
-        _packed_wgrad_out(out, (E, N, K), out_dtype, dy_TN, x_TK)
+        _packed_wgrad_out(label(None), out, (E, N, K), out_dtype, dy_TN, x_TK)
         return WgradCall(dy_TN, x_TK, splits_E, [out], accumulate, out)
     if not isinstance(out, Iterable) or isinstance(out, str | bytes):
         raise TypeError(
-            "out must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
+            f"{label(None)} must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
             f"got {type(out).__name__}"
         )
     members = list(out)
     if len(members) != E:
-        raise ValueError(f"out has {len(members)} tensors but splits has {E} entries")
-    first = _wgrad_out_member("out[0]", members[0], (N, K), "(N, K)", out_dtype, dy_TN)
+        raise ValueError(f"{label(None)} has {len(members)} tensors but splits has {E} entries")
+    first = _wgrad_out_member(label(0), members[0], (N, K), "(N, K)", out_dtype, dy_TN)
     listed = listed_facts(members, first)
     if not listed.alike or listed.requires_grad:
         for e, member in enumerate(members):
-            name = f"out[{e}]"
-            dw_NK = _wgrad_out_member(name, member, (N, K), "(N, K)", out_dtype, dy_TN)
+            dw_NK = _wgrad_out_member(label(e), member, (N, K), "(N, K)", out_dtype, dy_TN)
             if dw_NK.dtype != first.dtype:
                 raise TypeError(
-                    f"{name} has dtype {dw_NK.dtype}, expected {first.dtype} like out[0]"
+                    f"{label(e)} has dtype {dw_NK.dtype}, expected {first.dtype} like {label(0)}"
                 )
-    _group.check_group_apart("out", members, listed, [], [("dy", dy_TN), ("x", x_TK)])
+    _group.check_group_apart(label, members, listed, [], [("dy", dy_TN), ("x", x_TK)])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
     return WgradCall(dy_TN, x_TK, splits_E, members, accumulate, result, listed)
 
@@ -317,7 +321,7 @@ def _wgrad_out_member(
 
 
 def _packed_wgrad_out(
-    out: Tensor, shape: tuple[int, int, int], out_dtype: object, dy: Tensor, x: Tensor
+    name: str, out: Tensor, shape: tuple[int, int, int], out_dtype: object, dy: Tensor, x: Tensor
 ) -> None:
     """A packed ``(E, N, K)`` wgrad output: shaped, typed and placed, its experts apart, apart
     from the inputs."""
@@ -333,9 +337,9 @@ def _packed_wgrad_out(
         and not _group.contiguous_meets(out, (dy, x))
     ):
         return
-    _wgrad_out_member("out", out, shape, "(E, N, K)", out_dtype, dy)
-    _group.check_experts_apart(out)
-    _group.check_group_apart("out", [out], None, [], [("dy", dy), ("x", x)])
+    _wgrad_out_member(name, out, shape, "(E, N, K)", out_dtype, dy)
+    _group.check_experts_apart(out, name)
+    _group.check_group_apart(name, [out], None, [], [("dy", dy), ("x", x)])
 
 
 def _splits_arg(splits: object, rows_name: str, rows_of: Tensor, experts: int | None) -> Tensor:

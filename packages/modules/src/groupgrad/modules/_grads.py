@@ -6,7 +6,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features;
 An op's backward describes each of its layers as a :class:`LayerGrads` (the
 wgrad target, the biases, how messages name the GEMM's operands) and asks
 :func:`parameter_grads` for what autograd receives: every ``main_grad``
-group of every layer is planned (checked) before the first GEMM writes, then
+GEMM of every layer is planned and checked before the first GEMM writes, then
 each layer's wgrad GEMM runs (or is queued for ``backward_dw()``) and its
 bias gradient is summed. The autograd Functions reach this through
 :func:`groupgrad.modules._compiled.hand_over`, the same code eager and
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from groupgrad.modules._group import Splits, expert_index
-from groupgrad.modules._wgrad import DeferredWgrad, WgradQueue, WgradTarget
-from groupgrad.protocol import WeightGradPlan, autograd_grad_dtype
+from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradQueue, WgradTarget
+from groupgrad.protocol import autograd_grad_dtype
 
 __all__ = ["LayerGrads", "bias_grad", "bias_grads", "parameter_grads"]
 
@@ -96,19 +96,18 @@ def parameter_grads(
             nothing was written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
-    plans: list[WeightGradPlan | None] = [None] * len(layers)
-    if deferred is None:  # every main_grad group is checked before any GEMM writes
-        plans = [
-            layer.target.early_plan(dy.dtype, dy.device)
-            for layer, dy in zip(layers, dys, strict=True)
+    readied: list[ReadyWgrad | None] = [None] * len(layers)
+    if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
+        readied = [
+            layer.target.early(dy, x, splits) for layer, dy, x in zip(layers, dys, xs, strict=True)
         ]
     expert_T = None
     if any(layer.biases for layer in layers):
         T = dys[0].shape[0]
         expert_T = expert_index(splits, layers[0].target.num_groups, T, dys[0].device)
     answers: list[Tensor | None] = []
-    for layer, dy, x, plan in zip(layers, dys, xs, plans, strict=True):
-        answers += layer.target.step(dy, x, splits, deferred, layer.operands, plan)
+    for layer, dy, x, ready in zip(layers, dys, xs, readied, strict=True):
+        answers += layer.target.step(dy, x, splits, deferred, layer.operands, ready)
         answers += bias_grads(dy, layer.biases, expert_T, layer.target.spec.packed)
     if queue is not None and deferred is not None:
         queue.push(deferred)

@@ -9,7 +9,9 @@ a ``DistributedWeight``. :class:`WeightGroupSpec` records the layout once, so
 the autograd Functions never branch on it (``_wgrad`` runs their wgrad GEMMs).
 
 What a backward uses later is pinned at forward: :func:`snapshot_splits`
-copies the token counts, so a caller may refill its buffer at once. Under
+copies the token counts, so a caller may refill its buffer at once, and
+:func:`device_splits` puts the checked copy on the GPU once for every later
+GEMM of the op. Under
 ``torch.autocast`` an op casts its own operands (:func:`autocast_input`,
 :func:`as_gemm_dtype`) and runs with autocast off inside (:func:`no_autocast`).
 """
@@ -30,6 +32,7 @@ __all__ = [
     "autocast_dtype",
     "autocast_input",
     "check_biases",
+    "device_splits",
     "expert_index",
     "no_autocast",
     "snapshot_splits",
@@ -58,6 +61,29 @@ def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
     if isinstance(splits, Iterable) and not isinstance(splits, str | bytes):
         return tuple(splits)  # once: a generator feeds every GEMM of the op the same counts
     return splits  # not a token count container: the kernels name the problem
+
+
+def device_splits(splits: Splits, device: torch.device) -> Splits:
+    """The snapshot's counts as one int64 tensor on ``device``, for the op's later GEMMs.
+
+    Called once per forward, after the forward's first GEMM checked the host
+    counts (their values: non-negative, summing to the rows): the later GEMMs
+    (the fused MLP's fc2, the dgrads and wgrads, ``backward_dw()``) then take
+    the device copy, with no per-call conversion and no host sync. The copy
+    goes through fresh pinned memory with ``non_blocking=True``, so the host
+    does not wait for it. A device ``splits`` (already there), a CPU device
+    and a traced forward (the compiled path hands its counts over itself)
+    keep the snapshot as it is.
+    """
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return splits
+    if isinstance(splits, Tensor):
+        if splits.device.type != "cpu":
+            return splits
+        staged = splits.to(torch.int64).pin_memory()
+    else:
+        staged = torch.tensor(splits, dtype=torch.int64, pin_memory=True)
+    return staged.to(device, non_blocking=True)
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype | None:

@@ -33,6 +33,7 @@ from groupgrad.modules._group import (
     as_gemm_dtype,
     autocast_input,
     check_biases,
+    device_splits,
     expert_index,
     no_autocast,
     snapshot_splits,
@@ -136,6 +137,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         biases = params[len(params) - num_biases :]
         with no_autocast(x_TK.device):
             y_TN, ctx.target, num_groups = layer_fprop(x_TK, splits, spec, weights, cast_dtype)
+            splits = device_splits(splits, x_TK.device)  # checked by the fprop; for backward
             if biases:
                 expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
                 y_TN = add_bias(y_TN, stack_bias(biases, spec.packed), expert_T)

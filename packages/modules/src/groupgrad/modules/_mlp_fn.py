@@ -57,6 +57,7 @@ from groupgrad.modules._group import (
     WeightGroupSpec,
     autocast_input,
     check_biases,
+    device_splits,
     expert_index,
     no_autocast,
     snapshot_splits,
@@ -133,6 +134,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         T = x_TH.shape[0]
         with no_autocast(x_TH.device):
             h_T2F, ctx.fc1, num_groups = layer_fprop(x_TH, splits, layout.fc1, w1, cast_dtype)
+            splits = device_splits(splits, x_TH.device)  # checked by fc1; for fc2 and backward
             expert_T = None
             if layout.num_biases:
                 expert_T = expert_index(splits, num_groups, T, x_TH.device)

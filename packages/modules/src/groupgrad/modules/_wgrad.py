@@ -8,8 +8,11 @@ is backward's wgrad step: it resolves the ``main_grad`` contract into a plan
 (``groupgrad.protocol``) and runs the GEMM into it, or queues a
 :class:`DeferredWgrad` for ``backward_dw()``. A deferred job checks, as
 autograd checks saved tensors, that its operands were not changed in place
-before it runs; the :class:`WgradQueue` plans every ``main_grad`` group of a
-job before the first GEMM writes, so a rejected job writes nothing.
+before it runs; the :class:`WgradQueue` plans and checks every ``main_grad``
+GEMM of a job before the first one writes, so a rejected job writes nothing.
+The buffers are checked once, by the kernels' validator
+(:func:`~groupgrad.kernels.prepare_wgrad`), whose messages name them after
+the parameters (``weight3.main_grad``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import grouped_wgrad
+from groupgrad.kernels import PreparedWgrad, prepare_wgrad
 from groupgrad.modules._group import Splits, WeightGroupSpec, no_autocast
 from groupgrad.protocol import (
     WeightGradPlan,
@@ -35,7 +38,15 @@ from groupgrad.protocol import (
     wgrad_route,
 )
 
-__all__ = ["DeferredWgrad", "WgradQueue", "WgradTarget"]
+__all__ = ["DeferredWgrad", "ReadyWgrad", "WgradQueue", "WgradTarget"]
+
+
+@dataclass(frozen=True)
+class ReadyWgrad:
+    """A wgrad GEMM planned and checked, not yet run: its plan and its checked kernel call."""
+
+    plan: WeightGradPlan
+    gemm: PreparedWgrad
 
 
 @dataclass(frozen=True)
@@ -74,23 +85,40 @@ class WgradTarget:
             names=self.spec.names,
         )
 
-    def early_plan(
-        self, dtype: torch.dtype, device: torch.device, deferred: bool = False
-    ) -> WeightGradPlan | None:
-        """The plan made now where making it allocates nothing (the ``main_grad`` route), else ``None``.
+    def ready(
+        self, dy_TN: Tensor, x_TK: Tensor, splits: Splits, plan: WeightGradPlan
+    ) -> ReadyWgrad:
+        """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan)."""
+        gemm = prepare_wgrad(
+            dy_TN,
+            x_TK,
+            splits,
+            out=plan.gemm_out,
+            accumulate=plan.accumulate,
+            names=plan.gemm_names,
+        )
+        return ReadyWgrad(plan, gemm)
 
-        An op with several wgrad GEMMs (the fused MLP) plans every ``main_grad``
-        group before its first GEMM writes, so a malformed ``main_grad`` of any
-        layer is rejected before any ``main_grad`` is written. Other routes
-        allocate their buffers when planned and are planned at their turn, so
-        peak memory stays as it was.
+    def early(
+        self, dy_TN: Tensor, x_TK: Tensor, splits: Splits, deferred: bool = False
+    ) -> ReadyWgrad | None:
+        """The GEMM planned and checked now where that allocates nothing (``main_grad``), else ``None``.
+
+        An op with several wgrad GEMMs (the fused MLP) readies every
+        ``main_grad`` GEMM before its first GEMM writes, so a malformed
+        ``main_grad`` of any layer is rejected before any ``main_grad`` is
+        written. Other routes allocate their buffers when planned and are
+        planned at their turn, so peak memory stays as it was.
         """
         if not self.trainable():
             return None
         route = wgrad_route(
             self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
         )
-        return self.plan(dtype, device, deferred) if route is WgradRoute.MAIN_GRAD else None
+        if route is not WgradRoute.MAIN_GRAD:
+            return None
+        plan = self.plan(dy_TN.dtype, dy_TN.device, deferred)
+        return self.ready(dy_TN, x_TK, splits, plan)
 
     def run(
         self,
@@ -99,7 +127,7 @@ class WgradTarget:
         splits: Splits,
         *,
         deferred: bool = False,
-        plan: WeightGradPlan | None = None,
+        ready: ReadyWgrad | None = None,
     ) -> list[Tensor | None]:
         """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
 
@@ -109,15 +137,17 @@ class WgradTarget:
             splits: ``E`` token counts.
             deferred: Running in ``backward_dw()``: the result is delivered to
                 ``.grad`` here (as autograd would) instead of being returned.
-            plan: A plan :meth:`early_plan` made for this GEMM, or ``None``.
+            ready: What :meth:`early` readied for this GEMM, or ``None``
+                (planned and checked now).
 
         Returns:
             What autograd receives for each parameter (all ``None`` when deferred).
         """
-        if plan is None:
+        if ready is None:
             plan = self.plan(dy_TN.dtype, dy_TN.device, deferred)
-        grouped_wgrad(dy_TN, x_TK, splits, out=plan.gemm_out, accumulate=plan.accumulate)
-        grads = plan.finish()
+            ready = self.ready(dy_TN, x_TK, splits, plan)
+        ready.gemm.run()
+        grads = ready.plan.finish()
         if not deferred:
             return grads
         accumulate_grads_like_autograd(self.params, grads)
@@ -130,7 +160,7 @@ class WgradTarget:
         splits: Splits,
         deferred: list[DeferredWgrad] | None,
         operands: tuple[str, str] = ("dy", "x"),
-        plan: WeightGradPlan | None = None,
+        ready: ReadyWgrad | None = None,
     ) -> list[Tensor | None]:
         """Backward's wgrad step: what autograd receives for the parameters.
 
@@ -140,12 +170,12 @@ class WgradTarget:
         appended there for ``backward_dw()`` (``operands`` names ``dy_TN`` and
         ``x_TK`` if it finds them changed) and autograd receives
         :func:`~groupgrad.protocol.defer_weight_grads`; otherwise it runs now
-        (into ``plan`` when :meth:`early_plan` made one).
+        (as ``ready`` when :meth:`early` readied it).
         """
         if not self.trainable():
             return [None] * len(self.params)
         if deferred is None:
-            return self.run(dy_TN, x_TK, splits, plan=plan)
+            return self.run(dy_TN, x_TK, splits, ready=ready)
         deferred.append(DeferredWgrad.queue(self, dy_TN, x_TK, splits, operands))
         return defer_weight_grads(
             self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
@@ -193,13 +223,13 @@ class DeferredWgrad:
                     "or pass a copy"
                 )
 
-    def early_plan(self) -> WeightGradPlan | None:
-        """:meth:`WgradTarget.early_plan` for this job."""
-        return self.target.early_plan(self.dy_TN.dtype, self.dy_TN.device, deferred=True)
+    def early(self) -> ReadyWgrad | None:
+        """:meth:`WgradTarget.early` for this job."""
+        return self.target.early(self.dy_TN, self.x_TK, self.splits, deferred=True)
 
-    def run(self, plan: WeightGradPlan | None = None) -> None:
+    def run(self, ready: ReadyWgrad | None = None) -> None:
         """Run the GEMM now, finalize distributed weights and deliver to ``.grad``."""
-        self.target.run(self.dy_TN, self.x_TK, self.splits, deferred=True, plan=plan)
+        self.target.run(self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready)
 
 
 class WgradQueue:
@@ -255,8 +285,8 @@ class WgradQueue:
         Every operand of the job is checked first: when one was changed in
         place since backward, the job is dropped (its gradient can no longer be
         computed from the values the forward saw) and nothing is written.
-        Every ``main_grad`` group of the job is then planned (checked) before
-        the first GEMM writes.
+        Every ``main_grad`` GEMM of the job is then planned and checked
+        before the first GEMM writes.
 
         Raises:
             RuntimeError: No backward has queued anything, or an operand of
@@ -278,6 +308,6 @@ class WgradQueue:
                 )
             raise
         with no_autocast(job[0].dy_TN.device):
-            plans = [entry.early_plan() for entry in job]
-            for entry, plan in zip(job, plans, strict=True):
-                entry.run(plan)
+            readied = [entry.early() for entry in job]
+            for entry, ready in zip(job, readied, strict=True):
+                entry.run(ready)

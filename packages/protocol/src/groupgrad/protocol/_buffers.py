@@ -46,40 +46,27 @@ def _byte_extent(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
-def _row_major(buffer: torch.Tensor) -> bool:
-    """Unit stride in the last dimension, rows at least a row apart: what the GEMM writes."""
-    if buffer.is_contiguous():
-        return True
-    inner_ok = buffer.shape[-1] <= 1 or buffer.stride(-1) == 1
-    rows_ok = buffer.dim() < 2 or buffer.shape[-2] <= 1 or buffer.stride(-2) >= buffer.shape[-1]
-    return inner_ok and rows_ok
-
-
 def check_grad_buffers(
     buffers: Sequence[torch.Tensor],
     shape: Sequence[int],
     device: torch.device,
-    *,
-    what: str = "weight grad buffer",
-    labels: Sequence[str] | None = None,
 ) -> None:
     """Check a group's gradient buffers before a GEMM writes them.
 
-    Every buffer must be a row-major tensor of ``shape`` on ``device``, all of
-    one dtype, and no two may overlap in memory (a GEMM writing both would
-    race).
+    Every buffer must be a tensor of ``shape`` on ``device``, all of one
+    dtype, and no two may overlap in memory (a GEMM writing both would race).
+    The layout a GEMM needs is the kernels' rule, checked by the GEMM.
 
     Args:
         buffers: One buffer per group member.
         shape: The shape each buffer must have.
         device: The device each buffer must live on.
-        what: How messages name a buffer (e.g. ``"main_grad"``).
-        labels: How messages name each member (default ``"member {i}"``).
 
     Raises:
         RuntimeError: Naming the member, the expected and the actual value.
     """
-    names = list(labels) if labels is not None else [f"member {i}" for i in range(len(buffers))]
+    what = "weight grad buffer"
+    names = [f"member {i}" for i in range(len(buffers))]
     expected_shape = tuple(shape)
     for index, buffer in enumerate(buffers):
         if (
@@ -107,13 +94,6 @@ def check_grad_buffers(
             raise RuntimeError(
                 f"{what} of {names[index]} has dtype {buffer.dtype}, expected {buffers[0].dtype} "
                 f"like {names[0]} (one dtype across the group)"
-            )
-        if not _row_major(buffer):
-            attribute = f" ({names[index]}.{what})" if what == "main_grad" else ""
-            raise RuntimeError(
-                f"{what} of {names[index]}{attribute} is not row-major: shape "
-                f"{tuple(buffer.shape)} with strides {buffer.stride()}; expected stride 1 in the "
-                "last dimension (a contiguous buffer) for the wgrad GEMM to write"
             )
     if device.type == "meta":
         return
@@ -156,7 +136,9 @@ def weight_grad_buffers(
             across the group, or two members' buffers overlap; the message
             names the member index, the expected and the actual value.
     """
-    return member_grad_buffers(as_weight_list(weights), shape, compute_dtype, device)
+    buffers = member_grad_buffers(as_weight_list(weights), shape, compute_dtype, device)
+    check_grad_buffers(buffers, shape, torch.device(device))
+    return buffers
 
 
 def member_grad_buffers(
@@ -165,7 +147,11 @@ def member_grad_buffers(
     compute_dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """:func:`weight_grad_buffers` for a group already normalized by ``as_weight_list``."""
+    """:func:`weight_grad_buffers` for a group normalized by ``as_weight_list``, unchecked.
+
+    The wgrad GEMM that writes them checks them (the kernels' validator), so a
+    layer's backward does not check them twice.
+    """
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
     if not is_distributed_weight(members[0]):
@@ -181,9 +167,7 @@ def member_grad_buffers(
         scratch = torch.empty((len(missing), *shape), dtype=scratch_dtype, device=device)
         for index, view in zip(missing, scratch.unbind(0), strict=True):
             buffers[index] = view
-    resolved = [b for b in buffers if b is not None]
-    check_grad_buffers(resolved, shape, device)
-    return resolved
+    return [b for b in buffers if b is not None]
 
 
 def packed_grad_buffer(

@@ -31,11 +31,7 @@ from groupgrad.protocol._attrs import (
     overwrites_main_grad,
     takes_grad_added_flag,
 )
-from groupgrad.protocol._buffers import (
-    check_grad_buffers,
-    member_grad_buffers,
-    packed_grad_buffer,
-)
+from groupgrad.protocol._buffers import member_grad_buffers, packed_grad_buffer
 from groupgrad.protocol._distributed import (
     WeightGroup,
     as_weight_list,
@@ -138,6 +134,8 @@ class WeightGradPlan:
         packed: The one ``(len(weights), *shape)`` tensor whose ``unbind(0)``
             views are :attr:`buffers`, when they are such views (a plain
             group's fresh buffers); ``None`` otherwise.
+        names: How error messages name each parameter (``weights[i]`` by
+            default); :attr:`gemm_names` derives the buffers' names.
     """
 
     route: WgradRoute
@@ -148,11 +146,14 @@ class WeightGradPlan:
     deferred: bool = False
     trainable: tuple[bool, ...] = ()
     packed: torch.Tensor | None = None
+    names: tuple[str, ...] = ()
     _finished: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.trainable:
             self.trainable = tuple(bool(p.requires_grad) for p in self.weights)
+        if not self.names:
+            self.names = tuple(_labels(len(self.weights), None))
 
     def finish(self) -> list[torch.Tensor | None]:
         """Complete the plan once the GEMM has written :attr:`buffers`; call exactly once.
@@ -200,6 +201,27 @@ class WeightGradPlan:
         if len(self.buffers) == 1:
             return self.buffers[0]
         return self.packed if self.packed is not None else list(self.buffers)
+
+    @property
+    def gemm_names(self) -> list[str]:
+        """How a wgrad kernel's messages name :attr:`gemm_out` (its ``names`` argument).
+
+        One name per buffer, after its parameter: ``weight3.main_grad`` on the
+        ``MAIN_GRAD`` route (``weight3 (frozen: scratch)`` for a frozen
+        member's scratch), ``weight3.grad_buffer()`` on the ``DISTRIBUTED``
+        route, ``weight3 wgrad`` for autograd's fresh buffers.
+        """
+        suffix = {
+            WgradRoute.MAIN_GRAD: ".main_grad",
+            WgradRoute.DISTRIBUTED: ".grad_buffer()",
+            WgradRoute.AUTOGRAD: " wgrad",
+        }[self.route]
+        return [
+            f"{name}{suffix}"
+            if keep or self.route is not WgradRoute.MAIN_GRAD
+            else f"{name} (frozen: scratch)"
+            for name, keep in zip(self.names, self.trainable, strict=True)
+        ]
 
 
 def _gets_dummy(param: torch.Tensor) -> bool:
@@ -283,9 +305,6 @@ def _main_grad_plan(
             f"main_grad of {labels[live[0]]!r} has dtype {first.dtype}, expected one of "
             f"{', '.join(str(d) for d in MAIN_GRAD_DTYPES)}"
         )
-    check_grad_buffers(
-        list(fetched.values()), shape, device, what="main_grad", labels=[labels[i] for i in live]
-    )
     overwrite = [overwrites_main_grad(members[i]) for i in live]
     if any(overwrite) and not all(overwrite):
         split = ", ".join(f"{labels[i]}={flag}" for i, flag in zip(live, overwrite, strict=True))
@@ -306,6 +325,7 @@ def _main_grad_plan(
         accumulate=not overwrite[0],
         deferred=deferred,
         trainable=tuple(trainable),
+        names=tuple(labels),
     )
 
 
@@ -367,10 +387,16 @@ def plan_weight_grads(
         names: Parameter names for error messages (default ``weights[i]``).
 
     Raises:
-        RuntimeError: A parameter has no ``main_grad``; buffers have the wrong
-            shape, device or dtype, or overlap; ``overwrite_main_grad`` differs
+        RuntimeError: A parameter has no ``main_grad``, or one of a dtype not
+            in :data:`MAIN_GRAD_DTYPES`; ``overwrite_main_grad`` differs
             within the group; a parameter has two gradient owners.
         ValueError: A plain parameter's shape differs from ``shape``.
+
+    The buffers' shape, device, dtype, layout and overlap are checked once,
+    by the GEMM that writes them: pass ``out=plan.gemm_out`` and
+    ``names=plan.gemm_names`` to :func:`groupgrad.kernels.grouped_wgrad`
+    (:func:`weight_grad_buffers` checks its buffers itself, for callers
+    without a GEMM).
     """
     members = as_weight_list(weights)
     labels = _labels(len(members), names)
@@ -381,12 +407,16 @@ def plan_weight_grads(
         return _main_grad_plan(members, shape, device, labels, deferred)
     if route is WgradRoute.DISTRIBUTED:
         buffers = member_grad_buffers(members, shape, compute_dtype, device)
-        return WeightGradPlan(route, members, buffers, buffers[0].dtype, False, deferred)
+        first = buffers[0]
+        dtype = first.dtype if isinstance(first, torch.Tensor) else compute_dtype  # GEMM names it
+        return WeightGradPlan(route, members, buffers, dtype, False, deferred, names=tuple(labels))
     _check_shape(members, shape, labels)
     dtype = _autograd_dtype(members)
     packed = packed_grad_buffer(len(members), shape, dtype, device)
     buffers = list(packed.unbind(0))
-    return WeightGradPlan(route, members, buffers, dtype, False, deferred, packed=packed)
+    return WeightGradPlan(
+        route, members, buffers, dtype, False, deferred, packed=packed, names=tuple(labels)
+    )
 
 
 def defer_weight_grads(

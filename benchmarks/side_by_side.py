@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[list[dict]]] = {n: [] for n in names}
     for round_ in range(args.rounds):
         for tree, name in zip(args.trees, names, strict=True):
-            env = {**os.environ, "PYTHONPATH": _source_path(tree.resolve())}
+            inherited = os.environ.get("PYTHONPATH", "")  # e.g. wheels unpacked for the build
+            path = os.pathsep.join(p for p in (_source_path(tree.resolve()), inherited) if p)
+            env = {**os.environ, "PYTHONPATH": path}
             command = [sys.executable, __file__, "--worker", "--reps", str(args.reps)]
             command += ["--only", args.only]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)

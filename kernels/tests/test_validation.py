@@ -358,3 +358,30 @@ def test_the_validator_checks_cpu_splits_values_itself(op):
     }
     with pytest.raises(ValueError, match=r"splits sums to 13 but x has 12 rows"):
         calls[op]()
+
+
+def test_a_listed_wgrad_runs_the_overlap_rule_once_naming_its_members(monkeypatch) -> None:
+    """One check of ``out`` per call, with the caller's names (the modules pass
+    ``weight3.main_grad``): a second pass, or a lost name, fails here."""
+    import groupgrad.kernels._group as group_module
+    from groupgrad.kernels import grouped_wgrad, prepare_wgrad
+
+    seen: list[str] = []
+    real = group_module.check_group_apart
+
+    def spy(label, *args):
+        seen.append(label(0) if callable(label) else label)
+        return real(label, *args)
+
+    monkeypatch.setattr(group_module, "check_group_apart", spy)
+    dy, x = torch.randn(7, 4), torch.randn(7, 3)
+    outs = [torch.zeros(4, 3) for _ in range(2)]
+    names = ["weight0.main_grad", "weight1.main_grad"]
+    prepared = prepare_wgrad(dy, x, [3, 4], out=outs, accumulate=True, names=names)
+    assert seen == ["weight0.main_grad"]
+    prepared.run()
+    assert seen == ["weight0.main_grad"]  # running checks nothing again
+    torch.testing.assert_close(outs[1], dy[3:].T @ x[3:])
+    outs[1] = outs[0]
+    with pytest.raises(ValueError, match=r"weight1\.main_grad overlaps weight0\.main_grad"):
+        grouped_wgrad(dy, x, [3, 4], out=outs, names=names)

@@ -25,10 +25,12 @@ KERNEL_ENTRIES = (
     "grouped_wgrad",
     "swiglu_probs",
     "swiglu_probs_backward",
+    "quantize_fp8",
 )
 
-# Public names that are not kernels, so have no twin: a checked wgrad call run later.
-OTHER_PUBLIC_NAMES = ("PreparedWgrad", "prepare_wgrad")
+# Public names that are not kernels, so have no twin: a checked wgrad call run later, and
+# the quantizers' result type.
+OTHER_PUBLIC_NAMES = ("Fp8Blocks", "PreparedWgrad", "prepare_wgrad")
 
 
 def public_kernel_names() -> list[str]:

@@ -546,36 +546,3 @@ def test_hooks_held_for_a_dropped_deferred_job_go_back_to_autograd() -> None:
     module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hook
     module(x, SPLITS).sum().backward()
     assert calls == [1]
-
-
-def test_each_main_grad_gemm_runs_the_overlap_rule_once(monkeypatch) -> None:
-    """The kernels' validator checks a GEMM's ``main_grad``s; the protocol does not check them too.
-
-    Catches a backward that runs the protocol's buffer checks before the GEMM
-    again (the rule would run twice) or skips the kernels' check of ``out``.
-    """
-    import groupgrad.kernels._group as kernels_group
-    import groupgrad.protocol._buffers as protocol_buffers
-
-    runs = {"kernels": 0, "protocol": 0}
-    kernels_check, protocol_check = (
-        kernels_group.check_group_apart,
-        protocol_buffers.check_grad_buffers,
-    )
-
-    def kernels_spy(group_name, *args):
-        if callable(group_name) and group_name(0).endswith(".main_grad"):
-            runs["kernels"] += 1
-        return kernels_check(group_name, *args)
-
-    def protocol_spy(*args, **kwargs):
-        runs["protocol"] += 1
-        return protocol_check(*args, **kwargs)
-
-    monkeypatch.setattr(kernels_group, "check_group_apart", kernels_spy)
-    monkeypatch.setattr(protocol_buffers, "check_grad_buffers", protocol_spy)
-    mlp = GroupedMLP(E, K, N, accumulate_into_main_grad=True)
-    _attach_main_grad(mlp.parameters())
-    x = _randn(sum(SPLITS), K, seed=26)
-    mlp(x, SPLITS).sum().backward()
-    assert runs == {"kernels": 2, "protocol": 0}  # fc1 and fc2: one check each

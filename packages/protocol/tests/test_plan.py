@@ -10,6 +10,7 @@ from groupgrad.protocol import (
     accumulate_grads_like_autograd,
     defer_weight_grads,
     plan_weight_grads,
+    weight_grad_buffers,
     wgrad_route,
 )
 from groupgrad.protocol.testing import FakeDistributedWeight, make_fake_group
@@ -144,6 +145,31 @@ def test_main_grad_buffers_are_left_to_the_gemm_and_named_for_it() -> None:
         param.main_grad = torch.zeros(4, 3, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"main_grad of 'weight0' has dtype torch\.int32"):
         _plan(params)
+
+
+def test_a_plan_leaves_its_buffers_to_the_gemm_and_weight_grad_buffers_checks_its_own(
+    monkeypatch,
+) -> None:
+    """The buffer rules run once per GEMM: by the kernels, not by the plan too.
+
+    ``weight_grad_buffers`` (called by implementers without a GEMM) checks its
+    buffers; a plan (whose GEMM checks them) does not, on any route.
+    """
+    import groupgrad.protocol._buffers as buffers_module
+
+    runs = []
+    real = buffers_module.check_grad_buffers
+    monkeypatch.setattr(
+        buffers_module, "check_grad_buffers", lambda *a, **k: runs.append(1) or real(*a, **k)
+    )
+    _plan(_params(main_grad=torch.float32))
+    _plan(make_fake_group([torch.zeros(4, 3) for _ in range(3)]))
+    _plan(_params(), into_main_grad=False)
+    assert runs == []
+    weight_grad_buffers(
+        make_fake_group([torch.zeros(4, 3) for _ in range(3)]), (4, 3), torch.bfloat16, "cpu"
+    )
+    assert runs == [1]
 
 
 def test_get_main_grad_is_preferred_on_fsdp_parameters_and_called_once() -> None:

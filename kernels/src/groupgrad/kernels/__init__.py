@@ -5,6 +5,8 @@ Three GEMMs with one argument order — :func:`grouped_fprop`,
 on CUDA tensors and a pure-PyTorch reference elsewhere. The fused MLP's
 elementwise step, SwiGLU × router probabilities (:func:`swiglu_probs`,
 :func:`swiglu_probs_backward`), runs fused Triton kernels on CUDA and the
+reference elsewhere. FP8 blockwise quantization for Hopper's FP8 GEMMs,
+:func:`quantize_fp8` into :class:`Fp8Blocks`, runs Triton on CUDA and the
 reference elsewhere. Each kernel has a twin (``*_ref``) with the same
 signature and semantics that always runs the reference. Importing this
 package neither initializes CUDA nor compiles nor imports Triton; the
@@ -29,6 +31,7 @@ from groupgrad.kernels._api import (
     grouped_wgrad_ref,
     prepare_wgrad,
 )
+from groupgrad.kernels._fp8 import Fp8Blocks, quantize_fp8, quantize_fp8_ref
 from groupgrad.kernels._swiglu import (
     swiglu_probs,
     swiglu_probs_backward,
@@ -37,6 +40,7 @@ from groupgrad.kernels._swiglu import (
 )
 
 __all__ = [
+    "Fp8Blocks",
     "PreparedWgrad",
     "grouped_dgrad",
     "grouped_dgrad_ref",
@@ -45,6 +49,8 @@ __all__ = [
     "grouped_wgrad",
     "grouped_wgrad_ref",
     "prepare_wgrad",
+    "quantize_fp8",
+    "quantize_fp8_ref",
     "swiglu_probs",
     "swiglu_probs_backward",
     "swiglu_probs_backward_ref",

@@ -1,0 +1,238 @@
+"""The FP8 blockwise quantizers' math: the pure-PyTorch reference and the custom ops.
+
+Legend: ``T`` tokens, ``C`` channels (a multiple of 128), ``E`` experts,
+``N``/``K`` a weight's rows/columns, ``B = C / 128``, ``NB`` the 128-token
+blocks of the ``(128, 1)`` form, ``Tp`` its padded token count (layouts:
+``groupgrad.kernels._fp8.Fp8Blocks``).
+
+One scale rule for every block: with ``amax = m * 2**e`` (``1 <= m < 2``) the
+scale is the smallest power of two at or above ``amax / 448``, found from the
+float's bits without a division (``2**(e-8)`` when ``m <= 1.75``, else
+``2**(e-7)``), at least ``2**-126``; a zero block gets scale 1, a block with a
+NaN or Inf gets scale NaN (canonical, bits ``0x7FC00000``) and zero data, so it
+dequantizes to NaN. ``data = e4m3(clamp(x * (1 / scale), -448, 448))``,
+rounded to nearest even, with the reciprocal (a power of two) built from bits
+too: the reference here and the Triton kernels (``_fp8_triton``) agree bit for
+bit. All math is fp32 from the input.
+
+Three custom ops — ``groupgrad::quantize_fp8_rows``, ``…_weights`` and
+``…_segments`` (the last writes the ``(1, 128)`` form too from the same read)
+— run the reference on every device but CUDA, where they run Triton (imported
+on the first CUDA call; without it, or before sm_89, the reference runs and
+says so once through ``logging``). Their fake kernels let
+``torch.compile(fullgraph=True)`` and CUDA graphs see them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["rows_op", "segments_op", "token_map", "weights_op"]
+
+logger = logging.getLogger(__name__)
+
+TRITON_MODULE = "groupgrad.kernels._fp8_triton"
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+# ---------------------------------------------------------------- reference
+
+
+def scale_rule(amax_bits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(scale, inverse, finite)`` of blocks from the int32 bits of their ``max |x|``.
+
+    ``amax_bits`` are those of non-negative floats (NaN bits rank above Inf's),
+    so an integer max over ``|x|``'s bits finds them without NaN rules.
+    """
+    exponent = (amax_bits >> 23) - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    exponent = exponent.clamp(min=1)  # a normal scale, 2**-126 at least
+    finite, zero = amax_bits < 0x7F800000, amax_bits == 0
+    scale = torch.where(zero, 1.0, (exponent << 23).view(torch.float32))
+    inverse = torch.where(zero, 1.0, ((254 - exponent) << 23).view(torch.float32))
+    return torch.where(finite, scale, float("nan")), inverse, finite
+
+
+def _abs_bits(x: Tensor) -> Tensor:
+    return x.float().contiguous().view(torch.int32) & 0x7FFFFFFF
+
+
+def _to_e4m3(x: Tensor, inverse: Tensor, finite: Tensor) -> Tensor:
+    y = (x.float() * inverse).clamp(-E4M3_MAX, E4M3_MAX)
+    return torch.where(finite, y, 0.0).to(E4M3)
+
+
+def rows_ref(x_TC: Tensor) -> tuple[Tensor, Tensor]:
+    """``(1, 128)`` blocks: ``data_TC`` e4m3 and ``scales_BT`` fp32 (``B = C / 128``)."""
+    T, C = x_TC.shape
+    x = x_TC.float().reshape(T, C // 128, 128)
+    scale, inverse, finite = scale_rule(_abs_bits(x).amax(dim=2))
+    data = _to_e4m3(x, inverse[..., None], finite[..., None]).reshape(T, C)
+    return data, scale.t().contiguous()
+
+
+def weights_ref(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(128, 128)`` blocks of ``(E_i, N, K)`` tensors, stacked: ``data``, ``data_t``, ``scales``."""
+    x = torch.cat([w.float() for w in weights])
+    E, N, K = x.shape
+    blocks = x.reshape(E, N // 128, 128, K // 128, 128)
+    scale, inverse, finite = scale_rule(_abs_bits(blocks).amax(dim=(2, 4)))
+    spread = (slice(None), slice(None), None, slice(None), None)
+    data = _to_e4m3(blocks, inverse[spread], finite[spread]).reshape(E, N, K)
+    return data, data.transpose(1, 2).contiguous(), scale
+
+
+class TokenMap(NamedTuple):
+    column: Tensor  # (T,) each token's column in the (C, Tp) data
+    block_row: Tensor  # (T,) its row in the (NB, C) scales
+
+
+def token_map(row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor, T: int) -> TokenMap:
+    token = torch.arange(T, device=row_offsets.device)
+    expert = torch.searchsorted(row_offsets[1:], token, right=True)
+    local = token - row_offsets[expert]
+    return TokenMap(seg_offsets[expert] + local, block_offsets[expert] + local // 128)
+
+
+def segments_ref(
+    x_TC: Tensor,
+    row_offsets: Tensor,
+    seg_offsets: Tensor,
+    block_offsets: Tensor,
+    num_blocks: int,
+    padded_tokens: int,
+    with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(128, 1)`` blocks inside each expert's segment: ``data_CTp``, ``scales_NBC`` and,
+    ``with_rows``, the ``(1, 128)`` form's ``rows_ref`` results (else two empty tensors)."""
+    T, C = x_TC.shape
+    where = token_map(row_offsets, seg_offsets, block_offsets, T)
+    bits = _abs_bits(x_TC)
+    amax_bits = bits.new_zeros(num_blocks, C)
+    amax_bits.scatter_reduce_(0, where.block_row[:, None].expand(T, C), bits, "amax")
+    scale, inverse, finite = scale_rule(amax_bits)
+    used = torch.arange(num_blocks, device=x_TC.device) < block_offsets[-1]
+    scales = torch.where(used[:, None], scale, 0.0)
+    q_TC = _to_e4m3(x_TC, inverse[where.block_row], finite[where.block_row])
+    data = torch.zeros(C, padded_tokens, dtype=torch.uint8, device=x_TC.device)
+    data.index_copy_(1, where.column, q_TC.view(torch.uint8).t())
+    if with_rows:
+        return data.view(E4M3), scales, *rows_ref(x_TC)
+    empty = x_TC.new_empty(0, dtype=torch.float32)
+    return data.view(E4M3), scales, empty.to(E4M3), empty
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("groupgrad::quantize_fp8_rows", mutates_args=())
+def rows_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(1, 128)`` blocks of a contiguous ``(T, C)``: ``data_TC``, ``scales_BT``."""
+    return rows_ref(x)
+
+
+@torch.library.custom_op("groupgrad::quantize_fp8_weights", mutates_args=())
+def weights_op(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(128, 128)`` blocks of contiguous ``(E_i, N, K)`` tensors: ``data``, ``data_t``, ``scales``."""
+    return weights_ref(weights)
+
+
+@torch.library.custom_op("groupgrad::quantize_fp8_segments", mutates_args=())
+def segments_op(
+    x: Tensor,
+    row_offsets: Tensor,
+    seg_offsets: Tensor,
+    block_offsets: Tensor,
+    num_blocks: int,
+    padded_tokens: int,
+    with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(128, 1)`` blocks (and, ``with_rows``, ``(1, 128)`` blocks) in one read of ``x``."""
+    return segments_ref(
+        x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows
+    )
+
+
+@rows_op.register_fake
+def _rows_fake(x: Tensor) -> tuple[Tensor, Tensor]:
+    T, C = x.shape
+    return x.new_empty(T, C, dtype=E4M3), x.new_empty(C // 128, T, dtype=torch.float32)
+
+
+@weights_op.register_fake
+def _weights_fake(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    E, (N, K) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    new = weights[0].new_empty
+    return (
+        new(E, N, K, dtype=E4M3),
+        new(E, K, N, dtype=E4M3),
+        new(E, N // 128, K // 128, dtype=torch.float32),
+    )
+
+
+@segments_op.register_fake
+def _segments_fake(
+    x: Tensor, row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor,
+    num_blocks: int, padded_tokens: int, with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    C = x.shape[1]
+    rows = (
+        _rows_fake(x)
+        if with_rows
+        else (x.new_empty(0, dtype=E4M3), x.new_empty(0, dtype=torch.float32))
+    )
+    data = x.new_empty(C, padded_tokens, dtype=E4M3)
+    return data, x.new_empty(num_blocks, C, dtype=torch.float32), *rows
+
+
+@functools.cache
+def load_triton_kernels() -> tuple[ModuleType | None, str | None]:
+    """Import the Triton kernels once: ``(module, None)`` or ``(None, reason)``."""
+    try:
+        return importlib.import_module(TRITON_MODULE), None
+    except ImportError as error:
+        return None, f"triton cannot be imported ({error})"
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.warning(message)
+
+
+def _triton_for(x: Tensor) -> ModuleType | None:
+    """The Triton kernels for ``x``'s device, or ``None`` (said once) to run the reference."""
+    kernels, reason = load_triton_kernels()
+    if kernels is not None and torch.cuda.get_device_capability(x.device) < (8, 9):
+        kernels, reason = None, f"{x.device} has no FP8 conversions (sm_89 or later needed)"
+    if kernels is None:
+        _say_once(f"FP8 quantization runs on the PyTorch reference on CUDA: {reason}")
+    return kernels
+
+
+@rows_op.register_kernel("cuda")
+def _rows_cuda(x: Tensor) -> tuple[Tensor, Tensor]:
+    kernels = _triton_for(x)
+    return rows_ref(x) if kernels is None else kernels.rows_triton(x)
+
+
+@weights_op.register_kernel("cuda")
+def _weights_cuda(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    kernels = _triton_for(weights[0])
+    return weights_ref(weights) if kernels is None else kernels.weights_triton(weights)
+
+
+@segments_op.register_kernel("cuda")
+def _segments_cuda(
+    x: Tensor, row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor,
+    num_blocks: int, padded_tokens: int, with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    kernels = _triton_for(x)
+    run = segments_ref if kernels is None else kernels.segments_triton
+    return run(x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows)

@@ -1,0 +1,256 @@
+"""Triton kernels of the FP8 blockwise quantizers (the math and layouts: ``_fp8_ops``, ``_fp8``).
+
+Imported only by the CUDA kernels of the ``groupgrad::quantize_fp8_*`` custom
+ops (and by GPU tests): importing ``groupgrad.kernels`` never imports Triton.
+
+Legend: ``T`` tokens, ``C`` channels, ``B = C / 128``, ``E`` experts,
+``N``/``K`` a weight's rows/columns, ``NB`` scale rows and ``Tp`` padded tokens
+of the ``(128, 1)`` form.
+
+* ``(1, 128)``: a program quantizes ``BLOCK_T`` rows × 128 channels.
+* ``(128, 128)``: a program quantizes one 128×128 tile of a weight and writes
+  it twice, ``data`` ``(N, K)`` and ``data_t`` ``(K, N)``.
+* ``(128, 1)``: a program owns 128 tokens × 128 channels inside one expert's
+  segment (block row ``b`` of ``NB``, found from ``block_offsets``; the grid
+  is sized from the host bound ``NB = ceil(T/128) + E``, so device ``splits``
+  are never read on the host). It writes the column scales, the transposed
+  data (zeros past the expert's tokens up to its 16-token padding) and, with
+  ``WITH_ROWS``, the ``(1, 128)`` form of the same tile. Programs past the
+  last expert zero their scale row and, between them, the data's tail columns.
+
+Scales follow the reference's bit rule exactly: ``max |x|`` as integer bits
+(no NaN rules), the power-of-two scale and its reciprocal built from bits, a
+multiply, an explicit clamp to ±448, and ``.to(tl.float8e4nv,
+fp_downcast_rounding="rtne")``, which Triton lowers on sm_90 to
+``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest even, saturating). Offsets
+are int64; there are no atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["rows_triton", "segments_triton", "weights_triton"]
+
+E4M3 = torch.float8_e4m3fn
+ROWS_PER_PROGRAM = 64
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|``'s bits as int32 (an integer max of them ranks NaN above Inf above finites)."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _scale_rule(amax_bits):
+    """``(scale, inverse, finite)`` from ``max |x|``'s bits: ``_fp8_ops.scale_rule``."""
+    exponent = (amax_bits >> 23) - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    exponent = tl.maximum(exponent, 1)
+    finite = amax_bits < 0x7F800000
+    zero = amax_bits == 0
+    scale = tl.where(zero, 1.0, (exponent << 23).to(tl.float32, bitcast=True))
+    inverse = tl.where(zero, 1.0, ((254 - exponent) << 23).to(tl.float32, bitcast=True))
+    nan = (exponent * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(finite, scale, nan), inverse, finite
+
+
+@triton.jit
+def _e4m3(x, inverse, finite):
+    y = tl.minimum(tl.maximum(x * inverse, -448.0), 448.0)
+    y = tl.where(finite, y, 0.0)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _rows_kernel(x_ptr, data_ptr, scales_ptr, T, C, BLOCK_T: tl.constexpr):  # type: ignore[no-untyped-def]
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    block = tl.program_id(1)
+    row_ok = rows < T
+    offsets = rows[:, None] * C + (block * 128 + tl.arange(0, 128))[None, :]
+    x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=1))
+    tl.store(data_ptr + offsets, _e4m3(x, inverse[:, None], finite[:, None]), mask=row_ok[:, None])
+    tl.store(scales_ptr + block.to(tl.int64) * T + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K):
+    k_block, n_block, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = (n_block * 128 + tl.arange(0, 128)).to(tl.int64)
+    k = (k_block * 128 + tl.arange(0, 128)).to(tl.int64)
+    base = e.to(tl.int64) * N * K
+    nk = base + n[:, None] * K + k[None, :]
+    x = tl.load(w_ptr + nk).to(tl.float32)
+    amax_bits = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
+    scale, inverse, finite = _scale_rule(amax_bits)
+    q = _e4m3(x, inverse, finite)
+    tl.store(data_ptr + nk, q)
+    tl.store(data_t_ptr + base + k[None, :] * N + n[:, None], q)  # (K, N): n contiguous
+    blocks_k = K // 128
+    tl.store(scales_ptr + (e.to(tl.int64) * (N // 128) + n_block) * blocks_k + k_block, scale)
+
+
+@triton.jit
+def _segments_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    row_offsets_ptr,
+    seg_offsets_ptr,
+    block_offsets_ptr,
+    data_ptr,
+    scales_ptr,
+    row_data_ptr,
+    row_scales_ptr,
+    T,
+    C,
+    E,
+    padded_tokens,
+    num_blocks,
+    WITH_ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    b = tl.program_id(0)
+    channel_block = tl.program_id(1)
+    channels = (channel_block * 128 + tl.arange(0, 128)).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=num_blocks)
+    e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
+    if e < E:
+        row_start = tl.load(row_offsets_ptr + e)
+        rows_e = tl.load(row_offsets_ptr + e + 1) - row_start
+        column_start = tl.multiple_of(tl.load(seg_offsets_ptr + e), 16)
+        local = (b - tl.load(block_offsets_ptr + e)) * 128 + tl.arange(0, 128)  # int64
+        ok = local < rows_e
+        rows = row_start + local
+        x_offsets = rows[:, None] * C + channels[None, :]
+        x = tl.load(x_ptr + x_offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+        bits = _abs_bits(x)
+        scale, inverse, finite = _scale_rule(tl.max(bits, axis=0))
+        q = _e4m3(x, inverse[None, :], finite[None, :])  # zero past the expert's tokens
+        padded_e = (rows_e + 15) // 16 * 16
+        columns = column_start + local
+        tl.store(
+            data_ptr + channels[None, :] * padded_tokens + columns[:, None],
+            q,
+            mask=(local < padded_e)[:, None],
+        )
+        tl.store(scales_ptr + b.to(tl.int64) * C + channels, scale)
+        if WITH_ROWS:
+            row_scale, row_inverse, row_finite = _scale_rule(tl.max(bits, axis=1))
+            q_rows = _e4m3(x, row_inverse[:, None], row_finite[:, None])
+            tl.store(row_data_ptr + x_offsets, q_rows, mask=ok[:, None])
+            tl.store(row_scales_ptr + channel_block.to(tl.int64) * T + rows, row_scale, mask=ok)
+    else:
+        tl.store(scales_ptr + b.to(tl.int64) * C + channels, tl.zeros([128], tl.float32))
+        used_blocks = tl.load(block_offsets_ptr + E)
+        tail_start = tl.load(seg_offsets_ptr + E)
+        zeros = tl.zeros([128, 128], tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        # the unused programs (at least one: NB >= used blocks + 1) share the tail columns
+        step = (num_blocks - used_blocks) * 128
+        stop = tail_start * 0 + padded_tokens
+        for start in range(tail_start + (b - used_blocks) * 128, stop, step):
+            columns = start + tl.arange(0, 128)
+            tl.store(
+                data_ptr + channels[:, None] * padded_tokens + columns[None, :],
+                zeros,
+                mask=(columns < padded_tokens)[None, :],
+            )
+
+
+def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Launch on ``t``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def rows_triton(x_TC: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton twin of ``_fp8_ops.rows_ref``: ``(data_TC, scales_BT)`` of a contiguous ``(T, C)``."""
+    T, C = x_TC.shape
+    data = torch.empty(T, C, dtype=E4M3, device=x_TC.device)
+    scales = torch.empty(C // 128, T, dtype=torch.float32, device=x_TC.device)
+    if T and C:
+        grid = (triton.cdiv(T, ROWS_PER_PROGRAM), C // 128)
+        with _on_device(x_TC):
+            _rows_kernel[grid](x_TC, data, scales, T, C, BLOCK_T=ROWS_PER_PROGRAM, num_warps=4)
+    return data, scales
+
+
+def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton twin of ``_fp8_ops.weights_ref`` on contiguous ``(E_i, N, K)`` tensors.
+
+    One launch per tensor of the list (one in all for an ``(E, N, K)`` weight),
+    each writing its experts' slice of the stacked results.
+    """
+    E, (N, K) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    device = weights[0].device
+    data = torch.empty(E, N, K, dtype=E4M3, device=device)
+    data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
+    scales = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=device)
+    first = 0
+    with _on_device(weights[0]):
+        for w in weights:
+            count = w.shape[0]
+            if count and N and K:
+                _weights_kernel[(K // 128, N // 128, count)](
+                    w,
+                    data[first : first + count],
+                    data_t[first : first + count],
+                    scales[first : first + count],
+                    N,
+                    K,
+                    num_warps=8,
+                )
+            first += count
+    return data, data_t, scales
+
+
+def segments_triton(
+    x_TC: Tensor,
+    row_offsets: Tensor,
+    seg_offsets: Tensor,
+    block_offsets: Tensor,
+    num_blocks: int,
+    padded_tokens: int,
+    with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Triton twin of ``_fp8_ops.segments_ref``: one kernel, one read of ``x``, every output written.
+
+    The offsets are ``(E + 1,)`` int64 on ``x``'s device; they are only read
+    by the kernel (no host sync).
+    """
+    T, C = x_TC.shape
+    E = row_offsets.shape[0] - 1
+    device = x_TC.device
+    data = torch.empty(C, padded_tokens, dtype=E4M3, device=device)
+    scales = torch.empty(num_blocks, C, dtype=torch.float32, device=device)
+    if with_rows:
+        row_data = torch.empty(T, C, dtype=E4M3, device=device)
+        row_scales = torch.empty(C // 128, T, dtype=torch.float32, device=device)
+    else:
+        row_data = torch.empty(0, dtype=E4M3, device=device)
+        row_scales = torch.empty(0, dtype=torch.float32, device=device)
+    if num_blocks and C:
+        with _on_device(x_TC):
+            _segments_kernel[(num_blocks, C // 128)](
+                x_TC,
+                row_offsets,
+                seg_offsets,
+                block_offsets,
+                data,
+                scales,
+                row_data if with_rows else data,  # unread without WITH_ROWS
+                row_scales if with_rows else scales,
+                T,
+                C,
+                E,
+                padded_tokens,
+                num_blocks,
+                WITH_ROWS=with_rows,
+                BLOCK_E=triton.next_power_of_2(max(E, 1)),
+                num_warps=8,
+            )
+    return data, scales, row_data, row_scales

@@ -1,0 +1,196 @@
+"""The Triton FP8 quantizers on a CUDA device: bit-identical to the reference, graphs, compile.
+
+Run with ``nox -s tests-gpu`` or ``pytest -m gpu kernels/tests/test_gpu_fp8_quant.py``.
+Data is compared as uint8, scales as int32 (NaN scales included). Outputs are
+allocated inside the kernels, so the allocator's memory is poisoned with 0xFF
+(an e4m3 NaN, a NaN scale) before each call: an element left unwritten fails.
+
+Legend: ``T`` tokens, ``C`` channels, ``E`` experts, ``N``/``K`` weight rows/columns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from groupgrad.kernels import quantize_fp8, quantize_fp8_ref
+from groupgrad.kernels._fp8_ops import load_triton_kernels, rows_op, segments_op, weights_op
+
+pytestmark = pytest.mark.gpu(capability=(9, 0))
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SPLITS = [
+    [4096],
+    [1, 0, 127, 128, 129, 0, 3000, 7],
+    [0, 0, 0, 5],
+    [0, 0],
+    [33] * 64,
+]
+
+
+def _poison() -> None:
+    """Fill the allocator's cached blocks with 0xFF, so kernels get NaN-filled outputs."""
+    free = torch.cuda.mem_get_info()[0]
+    block = torch.empty(min(free // 4, 2**30), dtype=torch.uint8, device="cuda").fill_(0xFF)
+    del block
+
+
+def _same(got, want) -> None:
+    for name in ("data", "data_t", "scales", "row_offsets", "seg_offsets", "block_offsets"):
+        a, b = getattr(got, name), getattr(want, name)
+        if a is None or b is None:
+            assert a is None, name
+            assert b is None, name
+            continue
+        assert a.shape == b.shape, name
+        assert a.stride() == b.stride(), name
+        view = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}.get(a.dtype, a.dtype)
+        assert torch.equal(a.view(view), b.view(view)), f"{name} differs from the reference"
+
+
+def _inputs(T: int, C: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, C, device="cuda", generator=gen)
+    x *= torch.logspace(-20, 20, C, device="cuda")  # ties, subnormal e4m3, saturation edges
+    x = x.to(dtype)
+    if T > 10 and C > 300:
+        x[3, 5], x[7, 300], x[T - 1, C - 1] = float("nan"), float("inf"), -float("inf")
+        x[5, 128:256] = 0
+        if dtype == torch.float32:
+            x[9, 0:128] = 1e-42  # subnormal fp32 block
+    return x
+
+
+def test_the_triton_kernels_load_on_this_machine() -> None:
+    kernels, reason = load_triton_kernels()
+    assert kernels is not None, f"the GPU path would fall back to the reference: {reason}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("T", "C"), [(1, 128), (129, 384), (4096, 1024), (0, 256)])
+def test_rows_match_the_reference_bit_for_bit(dtype, T, C) -> None:
+    x = _inputs(T, C, dtype, seed=T + C)
+    _poison()
+    _same(quantize_fp8(x, block=(1, 128)), quantize_fp8_ref(x, block=(1, 128)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize(("E", "N", "K"), [(1, 128, 128), (3, 384, 256), (8, 1536, 2048)])
+def test_weights_match_the_reference_bit_for_bit(dtype, as_list, E, N, K) -> None:
+    w = _inputs(E * N, K, dtype, seed=E + N + K).view(E, N, K)
+    source = [w[e].clone() for e in range(E)] if as_list else w
+    _poison()
+    _same(quantize_fp8(source, block=(128, 128)), quantize_fp8_ref(source, block=(128, 128)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"E{len(s)}T{sum(s)}")
+@pytest.mark.parametrize("splits_form", ["device int64", "device int32", "list"])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_segments_match_the_reference_bit_for_bit(dtype, splits, splits_form, with_rows) -> None:
+    x = _inputs(sum(splits), 512, dtype, seed=len(splits))
+    given = {
+        "device int64": torch.tensor(splits, device="cuda"),
+        "device int32": torch.tensor(splits, device="cuda", dtype=torch.int32),
+        "list": splits,
+    }[splits_form]
+    block = ((128, 1), (1, 128)) if with_rows else (128, 1)
+    _poison()
+    got = quantize_fp8(x, block=block, splits=given)
+    want = quantize_fp8_ref(x, block=block, splits=splits)
+    for g, w in zip(got if with_rows else [got], want if with_rows else [want], strict=True):
+        _same(g, w)
+
+
+def test_a_cuda_graph_replays_with_new_device_splits() -> None:
+    T, C = 1000, 256
+    x = _inputs(T, C, torch.bfloat16, seed=1)
+    splits = torch.tensor([500, 0, 500, 0], device="cuda")
+    block = ((1, 128), (128, 1))
+    quantize_fp8(x, block=block, splits=splits)  # warm up: Triton compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows, segments = quantize_fp8(x, block=block, splits=splits)
+    for new in ([1, 998, 0, 1], [0, 0, 0, 1000], [250, 250, 250, 250]):
+        splits.copy_(torch.tensor(new))
+        x.copy_(_inputs(T, C, torch.bfloat16, seed=sum(new[:2])))
+        graph.replay()
+        want_rows, want_segments = quantize_fp8_ref(x, block=block, splits=new)
+        _same(rows, want_rows)
+        _same(segments, want_segments)
+        assert torch.equal(segments.dequantize(), want_segments.dequantize())
+
+
+def test_torch_compile_fullgraph_runs_the_kernels() -> None:
+    torch._dynamo.reset()
+
+    def quantize_all(x, w, splits):
+        rows, segments = quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits)
+        weights = quantize_fp8(w, block=(128, 128))
+        return rows.data, segments.data, segments.scales, weights.data_t, weights.dequantize()
+
+    x = _inputs(700, 512, torch.bfloat16, seed=2)
+    w = _inputs(2 * 256, 384, torch.bfloat16, seed=3).view(2, 256, 384)
+    splits = torch.tensor([300, 0, 400], device="cuda")
+    compiled = torch.compile(quantize_all, fullgraph=True)
+    for got, want in zip(compiled(x, w, splits), quantize_all(x, w, splits), strict=True):
+        assert torch.equal(
+            got.view(torch.uint8) if got.element_size() == 1 else got,
+            want.view(torch.uint8) if want.element_size() == 1 else want,
+        )
+
+
+def test_opcheck_passes_on_cuda() -> None:
+    x = _inputs(300, 256, torch.bfloat16, seed=4)
+    torch.library.opcheck(rows_op, (x,))
+    torch.library.opcheck(weights_op, ([x[:256].reshape(1, 256, 256)],))
+    q = quantize_fp8_ref(x, block=(128, 1), splits=[100, 0, 200])
+    for with_rows in (False, True):
+        args = (x, q.row_offsets, q.seg_offsets, q.block_offsets, *q.scales.shape[:1])
+        torch.library.opcheck(segments_op, (*args, q.data.shape[1], with_rows))
+
+
+def _seconds(fn, repeats: int = 50) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_kernels_move_bytes_at_70_percent_of_copy_bandwidth() -> None:
+    T, C, E = 16384, 4096, 8
+    x = torch.randn(T, C, device="cuda").bfloat16()
+    w = torch.randn(E, 2048, 4096, device="cuda").bfloat16()
+    splits = torch.full((E,), T // E, device="cuda")
+    src, dst = torch.empty(2**28, device="cuda"), torch.empty(2**28, device="cuda")
+    copy = 2 * _nbytes(src) / _seconds(lambda: dst.copy_(src))
+    rows = quantize_fp8(x, block=(1, 128))
+    both = quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits)
+    weights = quantize_fp8(w, block=(128, 128))
+    cases = {
+        "rows": (lambda: quantize_fp8(x, block=(1, 128)), _nbytes(x, rows.data, rows.scales)),
+        "rows+segments": (
+            lambda: quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits),
+            _nbytes(x, *(t for q in both for t in (q.data, q.scales))),
+        ),
+        "weights": (
+            lambda: quantize_fp8(w, block=(128, 128)),
+            _nbytes(w, weights.data, weights.data_t, weights.scales),
+        ),
+    }
+    report = {name: moved / _seconds(fn) / copy for name, (fn, moved) in cases.items()}
+    assert min(report.values()) >= 0.70, (
+        f"share of copy bandwidth ({copy / 1e12:.2f} TB/s): {report}"
+    )

@@ -221,7 +221,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "mlp-half-written",
         "a fused MLP writes fc2's main_grad before fc1's main_grad is found malformed",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "    if deferred is None:  # every main_grad group is checked before any GEMM writes\n",
+        "    if deferred is None:  # every main_grad GEMM is checked before any GEMM writes\n",
         "    if False:\n",
         (f"{MODULES}/test_bad_inputs.py",),
     ),

@@ -1,0 +1,77 @@
+"""FP8 quantizers' bandwidth on the GPU: bytes moved per second against the run's copy rate.
+
+Target (the FP8 kernels issue): (bytes read + written, scales included) / time
+>= 0.70 x the copy rate for tensors of >= 16k rows, both forms from one read.
+Prints each case's share of the copy rate and writes JSON with ``--json``.
+Usage: ``python benchmarks/bench_fp8_quant.py [--json PATH]``.
+
+Legend: ``T`` tokens, ``C`` channels, ``E`` experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from groupgrad.kernels import quantize_fp8
+
+
+def _seconds(fn: Callable[[], object], repeats: int = 50) -> float:
+    """Median seconds per call (CUDA events, one warm-up call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    T, C, E = 16384, 4096, 8
+    x = torch.randn(T, C, device="cuda").bfloat16()
+    w = torch.randn(E, 2048, 4096, device="cuda").bfloat16()
+    splits = torch.full((E,), T // E, device="cuda")
+    src, dst = torch.empty(2**28, device="cuda"), torch.empty(2**28, device="cuda")
+    copy = 2 * _nbytes(src) / _seconds(lambda: dst.copy_(src))
+    rows = quantize_fp8(x, block=(1, 128))
+    both = quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits)
+    weights = quantize_fp8(w, block=(128, 128))
+    cases = {
+        "rows": (lambda: quantize_fp8(x, block=(1, 128)), _nbytes(x, rows.data, rows.scales)),
+        "rows+segments": (
+            lambda: quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits),
+            _nbytes(x, *(t for q in both for t in (q.data, q.scales))),
+        ),
+        "weights": (
+            lambda: quantize_fp8(w, block=(128, 128)),
+            _nbytes(w, weights.data, weights.data_t, weights.scales),
+        ),
+    }
+    report = {}
+    print(f"copy rate {copy / 1e12:.2f} TB/s; T={T} C={C} E={E}, weights ({E}, 2048, 4096)")
+    for name, (fn, moved) in cases.items():
+        seconds = _seconds(fn)
+        report[name] = {"ms": seconds * 1e3, "share_of_copy": moved / seconds / copy}
+        print(f"{name:14s} {seconds * 1e3:8.3f} ms  {report[name]['share_of_copy']:.2f} x copy")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"copy_TBps": copy / 1e12, **report}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -225,7 +225,15 @@ def _rows_cuda(x: Tensor) -> tuple[Tensor, Tensor]:
 @weights_op.register_kernel("cuda")
 def _weights_cuda(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     kernels = _triton_for(weights[0])
-    return weights_ref(weights) if kernels is None else kernels.weights_triton(weights)
+    if kernels is None:
+        return weights_ref(weights)
+    data, data_t, scales = kernels.weights_triton(weights)
+    if weights[0].dtype == torch.float32:
+        # Measured on the H200 (torch 2.11's Triton): the kernel's transposed store of an fp32
+        # input's tile writes wrong bytes (its data and scales are right), so the transpose is
+        # taken from the data instead — the same bits the reference gives.
+        data_t = data.transpose(-1, -2).contiguous()
+    return data, data_t, scales
 
 
 @segments_op.register_kernel("cuda")

@@ -91,10 +91,7 @@ def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K):
     scale, inverse, finite = _scale_rule(amax_bits)
     q = _e4m3(x, inverse, finite)
     tl.store(data_ptr + nk, q)
-    # (K, N), n contiguous: the fp32 tile is transposed, then rounded (same bits as q); an
-    # fp8 tile transposed after rounding came out wrong for fp32 inputs (Triton, sm_90)
-    kn = base + k[:, None] * N + n[None, :]
-    tl.store(data_t_ptr + kn, _e4m3(tl.trans(x), inverse, finite))
+    tl.store(data_t_ptr + base + k[None, :] * N + n[:, None], q)  # (K, N): n contiguous
     blocks_k = K // 128
     tl.store(scales_ptr + (e.to(tl.int64) * (N // 128) + n_block) * blocks_k + k_block, scale)
 

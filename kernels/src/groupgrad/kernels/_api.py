@@ -191,16 +191,20 @@ def grouped_wgrad(
 
 
 class PreparedWgrad:
-    """A :func:`grouped_wgrad` call whose arguments were checked; :meth:`run` runs it.
+    """A :func:`grouped_wgrad` call whose arguments were checked; ``run()`` runs it.
 
     Made by :func:`prepare_wgrad`. Run it before changing any of its
     arguments: the checks held for the arguments as they were then.
 
     Args:
-        call: The validator's op form of the call.
+        call: The validator's op form of the call (made by :func:`prepare_wgrad`).
     """
 
-    def __init__(self, call: _validate.WgradCall) -> None:
+    def __init__(self, call: object) -> None:
+        if not isinstance(call, _validate.WgradCall):
+            raise TypeError(
+                f"call is a {type(call).__name__}; a PreparedWgrad comes from prepare_wgrad()"
+            )
         self._call = call
 
     def run(self) -> Tensor | Sequence[Tensor]:

@@ -78,7 +78,7 @@ class Fp8Blocks:
         dtype: torch.dtype,
         shape: tuple[int, ...],
         data_t: Tensor | None = None,
-        splits: Splits | None = None,
+        splits: Sequence[int] | Tensor | None = None,
         row_offsets: Tensor | None = None,
         seg_offsets: Tensor | None = None,
         block_offsets: Tensor | None = None,

@@ -366,3 +366,19 @@ def test_attribute_readers_for_implementers() -> None:
     assert takes_grad_added_flag(param)
     mark_grad_added(param)
     assert param.grad_added_to_main_grad is True
+
+
+def test_gemm_names_follow_the_form_of_gemm_out() -> None:
+    """One name per listed buffer; one for the packed tensor of fresh buffers (no per-member work)."""
+    params = _params(main_grad=torch.float32)
+    params[1].requires_grad_(False)
+    assert _plan(params).gemm_names == [
+        "weight0.main_grad",
+        "weight1 (frozen: scratch)",
+        "weight2.main_grad",
+    ]
+    plan = _plan(_params(), into_main_grad=False)
+    assert isinstance(plan.gemm_out, torch.Tensor)
+    assert plan.gemm_names == ["weight0…weight2 wgrad"]
+    packed = _plan(_params(1, shape=(2, 4, 3)), into_main_grad=False, shape=(2, 4, 3))
+    assert packed.gemm_names == ["weight0 wgrad"]

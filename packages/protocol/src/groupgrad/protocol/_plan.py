@@ -206,16 +206,21 @@ class WeightGradPlan:
     def gemm_names(self) -> list[str]:
         """How a wgrad kernel's messages name :attr:`gemm_out` (its ``names`` argument).
 
-        One name per buffer, after its parameter: ``weight3.main_grad`` on the
-        ``MAIN_GRAD`` route (``weight3 (frozen: scratch)`` for a frozen
-        member's scratch), ``weight3.grad_buffer()`` on the ``DISTRIBUTED``
-        route, ``weight3 wgrad`` for autograd's fresh buffers.
+        A name per buffer, after its parameter, where :attr:`gemm_out` is a
+        list or a single buffer: ``weight3.main_grad`` on the ``MAIN_GRAD``
+        route (``weight3 (frozen: scratch)`` for a frozen member's scratch),
+        ``weight3.grad_buffer()`` on the ``DISTRIBUTED`` route,
+        ``weight3 wgrad`` for autograd's fresh buffers. The one packed tensor
+        of a plain group gets one name (``weight0…weight127 wgrad``), so the
+        packed path does no per-member work on the host.
         """
         suffix = {
             WgradRoute.MAIN_GRAD: ".main_grad",
             WgradRoute.DISTRIBUTED: ".grad_buffer()",
             WgradRoute.AUTOGRAD: " wgrad",
         }[self.route]
+        if self.packed is not None and len(self.buffers) > 1:
+            return [f"{self.names[0]}…{self.names[-1]}{suffix}"]
         return [
             f"{name}{suffix}"
             if keep or self.route is not WgradRoute.MAIN_GRAD

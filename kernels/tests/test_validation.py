@@ -382,6 +382,9 @@ def test_a_listed_wgrad_runs_the_overlap_rule_once_naming_its_members(monkeypatc
     prepared.run()
     assert seen == ["weight0.main_grad"]  # running checks nothing again
     torch.testing.assert_close(outs[1], dy[3:].T @ x[3:])
+    with pytest.raises(RuntimeError, match=r"ran already"):
+        prepared.run()  # accumulating twice would add the gradient twice
+    torch.testing.assert_close(outs[1], dy[3:].T @ x[3:])
     outs[1] = outs[0]
     with pytest.raises(ValueError, match=r"weight1\.main_grad overlaps weight0\.main_grad"):
         grouped_wgrad(dy, x, [3, 4], out=outs, names=names)

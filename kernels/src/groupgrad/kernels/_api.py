@@ -194,7 +194,8 @@ class PreparedWgrad:
     """A :func:`grouped_wgrad` call whose arguments were checked; ``run()`` runs it.
 
     Made by :func:`prepare_wgrad`. Run it before changing any of its
-    arguments: the checks held for the arguments as they were then.
+    arguments: the checks held for the arguments as they were then. It runs
+    once: a second ``run()`` raises instead of adding the gradient twice.
 
     Args:
         call: The validator's op form of the call (made by :func:`prepare_wgrad`).
@@ -205,7 +206,7 @@ class PreparedWgrad:
             raise TypeError(
                 f"call is a {type(call).__name__}; a PreparedWgrad comes from prepare_wgrad()"
             )
-        self._call = call
+        self._call: _validate.WgradCall | None = call
 
     def run(self) -> Tensor | Sequence[Tensor]:
         """Run the GEMM (CUTLASS or the reference, as :func:`grouped_wgrad`).
@@ -213,8 +214,15 @@ class PreparedWgrad:
         Returns:
             What :func:`grouped_wgrad` returns: ``out`` itself, or the new
             ``(E, N, K)`` tensor.
+
+        Raises:
+            RuntimeError: It ran already (a wgrad lands exactly once).
         """
-        call = self._call
+        call, self._call = self._call, None
+        if call is None:
+            raise RuntimeError(
+                "this PreparedWgrad ran already; prepare the call again to run it again"
+            )
         _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
         return call.result
 

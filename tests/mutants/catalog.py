@@ -421,4 +421,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if True:",
         (f"{KERNELS}/test_validation.py",),
     ),
+    Mutant(
+        "prepared-wgrad-runs-twice",
+        "a prepared wgrad runs again on a second run(), adding the gradient twice",
+        "kernels/src/groupgrad/kernels/_api.py",
+        "        if call is None:\n",
+        "        if False:\n",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "wgrad-out-loses-parameter-names",
+        "a layer's wgrad GEMM names its main_grads out[e] instead of weight3.main_grad",
+        _WGRAD,
+        "            names=plan.gemm_names,\n",
+        "            names=None,\n",
+        (f"{MODULES}/test_bad_inputs.py",),
+    ),
 )

@@ -102,7 +102,9 @@ def test_rows_form_layout_scales_and_rounding(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_weights_form_layout_both_orientations(as_list: bool, dtype: torch.dtype) -> None:
     E, N, K = 3, 256, 384
-    w = (_randn(E, N, K, seed=2) * torch.logspace(-3, 4, E)[:, None, None]).to(dtype)
+    per_block = torch.logspace(-4, 0, (N // 128) * (K // 128)).reshape(N // 128, K // 128)
+    per_block = per_block.repeat_interleave(128, 0).repeat_interleave(128, 1)  # tiles 1e4 apart
+    w = (_randn(E, N, K, seed=2) * torch.logspace(-3, 4, E)[:, None, None] * per_block).to(dtype)
     source = [w[e].t().contiguous().t() for e in range(E)] if as_list else w  # odd strides too
     q = quantize_fp8(source, block=(128, 128))
     assert (q.shape, q.listed, q.dtype) == ((E, N, K), as_list, dtype)

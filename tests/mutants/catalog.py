@@ -437,4 +437,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "            names=None,\n",
         (f"{MODULES}/test_bad_inputs.py",),
     ),
+    Mutant(
+        "fp8-block-straddles-experts",
+        "the (128, 1) quantizer counts 128-token blocks over all tokens, across expert boundaries",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "    return TokenMap(seg_offsets[expert] + local, block_offsets[expert] + local // 128)",
+        "    return TokenMap(seg_offsets[expert] + local, token // 128)",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
+        "fp8-scale-of-another-block",
+        "the (128, 128) quantizer divides each weight tile by its neighbour's scale",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "inverse[spread], finite[spread]).reshape(E, N, K)",
+        "inverse.flip(-1)[spread], finite[spread]).reshape(E, N, K)",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
 )

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from groupgrad.kernels import _cutlass
-from groupgrad.kernels.build import VARIANTS, build_spec
+from groupgrad.kernels.build import VARIANT_SETS, VARIANTS, build_spec
 
 A_DEFAULT_VARIANT = VARIANTS[0].name
 
@@ -88,7 +88,7 @@ def test_first_call_says_it_compiles_before_it_compiles(
     assert len(said_before_build) == 1, said_before_build
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     message = said_before_build[0]
-    assert f"compiling {len(VARIANTS)} CUTLASS kernel variants" in message
+    assert f"compiling {len(VARIANT_SETS['default'])} CUTLASS kernel variants" in message
     assert str(tmp_path) in message
     assert "about 75-90 s on a 16-core host" in message
     assert "python -m groupgrad.kernels.build" in message
@@ -97,7 +97,7 @@ def test_first_call_says_it_compiles_before_it_compiles(
 def test_a_cached_build_is_loaded_without_a_word(
     fresh_backend: list[list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
-    spec = build_spec(None, VARIANTS)
+    spec = build_spec(None, VARIANT_SETS["default"])
     (spec.directory / "build").mkdir(parents=True)
     (spec.directory / "build" / f"{spec.name}.so").write_bytes(b"")
     (spec.directory / "complete").write_text("\n")

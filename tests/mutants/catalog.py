@@ -46,7 +46,7 @@ _BUFFERS = "packages/protocol/src/groupgrad/protocol/_buffers.py"
 _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
 _OPS = "kernels/src/groupgrad/kernels/_ops.py"
-_VALIDATE = "kernels/src/groupgrad/kernels/_validate.py"
+_RULES = "kernels/src/groupgrad/kernels/_rules.py"
 _KERNEL_GROUP = "kernels/src/groupgrad/kernels/_group.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
@@ -228,7 +228,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kernel-writes-a-leaf",
         "grouped_wgrad writes into an output that requires grad",
-        _VALIDATE,
+        _RULES,
         "    if t.requires_grad and torch.is_grad_enabled():",
         "    if False:",
         (MODULES, KERNELS),
@@ -400,15 +400,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cheap-call-ignores-overlap",
         "the cheap test of fprop/dgrad's out lets it share memory with packed weights",
-        _VALIDATE,
-        "        and not _group.contiguous_meets(out_TX, (a_TX, w_group[0]))\n",
+        _RULES,
+        "        and not _group.contiguous_meets(out_TX, (a, w_group[0]))\n",
         "",
         (f"{KERNELS}/test_validation.py",),
     ),
     Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
-        _VALIDATE,
+        _RULES,
         "        and out.shape == shape\n",
         "",
         (f"{KERNELS}/test_validation.py",),
@@ -416,7 +416,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cheap-splits-ignores-values",
         "the cheap test of a CPU splits tensor takes counts that do not sum to the rows",
-        _VALIDATE,
+        _RULES,
         "            if _group.counts_fit(splits_E.tolist(), rows):",
         "            if True:",
         (f"{KERNELS}/test_validation.py",),

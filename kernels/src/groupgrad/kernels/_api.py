@@ -16,15 +16,17 @@ from typing import TypeVar, overload
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _ops, _reference, _validate
+from groupgrad.kernels import _fp8_gemm, _ops, _reference, _validate
+from groupgrad.kernels._fp8 import Fp8Blocks
 
 Splits = Sequence[int] | Tensor
-Weights = Tensor | Sequence[Tensor]
+Weights = Tensor | Sequence[Tensor] | Fp8Blocks
+Rows = Tensor | Fp8Blocks
 OutList = TypeVar("OutList", bound=Sequence[Tensor])
 
 
 def grouped_fprop(
-    x: Tensor,
+    x: Rows,
     weights: Weights,
     splits: Splits,
     *,
@@ -63,13 +65,17 @@ def grouped_fprop(
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
             Nothing is written when a call is rejected.
     """
+    if _validate.is_fp8(x, weights):
+        fp8 = _validate.fp8_rows_call("fprop", x, weights, splits, out, names)
+        _fp8_gemm.rows("fprop", fp8.a, fp8.weights, fp8.splits, fp8.out)
+        return fp8.out
     call = _validate.grouped_call("fprop", x, weights, splits, out, names)
     _ops.fprop(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
 
 
 def grouped_dgrad(
-    dy: Tensor,
+    dy: Rows,
     weights: Weights,
     splits: Splits,
     *,
@@ -99,6 +105,10 @@ def grouped_dgrad(
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
             Nothing is written when a call is rejected.
     """
+    if _validate.is_fp8(dy, weights):
+        fp8 = _validate.fp8_rows_call("dgrad", dy, weights, splits, out, names)
+        _fp8_gemm.rows("dgrad", fp8.a, fp8.weights, fp8.splits, fp8.out)
+        return fp8.out
     call = _validate.grouped_call("dgrad", dy, weights, splits, out, names)
     _ops.dgrad(call.a, call.weights, call.splits, call.out, call.listed)
     return call.out
@@ -106,8 +116,8 @@ def grouped_dgrad(
 
 @overload
 def grouped_wgrad(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: None = None,
@@ -117,8 +127,8 @@ def grouped_wgrad(
 ) -> Tensor: ...
 @overload
 def grouped_wgrad(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: Tensor,
@@ -128,8 +138,8 @@ def grouped_wgrad(
 ) -> Tensor: ...
 @overload
 def grouped_wgrad(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: OutList,
@@ -138,8 +148,8 @@ def grouped_wgrad(
     names: Sequence[str] | None = None,
 ) -> OutList: ...
 def grouped_wgrad(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: Tensor | Sequence[Tensor] | None = None,
@@ -202,11 +212,11 @@ class PreparedWgrad:
     """
 
     def __init__(self, call: object) -> None:
-        if not isinstance(call, _validate.WgradCall):
+        if not isinstance(call, _validate.WgradCall | _validate.Fp8WgradCall):
             raise TypeError(
                 f"call is a {type(call).__name__}; a PreparedWgrad comes from prepare_wgrad()"
             )
-        self._call: _validate.WgradCall | None = call
+        self._call: _validate.WgradCall | _validate.Fp8WgradCall | None = call
 
     def run(self) -> Tensor | Sequence[Tensor]:
         """Run the GEMM (CUTLASS or the reference, as :func:`grouped_wgrad`).
@@ -223,13 +233,16 @@ class PreparedWgrad:
             raise RuntimeError(
                 "this PreparedWgrad ran already; prepare the call again to run it again"
             )
-        _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
+        if isinstance(call, _validate.Fp8WgradCall):
+            _fp8_gemm.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
+        else:
+            _ops.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate, call.listed)
         return call.result
 
 
 def prepare_wgrad(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: Tensor | Sequence[Tensor] | None = None,
@@ -255,11 +268,14 @@ def prepare_wgrad(
         TypeError: an argument of the wrong type or dtype.
         ValueError: a shape, device, layout, ``splits`` or overlap mismatch.
     """
+    if _validate.is_fp8(dy, x):
+        fp8 = _validate.fp8_wgrad_call(dy, x, splits, out, out_dtype, accumulate, names)
+        return PreparedWgrad(fp8)
     return PreparedWgrad(_validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate, names))
 
 
 def grouped_fprop_ref(
-    x: Tensor,
+    x: Rows,
     weights: Weights,
     splits: Splits,
     *,
@@ -282,13 +298,17 @@ def grouped_fprop_ref(
     Returns:
         ``y`` of shape ``(T, N)``: ``out`` itself when given.
     """
+    if _validate.is_fp8(x, weights):
+        fp8 = _validate.fp8_rows_call("fprop", x, weights, splits, out, names)
+        _fp8_gemm.rows("fprop", fp8.a, fp8.weights, fp8.splits, fp8.out, reference=True)
+        return fp8.out
     call = _validate.grouped_call("fprop", x, weights, splits, out, names)
     _reference.fprop(call.a, call.weights, call.splits, call.out)
     return call.out
 
 
 def grouped_dgrad_ref(
-    dy: Tensor,
+    dy: Rows,
     weights: Weights,
     splits: Splits,
     *,
@@ -309,6 +329,10 @@ def grouped_dgrad_ref(
     Returns:
         ``dx`` of shape ``(T, K)``: ``out`` itself when given.
     """
+    if _validate.is_fp8(dy, weights):
+        fp8 = _validate.fp8_rows_call("dgrad", dy, weights, splits, out, names)
+        _fp8_gemm.rows("dgrad", fp8.a, fp8.weights, fp8.splits, fp8.out, reference=True)
+        return fp8.out
     call = _validate.grouped_call("dgrad", dy, weights, splits, out, names)
     _reference.dgrad(call.a, call.weights, call.splits, call.out)
     return call.out
@@ -316,8 +340,8 @@ def grouped_dgrad_ref(
 
 @overload
 def grouped_wgrad_ref(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: None = None,
@@ -327,8 +351,8 @@ def grouped_wgrad_ref(
 ) -> Tensor: ...
 @overload
 def grouped_wgrad_ref(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: Tensor,
@@ -338,8 +362,8 @@ def grouped_wgrad_ref(
 ) -> Tensor: ...
 @overload
 def grouped_wgrad_ref(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: OutList,
@@ -348,8 +372,8 @@ def grouped_wgrad_ref(
     names: Sequence[str] | None = None,
 ) -> OutList: ...
 def grouped_wgrad_ref(
-    dy: Tensor,
-    x: Tensor,
+    dy: Rows,
+    x: Rows,
     splits: Splits,
     *,
     out: Tensor | Sequence[Tensor] | None = None,
@@ -374,6 +398,12 @@ def grouped_wgrad_ref(
     Returns:
         ``dw``: ``out`` itself when given, else a new ``(E, N, K)`` tensor.
     """
+    if _validate.is_fp8(dy, x):
+        fp8 = _validate.fp8_wgrad_call(dy, x, splits, out, out_dtype, accumulate, names)
+        _fp8_gemm.wgrad(
+            fp8.dy, fp8.x, fp8.splits, fp8.out, fp8.accumulate, fp8.listed, reference=True
+        )
+        return fp8.result
     call = _validate.wgrad_call(dy, x, splits, out, out_dtype, accumulate, names)
     _reference.wgrad(call.dy, call.x, call.splits, call.out, call.accumulate)
     return call.result

@@ -160,6 +160,29 @@ def cutlass_or_reason(
     return (cutlass, None) if reason is None else (None, reason)
 
 
+def fp8_cutlass_or_reason(
+    op: str,
+    operands: list[tuple[str, Tensor]],
+    out: Tensor | Sequence[Tensor],
+    listed: ListedFacts | None = None,
+) -> tuple[ModuleType | None, str | None]:
+    """``(backend, None)`` when CUTLASS runs this validated FP8 call, else ``(None, reason)``.
+
+    ``operands``: ``(name, tensor)`` of every tensor the kernel reads, the
+    first one's device deciding; ``out`` the output or the wgrad's group.
+    """
+    cutlass, reason = load_cutlass()
+    if cutlass is None:
+        return None, reason
+    out_dtype = out.dtype if isinstance(out, Tensor) else out[0].dtype
+    reason = (
+        cutlass.unavailable_reason(operands[0][1].device)
+        or cutlass.fp8_unsupported_reason(op, out_dtype)
+        or _support.fp8_unsupported_reason(operands, out, listed)
+    )
+    return (cutlass, None) if reason is None else (None, reason)
+
+
 @functools.cache
 def load_cutlass() -> tuple[ModuleType | None, str | None]:
     """Import the CUTLASS backend once: ``(module, None)`` or ``(None, reason)``."""
@@ -171,7 +194,11 @@ def load_cutlass() -> tuple[ModuleType | None, str | None]:
 
 def _say_once(op: str, reason: str | None) -> None:
     """Log, once per distinct reason, that ``grouped_<op>`` runs on the reference path."""
-    message = f"grouped_{op} runs on the reference path: {reason}"
+    say_once(f"grouped_{op} runs on the reference path: {reason}")
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` at WARNING level the first time it is said (a fallback, said once)."""
     if message not in _reasons_said:
         _reasons_said.add(message)
         logger.warning(message)

@@ -169,3 +169,31 @@ def _listed_reason(
             if reason is not None:
                 return reason
     return None
+
+
+def fp8_unsupported_reason(
+    operands: Sequence[tuple[str, Tensor]],
+    out: Tensor | Sequence[Tensor],
+    listed: ListedFacts | None = None,
+) -> str | None:
+    """Why the CUTLASS FP8 kernels cannot take these (validated) tensors, or ``None``.
+
+    Args:
+        operands: ``(name, tensor)`` of every tensor the kernel reads (FP8
+            data, scales), the first one's device deciding.
+        out: the fprop/dgrad output, or the wgrad's outputs' group.
+        listed: as for :func:`unsupported_reason`.
+
+    Returns:
+        The reason, naming the tensor, or ``None``.
+    """
+    device = operands[0][1].device
+    group = [out] if isinstance(out, Tensor) else list(out)
+    whole = len(group) == 1 and group[0].dim() in (2, 3)  # a row output or a packed (E, N, K)
+    if whole and not group[0].is_contiguous():
+        return "out is not contiguous"
+    for name, t in [*operands, ("out", group[0])] if whole else operands:
+        reason = _placement_reason(name, t, device)
+        if reason is not None:
+            return reason
+    return None if whole else _listed_reason("out", group, device, listed)

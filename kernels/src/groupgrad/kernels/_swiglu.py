@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._ops import direct_call_ok, run_directly
-from groupgrad.kernels._validate import INPUT_DTYPES
+from groupgrad.kernels._rules import INPUT_DTYPES
 
 __all__ = [
     "swiglu_probs",

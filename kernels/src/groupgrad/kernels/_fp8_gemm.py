@@ -1,0 +1,305 @@
+"""The FP8 grouped GEMMs' kernels: the reference, the custom ops, and CUTLASS on CUDA.
+
+``groupgrad::fp8_grouped_{fprop,dgrad,wgrad}`` take an :class:`Fp8Blocks`
+apart into its tensors (``Fp8Blocks.tensors()``), so ``torch.compile`` and
+CUDA graphs see them; each writes into its ``out`` and returns nothing, as
+the bf16 ops do (``_ops``), and a call in plain eager code skips the op
+machinery the same way (``_ops.direct_call_ok``).
+
+**Reference semantics** (any device, and the CPU's kernel): dequantize each
+operand to fp32 (``Fp8Blocks.dequantize``), then the bf16 path's reference
+(``_reference``) on the fp32 operands: each expert's product in fp32, one
+rounding into ``out``, ``accumulate`` as there.
+
+**On CUDA** the CUTLASS sm_90a blockwise-scaled kernels run when the backend
+loads, the device can run them, a variant for the output dtype is compiled
+and the tensors are placed as the kernels need (``_ops.fp8_cutlass_or_reason``);
+otherwise the reference runs and the reason is logged once (``_ops.say_once``).
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
+``Tp``/``NB`` the padded token columns and scale rows of the ``(128, 1)`` form.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import _group, _ops, _reference
+from groupgrad.kernels._fp8 import ROWS, SEGMENTS, WEIGHTS, Fp8Blocks
+from groupgrad.kernels._group import ListedFacts
+
+# --------------------------------------------------------------------------- reference
+
+
+def _rows(data: Tensor, scales: Tensor) -> Tensor:
+    return _dequantized(Fp8Blocks(data, scales, block=ROWS, dtype=torch.float32, shape=data.shape))
+
+
+def _weights(data: Tensor, scales: Tensor) -> Tensor:
+    blocks = Fp8Blocks(data, scales, block=WEIGHTS, dtype=torch.float32, shape=data.shape)
+    return _dequantized(blocks)
+
+
+def _segments(data: Tensor, scales: Tensor, offsets: Sequence[Tensor], tokens: int) -> Tensor:
+    row, seg, block = offsets
+    blocks = Fp8Blocks(
+        data, scales, block=SEGMENTS, dtype=torch.float32, shape=(tokens, data.shape[0]),
+        row_offsets=row, seg_offsets=seg, block_offsets=block,
+    )  # fmt: skip
+    return _dequantized(blocks)
+
+
+def _dequantized(blocks: Fp8Blocks) -> Tensor:
+    return cast(Tensor, blocks.dequantize())  # never listed: a tensor
+
+
+def rows_ref(
+    op: str,
+    a_data: Tensor,
+    a_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    """FP8 fprop (``y_e = x_e @ w_e.T``) or dgrad (``dx_e = dy_e @ w_e``) on dequantized operands.
+
+    ``w_data_t`` (the CUDA kernel's dgrad operand) is not read.
+    """
+    a32, w32 = _rows(a_data, a_scales), _weights(w_data, w_scales)
+    gemm = _reference.fprop if op == "fprop" else _reference.dgrad
+    gemm(a32, [w32], splits, out)
+
+
+def wgrad_ref(
+    dy_data: Tensor,
+    dy_scales: Tensor,
+    dy_offsets: Sequence[Tensor],
+    x_data: Tensor,
+    x_scales: Tensor,
+    x_offsets: Sequence[Tensor],
+    splits: Tensor,
+    tokens: int,
+    out: list[Tensor],
+    accumulate: bool,
+) -> None:
+    """FP8 wgrad (``dw_e = dy_e.T @ x_e``) on dequantized operands, into ``out``."""
+    dy32 = _segments(dy_data, dy_scales, dy_offsets, tokens)
+    x32 = _segments(x_data, x_scales, x_offsets, tokens)
+    _reference.wgrad(dy32, x32, splits, out, accumulate)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _rows_on_device(
+    op: str,
+    a_data: Tensor,
+    a_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    if a_data.shape[0] == 0:
+        return
+    w_used = w_data if op == "fprop" else w_data_t
+    operands = [("a.data", a_data), ("weights.data", w_used), ("a.scales", a_scales)]
+    operands.append(("weights.scales", w_scales))
+    cutlass, reason = _ops.fp8_cutlass_or_reason(op, operands, out)
+    if cutlass is None:
+        _ops.say_once(f"FP8 grouped_{op} runs on the reference path: {reason}")
+        rows_ref(op, a_data, a_scales, w_data, w_data_t, w_scales, splits, out)
+        return
+    launch = cutlass.fp8_fprop if op == "fprop" else cutlass.fp8_dgrad
+    launch(a_data, a_scales, w_used, w_scales, _group.on_device(splits, a_data.device), out)
+
+
+def fprop_on_device(
+    x_data: Tensor,
+    x_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    """CUDA kernel of ``groupgrad::fp8_grouped_fprop``."""
+    _rows_on_device("fprop", x_data, x_scales, w_data, w_data_t, w_scales, splits, out)
+
+
+def dgrad_on_device(
+    dy_data: Tensor,
+    dy_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    """CUDA kernel of ``groupgrad::fp8_grouped_dgrad``."""
+    _rows_on_device("dgrad", dy_data, dy_scales, w_data, w_data_t, w_scales, splits, out)
+
+
+def wgrad_on_device(
+    dy_data: Tensor,
+    dy_scales: Tensor,
+    dy_offsets: Sequence[Tensor],
+    x_data: Tensor,
+    x_scales: Tensor,
+    x_offsets: Sequence[Tensor],
+    splits: Tensor,
+    tokens: int,
+    out: list[Tensor],
+    accumulate: bool,
+    *,
+    listed: ListedFacts | None = None,
+) -> None:
+    """CUDA kernel of ``groupgrad::fp8_grouped_wgrad`` (``listed``: as ``_ops.wgrad``'s)."""
+    if tokens == 0:  # every expert has no tokens: a zero gradient
+        if not accumulate:
+            for dw in out:
+                dw.zero_()
+        return
+    operands = [("dy.data", dy_data), ("x.data", x_data), ("dy.scales", dy_scales)]
+    operands.append(("x.scales", x_scales))
+    cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", operands, out, listed)
+    if cutlass is None:
+        _ops.say_once(f"FP8 grouped_wgrad runs on the reference path: {reason}")
+        wgrad_ref(
+            dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, splits, tokens, out,
+            accumulate,
+        )  # fmt: skip
+        return
+    on_device = _group.on_device(splits, dy_data.device)
+    cutlass.fp8_wgrad(dy_data, dy_scales, x_data, x_scales, on_device, tokens, out, accumulate)
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("groupgrad::fp8_grouped_fprop", mutates_args=("out",))
+def fp8_fprop_op(
+    x_data: Tensor,
+    x_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    """Reference kernel: ``y_e = x_e @ w_e.T`` from ``(1, 128)`` x and ``(128, 128)`` weights."""
+    rows_ref("fprop", x_data, x_scales, w_data, w_data_t, w_scales, splits, out)
+
+
+@torch.library.custom_op("groupgrad::fp8_grouped_dgrad", mutates_args=("out",))
+def fp8_dgrad_op(
+    dy_data: Tensor,
+    dy_scales: Tensor,
+    w_data: Tensor,
+    w_data_t: Tensor,
+    w_scales: Tensor,
+    splits: Tensor,
+    out: Tensor,
+) -> None:
+    """Reference kernel: ``dx_e = dy_e @ w_e`` from ``(1, 128)`` dy and ``(128, 128)`` weights."""
+    rows_ref("dgrad", dy_data, dy_scales, w_data, w_data_t, w_scales, splits, out)
+
+
+@torch.library.custom_op("groupgrad::fp8_grouped_wgrad", mutates_args=("out",))
+def fp8_wgrad_op(
+    dy_data: Tensor,
+    dy_scales: Tensor,
+    dy_offsets: list[Tensor],
+    x_data: Tensor,
+    x_scales: Tensor,
+    x_offsets: list[Tensor],
+    splits: Tensor,
+    tokens: int,
+    out: list[Tensor],
+    accumulate: bool,
+) -> None:
+    """Reference kernel: ``dw_e = dy_e.T @ x_e`` from ``(128, 1)`` operands, into ``out``."""
+    wgrad_ref(
+        dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, splits, tokens, out, accumulate
+    )
+
+
+fp8_fprop_op.register_kernel("cuda")(fprop_on_device)
+fp8_dgrad_op.register_kernel("cuda")(dgrad_on_device)
+fp8_wgrad_op.register_kernel("cuda")(wgrad_on_device)
+
+
+@fp8_fprop_op.register_fake
+def _fp8_fprop_fake(*args: object) -> None:
+    return None
+
+
+@fp8_dgrad_op.register_fake
+def _fp8_dgrad_fake(*args: object) -> None:
+    return None
+
+
+@fp8_wgrad_op.register_fake
+def _fp8_wgrad_fake(*args: object) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def rows(
+    op: str,
+    a: Fp8Blocks,
+    w: Fp8Blocks,
+    splits: Tensor,
+    out: Tensor,
+    *,
+    reference: bool = False,
+) -> None:
+    """Run a validated FP8 fprop/dgrad (``reference``: the reference, on any device)."""
+    args = (a.data, a.scales, w.data, cast(Tensor, w.data_t), w.scales, splits, out)
+    if reference:
+        rows_ref(op, *args)
+    elif not _ops.direct_call_ok([a.data, out, splits]):
+        (fp8_fprop_op if op == "fprop" else fp8_dgrad_op)(*args)
+    else:
+        kernel = _rows_on_device if out.is_cuda else rows_ref
+        _ops.run_directly(f"groupgrad::fp8_grouped_{op}", kernel, op, *args)
+        torch.autograd.graph.increment_version(out)
+
+
+def wgrad(
+    dy: Fp8Blocks,
+    x: Fp8Blocks,
+    splits: Tensor,
+    out: list[Tensor],
+    accumulate: bool,
+    listed: ListedFacts | None,
+    *,
+    reference: bool = False,
+) -> None:
+    """Run a validated FP8 wgrad (``reference``: the reference, on any device)."""
+    dy_offsets, x_offsets = list(dy.tensors()[3:]), list(x.tensors()[3:])
+    args = (
+        dy.data, dy.scales, cast(list[Tensor], dy_offsets), x.data, x.scales,
+        cast(list[Tensor], x_offsets), splits, dy.shape[0], out, accumulate,
+    )  # fmt: skip
+    if reference:
+        wgrad_ref(*args)
+    elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):
+        fp8_wgrad_op(*args)
+    elif out[0].is_cuda:
+        kernel = functools.partial(wgrad_on_device, listed=listed)
+        _ops.run_directly("groupgrad::fp8_grouped_wgrad", kernel, *args)
+        torch.autograd.graph.increment_version(out)
+    else:
+        _ops.run_directly("groupgrad::fp8_grouped_wgrad", wgrad_ref, *args)
+        torch.autograd.graph.increment_version(out)

@@ -42,11 +42,20 @@ def grouped_fprop(
     fallback is logged once). Products accumulate in fp32. Not differentiable:
     autograd lives in ``groupgrad.modules``.
 
+    **FP8**: with ``x`` an :class:`Fp8Blocks` of block ``(1, 128)`` and
+    ``weights`` one of block ``(128, 128)`` (both from :func:`quantize_fp8`),
+    the sm_90a blockwise-scaled CUTLASS kernel runs (the reference, which
+    dequantizes and multiplies in fp32, elsewhere); ``y`` is in the dtype
+    ``x`` was quantized from, or ``out``'s (bf16, fp16 or fp32). FP8 and
+    bf16/fp16/fp32 operands never mix.
+
     Args:
-        x: ``(T, K)`` input, bf16, fp16 or fp32, row-major.
+        x: ``(T, K)`` input, bf16, fp16 or fp32, row-major; or its ``(1, 128)``
+            :class:`Fp8Blocks` (``K`` a multiple of 128).
         weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)``
             tensors (each row-major; not necessarily adjacent in memory), in
-            ``x``'s dtype and on its device.
+            ``x``'s dtype and on its device; or their ``(128, 128)``
+            :class:`Fp8Blocks` when ``x`` is FP8.
         splits: ``E`` token counts, each ``>= 0``, summing to ``T``: a
             sequence of ints, a CPU tensor, or an int32/int64 tensor on
             ``x``'s device (its values are not checked, and the CUTLASS path
@@ -84,13 +93,16 @@ def grouped_dgrad(
 ) -> Tensor:
     """Grouped input-gradient GEMM: ``dx_e = dy_e @ w_e`` for every expert ``e``.
 
-    Rows of ``dy`` are grouped by expert in order. Backend choice, numerics
-    and ``splits`` as in :func:`grouped_fprop`. Not differentiable.
+    Rows of ``dy`` are grouped by expert in order. Backend choice, numerics,
+    ``splits`` and FP8 operands as in :func:`grouped_fprop` (one quantized
+    weight serves both: its ``data_t`` is dgrad's operand). Not differentiable.
 
     Args:
-        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major.
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major; or its
+            ``(1, 128)`` :class:`Fp8Blocks`.
         weights: ``(E, N, K)`` tensor or a sequence of ``E`` ``(N, K)``
-            tensors, in ``dy``'s dtype and on its device.
+            tensors, in ``dy``'s dtype and on its device; or their
+            ``(128, 128)`` :class:`Fp8Blocks` when ``dy`` is FP8.
         splits: ``E`` token counts summing to ``T`` (see
             :func:`grouped_fprop`).
         out: optional ``(T, K)`` row-major tensor in ``dy``'s dtype; it is
@@ -167,9 +179,19 @@ def grouped_wgrad(
     dtype, so a bf16 GEMM can write straight into fp32 ``main_grad`` buffers.
     Not differentiable.
 
+    **FP8**: with ``dy`` and ``x`` :class:`Fp8Blocks` of block ``(128, 1)``
+    (128-token blocks inside each expert's segment, from :func:`quantize_fp8`
+    with ``splits``; their ``splits`` may be given in another form than this
+    call's, but must hold the same counts), the sm_90a blockwise-scaled
+    CUTLASS kernel writes straight into ``out`` from its epilogue — fp32 by
+    default, ``accumulate`` as above, no token padding, no host sync with a
+    device ``splits``.
+
     Args:
-        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major.
-        x: ``(T, K)`` input in ``dy``'s dtype and on its device.
+        dy: ``(T, N)`` output gradient, bf16, fp16 or fp32, row-major; or its
+            ``(128, 1)`` :class:`Fp8Blocks` (``N`` a multiple of 128).
+        x: ``(T, K)`` input in ``dy``'s dtype and on its device; or its
+            ``(128, 1)`` :class:`Fp8Blocks` when ``dy`` is FP8.
         splits: ``E`` token counts summing to ``T`` (see
             :func:`grouped_fprop`); its length sets ``E``.
         out: optional ``(E, N, K)`` tensor, or a sequence of ``E`` ``(N, K)``
@@ -177,7 +199,8 @@ def grouped_wgrad(
             or fp32 (one dtype), row-major, not overlapping each other or the
             inputs. It is written in place (the only argument written).
         out_dtype: dtype of a freshly allocated output (``out`` not given);
-            with ``out`` it must equal ``out``'s dtype. Default: ``dy``'s.
+            with ``out`` it must equal ``out``'s dtype. Default: ``dy``'s
+            (fp32 for FP8 operands).
         accumulate: ``True`` adds the gradient into ``out`` (``D = C + A·B``
             in fp32, rounded once); ``False`` overwrites ``out`` without
             reading it (old contents, even NaN, do not matter). ``True``

@@ -39,7 +39,7 @@ from groupgrad.kernels._plan import Plan, plan_for
 from groupgrad.kernels.build import (
     BUILD_TIME_HINT,
     CUDA_EXTRA_INSTALL,
-    TUNING_VARIANTS,
+    FP8_VARIANTS,
     VARIANT_SETS,
     build_spec,
     is_cached,
@@ -51,12 +51,16 @@ __all__ = [
     "compiled_variants",
     "default_plan",
     "dgrad",
+    "fp8_dgrad",
+    "fp8_fprop",
+    "fp8_unsupported_reason",
+    "fp8_wgrad",
     "fprop",
     "unavailable_reason",
     "wgrad",
 ]
 
-_TUNING_NAMES = frozenset(v.name for v in TUNING_VARIANTS)
+_TUNING_NAMES = frozenset(v.name for v in VARIANT_SETS["tuning"])
 
 logger = logging.getLogger(__name__)
 
@@ -283,4 +287,135 @@ def wgrad(
         plan.variant,
         plan.raster_along_n,
         plan.max_swizzle,
+    )
+
+
+# --------------------------------------------------------------------------- FP8
+#
+# e4m3 operands with fp32 block scales, as groupgrad.kernels._fp8 lays them out:
+# the rows form (x or dy: data (T, C), scales (T, C/128) with strides (1, T)),
+# the weights (data (E, N, K), data_t (E, K, N), scales (E, N/128, K/128)) and
+# the segments form (data (C, Tp), scales (NB, C)); csrc/fp8_setup.h has the details.
+
+_FP8_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+#: The compiled FP8 kernel of each (op, output dtype).
+_FP8_KERNELS: dict[tuple[str, torch.dtype], str] = {
+    (v.op, _FP8_DTYPES[v.dtype_out]): v.name for v in FP8_VARIANTS
+}
+
+
+def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
+    """Why no FP8 kernel runs ``op`` into ``out_dtype``, or ``None`` when one is compiled.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        out_dtype: dtype of the output (fprop, dgrad: ``torch.bfloat16`` or
+            ``torch.float16``; wgrad: ``torch.float32`` or ``torch.bfloat16``).
+
+    Returns:
+        ``None``, or a short reason such as ``"no FP8 wgrad kernel writes torch.float16"``.
+    """
+    if (op, out_dtype) in _FP8_KERNELS:
+        return None
+    if op not in {o for o, _ in _FP8_KERNELS}:
+        return f"no FP8 kernel for op {op!r} (expected 'fprop', 'dgrad' or 'wgrad')"
+    return f"no FP8 {op} kernel writes {out_dtype}"
+
+
+def _fp8_variant(op: str, out_dtype: torch.dtype) -> str:
+    reason = fp8_unsupported_reason(op, out_dtype)
+    if reason is not None:
+        raise TypeError(reason)
+    return _FP8_KERNELS[(op, out_dtype)]
+
+
+def fp8_fprop(
+    x_data: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scales: torch.Tensor,
+    splits_E: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    variant: str | None = None,
+) -> None:
+    """``out[rows of e] = x_e @ w_e.T`` from FP8 operands for every expert e (writes ``out``).
+
+    Args:
+        x_data: ``(T, K)`` ``torch.float8_e4m3fn``, rows grouped by expert.
+        x_scales: ``(T, K / 128)`` float32 with strides ``(1, T)``.
+        w_data: ``(E, N, K)`` ``torch.float8_e4m3fn``, contiguous.
+        w_scales: ``(E, N / 128, K / 128)`` float32, contiguous.
+        splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
+        out: ``(T, N)`` bfloat16 or float16, contiguous; overwritten (rows past
+            ``splits_E.sum()`` are not written).
+        variant: the FP8 variant's name (compiled, for this op and ``out``'s
+            dtype); ``None``: the default set's.
+    """
+    variant = variant or _fp8_variant("fprop", out.dtype)
+    _extension(variant).fp8_fprop(x_data, x_scales, w_data, w_scales, splits_E, out, variant)
+
+
+def fp8_dgrad(
+    dy_data: torch.Tensor,
+    dy_scales: torch.Tensor,
+    wt_data: torch.Tensor,
+    w_scales: torch.Tensor,
+    splits_E: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    variant: str | None = None,
+) -> None:
+    """``out[rows of e] = dy_e @ w_e`` from FP8 operands for every expert e (writes ``out``).
+
+    Args:
+        dy_data: ``(T, N)`` ``torch.float8_e4m3fn``, rows grouped by expert.
+        dy_scales: ``(T, N / 128)`` float32 with strides ``(1, T)``.
+        wt_data: ``(E, K, N)`` ``torch.float8_e4m3fn``, the weights transposed, contiguous.
+        w_scales: ``(E, N / 128, K / 128)`` float32, the weights' scales, contiguous.
+        splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
+        out: ``(T, K)`` bfloat16 or float16, contiguous; overwritten (rows past
+            ``splits_E.sum()`` are not written).
+        variant: as for :func:`fp8_fprop`.
+    """
+    variant = variant or _fp8_variant("dgrad", out.dtype)
+    _extension(variant).fp8_dgrad(dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant)
+
+
+def fp8_wgrad(
+    dy_data: torch.Tensor,
+    dy_scales: torch.Tensor,
+    x_data: torch.Tensor,
+    x_scales: torch.Tensor,
+    splits_E: torch.Tensor,
+    tokens: int,
+    out: Group,
+    accumulate: bool,
+    *,
+    variant: str | None = None,
+) -> None:
+    """``out[e] = dy_e.T @ x_e`` (``accumulate``: ``out[e] += ...``) from FP8 segments forms.
+
+    Overwriting never reads ``out``; an expert with no tokens gets exact zeros
+    (overwrite) or is left untouched (accumulate).
+
+    Args:
+        dy_data: ``(N, Tp)`` ``torch.float8_e4m3fn``, expert e's tokens in columns
+            ``[off_e, off_e + splits_E[e])``, ``off_e`` the sum of the earlier
+            splits each rounded up to 16.
+        dy_scales: ``(NB, N)`` float32, expert e's 128-token blocks in consecutive rows.
+        x_data: ``(K, Tp)`` ``torch.float8_e4m3fn``, laid out like ``dy_data``.
+        x_scales: ``(NB, K)`` float32, laid out like ``dy_scales``.
+        splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
+        tokens: ``T``, the tokens of all experts together.
+        out: ``E`` row-major ``(N, K)`` tensors, or one ``(E, N, K)`` tensor in a
+            list; float32 or bfloat16, one dtype, 16-byte aligned. Mutated.
+        accumulate: add to ``out`` instead of overwriting it.
+        variant: as for :func:`fp8_fprop`.
+    """
+    if len(out) == 0:
+        return
+    variant = variant or _fp8_variant("wgrad", out[0].dtype)
+    _extension(variant).fp8_wgrad(
+        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant
     )

@@ -95,7 +95,7 @@ def wgrad_out(
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out: there is nothing to accumulate into")
-        dtype = default_dtype if out_dtype is None else cast(torch.dtype, out_dtype)
+        dtype = default_dtype if out_dtype is None else out_dtype
         dw_ENK = torch.empty(shape, dtype=dtype, device=dy.device)
         return [dw_ENK], dw_ENK, None
     if isinstance(out, Tensor):

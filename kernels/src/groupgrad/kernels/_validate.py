@@ -206,8 +206,9 @@ def fp8_rows_call(
         )
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
-    fits = isinstance(out, Tensor) and out.dtype in _rules.WGRAD_OUT_DTYPES
-    dtype = out.dtype if fits else a8.dtype  # type: ignore[union-attr]
+    dtype = a8.dtype
+    if isinstance(out, Tensor) and out.dtype in _rules.WGRAD_OUT_DTYPES:
+        dtype = out.dtype
     out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w8.data], None, label)
     return Fp8RowsCall(a8, w8, splits_E, out_TX)
 

@@ -8,14 +8,16 @@ machinery for measuring and tuning it, so benchmarks need no private module:
   schedule, tile, cluster, epilogue subtile), :data:`VARIANTS` (the default
   set every GPU call may use), :data:`TUNING_VARIANTS` (extra bf16
   configurations compiled only on request), :data:`VARIANT_SETS`
-  (``"default"`` and ``"tuning"``).
+  (``"default"`` and ``"tuning"``, each with its FP8 kernels).
 * **Builds** — :func:`build` compiles (or loads from the cache) one variant
   set, :func:`compiled_variants` names what is loaded. ``python -m
   groupgrad.kernels.build`` is the same build from the command line.
 * **Plans** — :class:`Plan` names the variant, raster order and swizzle of
   one call; :func:`plan_for` is the choice the public functions make
   (:data:`LARGE_GROUP_ROWS` is its threshold); :func:`run_cutlass`
-  launches a CUTLASS kernel with any plan, skipping validation and fallback.
+  launches a CUTLASS kernel with any plan, skipping validation and fallback;
+  :func:`run_fp8_cutlass` launches a named FP8 variant (the tuning set's FP8
+  configurations, ``Fp8Variant`` in ``groupgrad.kernels.build``) likewise.
 * **Fallbacks** — :func:`fallback_reason` says why a call would run on the
   reference path; :func:`triton_unavailable_reason` loads the Triton SwiGLU
   kernels and says why they cannot run, if they cannot.
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import (
+    Fp8Blocks,
     _api,
     _cutlass,
     _group,
@@ -67,6 +70,7 @@ __all__ = [
     "host_stages",
     "plan_for",
     "run_cutlass",
+    "run_fp8_cutlass",
     "triton_unavailable_reason",
 ]
 
@@ -139,6 +143,52 @@ def run_cutlass(
         _cutlass.fprop(a, op_form(b), splits, cast(Tensor, out), plan=plan)
     else:
         _cutlass.dgrad(a, op_form(b), splits, cast(Tensor, out), plan=plan)
+
+
+def run_fp8_cutlass(
+    op: Op,
+    a: Fp8Blocks,
+    b: Fp8Blocks,
+    splits: Tensor,
+    out: Group,
+    *,
+    variant: str,
+    accumulate: bool = False,
+) -> None:
+    """Launch one FP8 CUTLASS kernel variant on quantized operands, and nothing else.
+
+    No validation, no fallback, no custom op: the operands must be what
+    ``grouped_<op>`` would hand CUTLASS for them (from :func:`quantize_fp8`:
+    fprop/dgrad ``(1, 128)`` rows and ``(128, 128)`` weights, wgrad ``(128,
+    1)`` segments of both). For the benchmark's sweep over the FP8 tuning
+    variants (``build(variant_set="tuning")`` first).
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        a: ``x`` (fprop) or ``dy`` (dgrad, wgrad).
+        b: the weights (fprop, dgrad) or ``x`` (wgrad).
+        splits: ``(E,)`` contiguous int64 token counts on the operands' device.
+        out: as for :func:`run_cutlass`; wgrad's in fp32 or bf16.
+        variant: the compiled FP8 variant's name (``Fp8Variant.name``).
+        accumulate: wgrad only: add into ``out``.
+
+    Returns:
+        ``None``; ``out`` holds the result.
+    """
+    if op == "wgrad":
+        _cutlass.fp8_wgrad(
+            a.data, a.scales, b.data, b.scales, splits, a.shape[0], op_form(out), accumulate,
+            variant=variant,
+        )  # fmt: skip
+    elif op == "fprop":
+        _cutlass.fp8_fprop(
+            a.data, a.scales, b.data, b.scales, splits, cast(Tensor, out), variant=variant
+        )
+    else:
+        _cutlass.fp8_dgrad(
+            a.data, a.scales, cast(Tensor, b.data_t), b.scales, splits, cast(Tensor, out),
+            variant=variant,
+        )  # fmt: skip
 
 
 def fallback_reason(op: Op, a: Tensor, b: Group, out: Group) -> str | None:

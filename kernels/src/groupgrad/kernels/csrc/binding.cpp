@@ -15,24 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "binding_common.h"
 #include "grouped_setup.h"
 #include "launch_api.h"
 
 namespace groupgrad {
-
-namespace {
-
-std::map<std::string, KernelVariant>& registry() {
-  static std::map<std::string, KernelVariant> variants;
-  return variants;
-}
-
-const KernelVariant& find_variant(const std::string& name) {
-  auto it = registry().find(name);
-  TORCH_CHECK(it != registry().end(), "groupgrad: kernel variant '", name,
-              "' is not compiled into this build");
-  return it->second;
-}
 
 // Read once per device (a driver query on every call costs host time).
 int multiprocessor_count(int device) {
@@ -51,6 +38,56 @@ int multiprocessor_count(int device) {
 
 int element_bytes(const at::Tensor& t) { return static_cast<int>(t.element_size()); }
 
+// A group of E (N, K) matrices as the Python side hands it over: packed, one
+// (E, N, K) tensor in a one-element list, or listed, E separate matrices.
+bool is_packed(const std::vector<at::Tensor>& group) {
+  return group.size() == 1 && group[0].dim() == 3;
+}
+
+int64_t group_count(const std::vector<at::Tensor>& group) {
+  return is_packed(group) ? group[0].size(0) : static_cast<int64_t>(group.size());
+}
+
+// Checks a group of (rows, cols) matrices, packed or listed (see is_packed).
+void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
+                 int64_t cols, at::ScalarType dtype, const at::Device& device) {
+  if (is_packed(group)) {
+    const at::Tensor& t = group[0];
+    TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+                ", got ", t.device());
+    TORCH_CHECK(t.size(1) == rows && t.size(2) == cols && t.stride(2) == 1, "groupgrad: ", name,
+                " must be (E, ", rows, ", ", cols, ") with row-major matrices, got sizes ",
+                t.sizes(), " strides ", t.strides());
+    TORCH_CHECK(t.scalar_type() == dtype, "groupgrad: ", name, " has dtype ", t.scalar_type(),
+                ", expected ", dtype);
+    return;
+  }
+  for (size_t i = 0; i < group.size(); ++i) {
+    const at::Tensor& t = group[i];
+    const bool ok = t.is_cuda() && t.device() == device && t.dim() == 2 && t.stride(1) == 1 &&
+                    t.size(0) == rows && t.size(1) == cols && t.scalar_type() == dtype;
+    TORCH_CHECK(ok, "groupgrad: ", name, "[", i, "] must be a row-major (", rows, ", ", cols,
+                ") ", dtype, " matrix on ", device, ", got sizes ", t.sizes(), " strides ",
+                t.strides(), " ", t.scalar_type(), " on ", t.device());
+  }
+}
+
+namespace {
+
+std::map<std::string, KernelVariant>& registry() {
+  static std::map<std::string, KernelVariant> variants;
+  return variants;
+}
+
+const KernelVariant& find_variant(const std::string& name) {
+  auto it = registry().find(name);
+  TORCH_CHECK(it != registry().end(), "groupgrad: kernel variant '", name,
+              "' is not compiled into this build");
+  return it->second;
+}
+
+
+
 // Device arrays for CUTLASS's arguments, carved from one caching-allocator block
 // that also holds CUTLASS's workspace (first, for the tensor maps' alignment).
 struct ArgumentBuffers {
@@ -65,7 +102,6 @@ struct ArgumentBuffers {
   int64_t* ld_D = nullptr;
 };
 
-size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 ArgumentBuffers allocate_arguments(int groups, size_t workspace_bytes, const at::Device& device) {
   const size_t rounded_groups = round_up(static_cast<size_t>(groups), 2);
@@ -111,15 +147,6 @@ struct Tuning {
   int max_swizzle = 1;
 };
 
-// A group of E (N, K) matrices as the Python side hands it over: packed, one
-// (E, N, K) tensor in a one-element list, or listed, E separate matrices.
-bool is_packed(const std::vector<at::Tensor>& group) {
-  return group.size() == 1 && group[0].dim() == 3;
-}
-
-int64_t group_count(const std::vector<at::Tensor>& group) {
-  return is_packed(group) ? group[0].size(0) : static_cast<int64_t>(group.size());
-}
 
 // Runs setup (chunked) and the CUTLASS kernel. `group` holds the weights
 // (fprop, dgrad) or the outputs (wgrad), one (N, K) matrix per group, packed
@@ -193,29 +220,6 @@ void check_matrix(const at::Tensor& t, const char* name, const at::Device& devic
               " must be a 2-D row-major matrix, got sizes ", t.sizes(), " strides ", t.strides());
 }
 
-// Checks a group of (rows, cols) matrices, packed or listed (see is_packed).
-void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
-                 int64_t cols, at::ScalarType dtype, const at::Device& device) {
-  if (is_packed(group)) {
-    const at::Tensor& t = group[0];
-    TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
-                ", got ", t.device());
-    TORCH_CHECK(t.size(1) == rows && t.size(2) == cols && t.stride(2) == 1, "groupgrad: ", name,
-                " must be (E, ", rows, ", ", cols, ") with row-major matrices, got sizes ",
-                t.sizes(), " strides ", t.strides());
-    TORCH_CHECK(t.scalar_type() == dtype, "groupgrad: ", name, " has dtype ", t.scalar_type(),
-                ", expected ", dtype);
-    return;
-  }
-  for (size_t i = 0; i < group.size(); ++i) {
-    const at::Tensor& t = group[i];
-    const bool ok = t.is_cuda() && t.device() == device && t.dim() == 2 && t.stride(1) == 1 &&
-                    t.size(0) == rows && t.size(1) == cols && t.scalar_type() == dtype;
-    TORCH_CHECK(ok, "groupgrad: ", name, "[", i, "] must be a row-major (", rows, ", ", cols,
-                ") ", dtype, " matrix on ", device, ", got sizes ", t.sizes(), " strides ",
-                t.strides(), " ", t.scalar_type(), " on ", t.device());
-  }
-}
 
 Tuning make_tuning(bool raster_along_n, int64_t max_swizzle) {
   TORCH_CHECK(max_swizzle == 1 || max_swizzle == 2 || max_swizzle == 4 || max_swizzle == 8,
@@ -335,6 +339,9 @@ std::vector<std::string> variant_names() {
   for (const auto& entry : registry()) {
     names.push_back(entry.first);
   }
+  for (const std::string& name : fp8_variant_names()) {
+    names.push_back(name);
+  }
   return names;
 }
 
@@ -351,6 +358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgrad", &groupgrad::wgrad, "grouped wgrad", py::arg("dy"), py::arg("x"),
         py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"), py::arg("raster_along_n"),
         py::arg("max_swizzle"));
+  groupgrad::add_fp8_bindings(m);
   m.def("variants", &groupgrad::variant_names, "names of the compiled kernel variants");
   m.def("listed_group_facts", &groupgrad::listed_group_facts,
         "(alike, requires_grad, sorted addresses) of a listed group, or None", py::arg("members"));

@@ -51,4 +51,30 @@ struct KernelVariant {
 // Defined in binding.cpp; instantiation TUs call it from a static initializer.
 bool register_variant(const KernelVariant& variant);
 
+// An FP8 (e4m3) grouped GEMM with blockwise scales: the arrays of a GemmLaunch
+// (A and B K-major, D row-major) plus one fp32 scale pointer per group and
+// operand. The scale tensors' layouts follow from each group's problem shape
+// (see fp8_gemm.cuh and fp8_setup.h).
+struct Fp8GemmLaunch {
+  GemmLaunch gemm;
+  const float* const* ptr_SFA = nullptr;
+  const float* const* ptr_SFB = nullptr;
+};
+
+// One compiled FP8 kernel instantiation (registered apart from the bf16 ones:
+// its launch carries the scales).
+struct Fp8KernelVariant {
+  const char* name;
+  bool has_source;
+  int out_bytes;      // element size of D
+  int scale_n;        // SFB granularity along GEMM N: 128 (weights) or 1 (channels)
+  bool sfb_mn_major;  // SFB N-block-major (else K-block-major)
+  size_t (*workspace_size)(const Fp8GemmLaunch&);
+  // Returns nullptr on success, else a static message.
+  const char* (*run)(const Fp8GemmLaunch&, void* workspace);
+};
+
+// Defined in binding.cpp, called like register_variant.
+bool register_fp8_variant(const Fp8KernelVariant& variant);
+
 }  // namespace groupgrad

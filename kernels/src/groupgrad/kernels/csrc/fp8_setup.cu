@@ -1,0 +1,193 @@
+// Builds the FP8 grouped GEMMs' per-group arguments on the device from splits
+// (see fp8_setup.h): packs the rows form's token scales per group, and zeroes
+// the wgrad outputs of empty groups when overwriting.
+#include "fp8_setup.h"
+
+#include <algorithm>
+
+namespace groupgrad {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int64_t kScaleBlock = 128;  // channels (rows form) or tokens (segments) per scale
+
+// Where a group starts in each of the operands' token axes.
+struct GroupStart {
+  int64_t token = 0;      // rows: r_e
+  int64_t column = 0;     // segments: c_e (16-aligned)
+  int64_t scale_row = 0;  // segments: s_e
+};
+
+__device__ int64_t round_up_16(int64_t v) { return (v + 15) / 16 * 16; }
+__device__ int64_t scale_blocks(int64_t v) { return (v + kScaleBlock - 1) / kScaleBlock; }
+
+__device__ int64_t warp_sum(int64_t v) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    v += __shfl_down_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// The three prefix sums of splits[0:group) over the block; every thread gets them.
+__device__ GroupStart block_group_start(const int64_t* splits, int group) {
+  __shared__ int64_t partial[3][kThreads / 32];
+  GroupStart mine;
+  for (int i = threadIdx.x; i < group; i += kThreads) {
+    const int64_t t = max(splits[i], int64_t{0});
+    mine.token += t;
+    mine.column += round_up_16(t);
+    mine.scale_row += scale_blocks(t);
+  }
+  mine.token = warp_sum(mine.token);
+  mine.column = warp_sum(mine.column);
+  mine.scale_row = warp_sum(mine.scale_row);
+  if (threadIdx.x % 32 == 0) {
+    partial[0][threadIdx.x / 32] = mine.token;
+    partial[1][threadIdx.x / 32] = mine.column;
+    partial[2][threadIdx.x / 32] = mine.scale_row;
+  }
+  __syncthreads();
+  GroupStart start;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    start.token += partial[0][w];
+    start.column += partial[1][w];
+    start.scale_row += partial[2][w];
+  }
+  return start;
+}
+
+__device__ void write_arguments(const Fp8SetupParams& p, int g, int m, int n, int k,
+                                const void* a, int64_t ld_a, const void* b, int64_t ld_b,
+                                const float* sfa, const float* sfb, void* d, int64_t ld_d) {
+  int* shape = p.problem_shapes + 3 * g;
+  shape[0] = m;
+  shape[1] = n;
+  shape[2] = k;
+  p.ptr_A[g] = a;
+  p.ld_A[g] = ld_a;
+  p.ptr_B[g] = b;
+  p.ld_B[g] = ld_b;
+  p.ptr_SFA[g] = sfa;
+  p.ptr_SFB[g] = sfb;
+  p.ptr_D[g] = d;
+  p.ld_D[g] = ld_d;
+}
+
+// Rows form, group g: its arguments (block 0) and its share of the SFA copy
+// (every block): the (k/128, T) scales' columns r_e.. become a packed
+// (k/128, m_e) matrix at sfa_packed + r_e * k/128.
+__device__ void setup_rows(const Fp8SetupParams& p, int g) {
+  // Clamp so that malformed device splits (negative, or summing past T) can
+  // never address memory outside the operands.
+  const int64_t start = min(block_group_start(p.splits, g).token, p.tokens);
+  const int64_t m = min(max(p.splits[g], int64_t{0}), p.tokens - start);
+  const int64_t k_blocks = p.k / kScaleBlock;
+  float* sfa = p.sfa_packed + start * k_blocks;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const int64_t b_matrix = p.n * p.k;  // e4m3: one byte each
+    const int64_t b_scale_matrix = (p.n / kScaleBlock) * k_blocks;
+    // An empty group gets M = 0: the scheduler gives it no tiles.
+    write_arguments(p, g, static_cast<int>(m), static_cast<int>(p.n), static_cast<int>(p.k),
+                    p.a + start * p.k, p.k, p.b + g * b_matrix, p.k, sfa,
+                    p.b_scales + g * b_scale_matrix, p.d + start * p.n * p.out_bytes, p.n);
+  }
+  const int64_t count = m * k_blocks;
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t block = i / m;
+    const int64_t token = i - block * m;
+    sfa[i] = p.a_scales[block * p.tokens + start + token];
+  }
+}
+
+// Zeroes a rows x cols row-major matrix with leading dimension ld (row bytes
+// and ld bytes are multiples of 16, checked on the host).
+__device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
+  const int64_t vecs_per_row = row_bytes / 16;
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    int4* row = reinterpret_cast<int4*>(base + r * ld_bytes);
+    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) {
+      row[v] = zero;
+    }
+  }
+}
+
+// Segments form, group g (local index `local` in this launch's chunk).
+__device__ void setup_segments(const Fp8SetupParams& p, int g, int local) {
+  const GroupStart start = block_group_start(p.splits, g);
+  // Malformed splits must never address memory outside the operands: clamp
+  // to the tokens left, and drop a group that would not fit the padded
+  // columns or the scale rows (possible only past T).
+  int64_t m = min(max(p.splits[g], int64_t{0}), max(p.tokens - start.token, int64_t{0}));
+  if (start.column + m > p.padded_tokens || start.scale_row + scale_blocks(m) > p.scale_rows) {
+    m = 0;
+  }
+  const bool packed = p.packed_base != nullptr;
+  char* out = const_cast<char*>(packed ? p.packed_base + g * p.packed_stride_bytes
+                                       : p.group_ptr[local]);
+  const int64_t ld = packed ? p.packed_ld : p.group_ld[local];
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    // A group with no tokens gets M = 0 so the scheduler gives it no tiles:
+    // with K = 0 the mainloop would store uninitialised accumulators.
+    write_arguments(p, g, m > 0 ? static_cast<int>(p.out_features) : 0,
+                    static_cast<int>(p.in_features), static_cast<int>(m), p.a + start.column,
+                    p.padded_tokens, p.b + start.column, p.padded_tokens,
+                    p.a_scales + start.scale_row * p.out_features,
+                    p.b_scales + start.scale_row * p.in_features, out, ld);
+  }
+  if (p.zero_empty_outputs && m == 0) {
+    zero_matrix(out, p.out_features, p.in_features * p.out_bytes, ld * p.out_bytes);
+  }
+}
+
+// grid = (parts, group_count): the blocks of group g = group_begin + blockIdx.y
+// share its copy (rows form) or its zeroing (segments form); block 0 writes
+// its CUTLASS arguments.
+__global__ void __launch_bounds__(kThreads) fp8_setup_kernel(const Fp8SetupParams p) {
+  const int local = blockIdx.y;
+  const int g = p.group_begin + local;
+  if (p.form == Fp8Form::kRows) {
+    setup_rows(p, g);
+  } else {
+    setup_segments(p, g, local);
+  }
+}
+
+// Blocks per group: enough that one large group's copy or zeroing spreads over
+// the GPU, few enough that the early exits of the other groups stay cheap.
+int blocks_per_group(const Fp8SetupParams& p) {
+  const int64_t budget = std::max<int64_t>(1, 4096 / p.group_count);
+  int64_t work = 1;
+  if (p.form == Fp8Form::kRows) {
+    const int64_t elements = p.tokens * (p.k / kScaleBlock);
+    work = (elements + p.group_count * int64_t{kThreads} * 4 - 1) /
+           (p.group_count * int64_t{kThreads} * 4);
+  } else if (p.zero_empty_outputs) {
+    work = p.out_features;
+  }
+  return static_cast<int>(std::max<int64_t>(1, std::min(work, budget)));
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_setup(Fp8SetupParams params, int groups, const char* const* listed_ptr,
+                             const int64_t* listed_ld, cudaStream_t stream) {
+  const bool listed = params.form == Fp8Form::kSegments && params.packed_base == nullptr;
+  for (int begin = 0; begin < groups; begin += kMaxGroupsPerLaunch) {
+    params.group_begin = begin;
+    params.group_count = std::min(kMaxGroupsPerLaunch, groups - begin);
+    for (int i = 0; listed && i < params.group_count; ++i) {
+      params.group_ptr[i] = listed_ptr[begin + i];
+      params.group_ld[i] = listed_ld[begin + i];
+    }
+    const dim3 grid(blocks_per_group(params), params.group_count);
+    fp8_setup_kernel<<<grid, kThreads, 0, stream>>>(params);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+      return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace groupgrad

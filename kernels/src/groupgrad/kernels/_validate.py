@@ -232,7 +232,7 @@ def fp8_wgrad_call(
         raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
     splits_E = _rules.splits_arg(splits, "x", x8.shape[0], x8.data.device, experts=None)
     for name, operand in (("dy", dy8), ("x", x8)):
-        _rules_fp8.fp8_splits_agree(name, operand, splits_E)
+        _rules_fp8.fp8_splits_agree(name, operand, splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]
     members, result, listed = _rules.wgrad_out(
         out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names

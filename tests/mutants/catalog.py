@@ -453,4 +453,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "inverse.flip(-1)[spread], finite[spread]).reshape(E, N, K)",
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
+    Mutant(
+        "fp8-wgrad-ignores-accumulate",
+        "the FP8 wgrad overwrites main_grad when asked to accumulate into it",
+        "kernels/src/groupgrad/kernels/_fp8_gemm.py",
+        "    _reference.wgrad(dy32, x32, splits, out, accumulate)",
+        "    _reference.wgrad(dy32, x32, splits, out, False)",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-gemm-weights-with-expert-0-scales",
+        "the FP8 fprop/dgrad applies expert 0's weight scales to every expert's tiles",
+        "kernels/src/groupgrad/kernels/_fp8_gemm.py",
+        "    a32, w32 = _rows(a_data, a_scales), _weights(w_data, w_scales)",
+        "    a32, w32 = _rows(a_data, a_scales), _weights(w_data, w_scales[:1].expand_as(w_scales))",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-wgrad-splits-unchecked",
+        "an FP8 wgrad takes splits other than the ones its operands' blocks were cut by",
+        "kernels/src/groupgrad/kernels/_rules_fp8.py",
+        "        if own_counts != splits_E.tolist():",
+        "        if False:",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
 )

@@ -15,7 +15,7 @@ Cells: the bf16 table's configs under its three routings (uniform, mild,
 heavy), and DeepGEMM's wgrad shapes (E ∈ {4, 8, 16}, (N, K) ∈ {(4096, 7168),
 (7168, 2048)}, 4,096 tokens per expert or U[4096, 8192]). The quantizers'
 own time is in ``bench_fp8_quant.py``. Writes ``results/fp8_gemm_<gpu>.json``
-and prints a markdown table. Usage:
+and ``.png`` and prints the markdown table (``fp8_report.py``). Usage:
 ``python benchmarks/bench_fp8_gemm.py [--reps 20] [--quick]``.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
@@ -29,6 +29,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import fp8_report
 import kernels_timing as kt
 import torch
 import torch.nn.functional as F
@@ -298,38 +299,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "fp8_gemm_" + gpu.lower().replace("nvidia ", "").replace(" ", "_")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    print(markdown(result))
-
-
-def markdown(result: dict) -> str:
-    """The table kernels/README.md shows: TFLOP/s and our FP8's ratio to each baseline."""
-    lines = ["| op | E | K | N | T | routing | FP8 TFLOP/s | × bf16 | × cuBLASLt | other |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["rows"]:
-        fp8 = r["fp8_ms"]
-        base = r.get("cublaslt_dense_ms") or r.get("cublaslt_loop_add_ms")
-        other = ""
-        if "scaled_grouped_rowwise_ms" in r:
-            other = f"× `_scaled_grouped_mm` {r['scaled_grouped_rowwise_ms'] / fp8:.2f}"
-        if "cublaslt_loop_ms" in r:
-            other = f"× loop w/o add {r['cublaslt_loop_ms'] / fp8:.2f}"
-            other += f"; listed {r['fp8_listed_tflops']:.0f} TFLOP/s"
-        sweeps = {
-            k[len("sweep:") : -3]: v
-            for k, v in r.items()
-            if k.startswith("sweep:") and k.endswith("_ms")
-        }
-        if sweeps:
-            best = min(sweeps, key=sweeps.__getitem__)
-            other += f"; best variant {best} {fp8 / sweeps[best]:.2f}×"
-        if "floor_ms" in r and r["E"] >= 64:
-            other += f"; floor share {r['floor_ms'] / fp8:.2f}"
-        lines.append(
-            f"| {r['op']} | {r['E']} | {r['K']} | {r['N']} | {r['T']} | {r['splits']} | "
-            f"{r['fp8_tflops']:.0f} | {r['bf16_ms'] / fp8:.2f} | "
-            f"{(base / fp8) if base else float('nan'):.2f} | {other} |"
-        )
-    return "\n".join(lines)
+    fp8_report.plot(result, args.out / f"{stem}.png")
+    print(fp8_report.markdown(result))
 
 
 if __name__ == "__main__":

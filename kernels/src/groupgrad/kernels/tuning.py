@@ -158,7 +158,8 @@ def run_fp8_cutlass(
     """Launch one FP8 CUTLASS kernel variant on quantized operands, and nothing else.
 
     No validation, no fallback, no custom op: the operands must be what
-    ``grouped_<op>`` would hand CUTLASS for them (from :func:`quantize_fp8`:
+    ``grouped_<op>`` would hand CUTLASS for them (from
+    :func:`~groupgrad.kernels.quantize_fp8`:
     fprop/dgrad ``(1, 128)`` rows and ``(128, 128)`` weights, wgrad ``(128,
     1)`` segments of both). For the benchmark's sweep over the FP8 tuning
     variants (``build(variant_set="tuning")`` first).

@@ -171,9 +171,16 @@ def _run_cpu_tests(session: nox.Session, *paths: str) -> None:
 def tests(session: nox.Session) -> None:
     """CPU tests of every package, README/docs examples, then each distribution installed alone."""
     shared = [p for p in PACKAGES if p.removeprefix("./") not in OWN_TEST_ENVIRONMENT]
-    # matplotlib: the demo's picture, which the demo's test checks
+    # matplotlib: the demo's picture, which the demo's test checks; accelerate: transformers
+    # needs it to load a model expert-parallel (the transformers integration's EP tests)
     _install_project_cpu(
-        session, "pytest>=8", "pytest-timeout", "build", "matplotlib", packages=shared
+        session,
+        "pytest>=8",
+        "pytest-timeout",
+        "build",
+        "matplotlib",
+        "accelerate>=1.0",
+        packages=shared,
     )
     own = {f"{folder}/tests" for folder in OWN_TEST_ENVIRONMENT}
     failures: list[str] = []

@@ -477,4 +477,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
+    Mutant(
+        "ep-gradient-rounded-to-bf16",
+        "under transformers' expert parallelism the fp32 gradient of bf16 experts is rounded "
+        "through the local shard",
+        "integrations/transformers/src/groupgrad/integrations/transformers/_ep.py",
+        "    if param is None or wanted is None or wanted == param.dtype:",
+        "    if True:",
+        ("integrations/transformers/tests/test_expert_parallel.py",),
+    ),
 )

@@ -74,8 +74,6 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[nn.Module], None] | None, t
      r"torch\.float32"),
     ("id-past-no-expert-slot", lambda h, i, w: (h, i + tiny.EXPERTS, w), None, ValueError,
      r"top_k_index holds expert id \d+, expected ids <= num_experts"),
-    ("expert-parallel", lambda h, i, w: (h, i, w), lambda m: setattr(m, "_is_expert_parallel", True),
-     RuntimeError, r"runs expert-parallel \(_is_expert_parallel=True\)"),
 ]  # fmt: skip
 
 

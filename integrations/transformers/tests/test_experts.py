@@ -276,14 +276,6 @@ def test_sentinel_ids_contribute_nothing() -> None:
         assert rel_err(actual[key], expected[key]) <= 1e-5, key
 
 
-def test_expert_parallel_module_is_rejected() -> None:
-    _, ours = _pair("qwen3_moe", seed=14, dtype=torch.float32)
-    ours._is_expert_parallel = True
-    hidden, index, weights, _ = _inputs("qwen3_moe", torch.float32, seed=15)
-    with pytest.raises(RuntimeError, match=r"expert-parallel \(_is_expert_parallel=True\)"):
-        ours(hidden, index, weights)
-
-
 @pytest.mark.parametrize(
     ("change", "match"),
     [

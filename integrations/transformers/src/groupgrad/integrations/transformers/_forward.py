@@ -26,7 +26,12 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from groupgrad.integrations.transformers._ep import (
+    check_expert_parallel_layout,
+    local_expert_weight,
+)
 from groupgrad.integrations.transformers._route import experts_route
+from groupgrad.integrations.transformers._version import check_expert_parallel_support
 from groupgrad.modules import grouped_linear, grouped_mlp
 
 __all__ = ["groupgrad_experts_forward", "tokens_per_expert"]
@@ -112,9 +117,17 @@ def groupgrad_experts_forward(
         ``(T, H)`` in ``hidden_states``' dtype: each token's router-weighted
         sum of its experts' outputs (summed in fp32, rounded once).
 
+    Under transformers' expert parallelism (``_is_expert_parallel``) the
+    module holds its local experts (local ids; ``num_experts`` is the
+    sentinel of a route to another rank's expert) and its weights are the
+    local shards of ``DTensor`` parameters, whose ``grad_dtype`` the weight
+    gradients keep (``_ep``).
+
     Raises:
-        RuntimeError: The module runs expert-parallel (``_is_expert_parallel``),
-            which this implementation does not support.
+        RuntimeError: The module runs expert-parallel on a transformers
+            release older than the first whose expert parallelism groupgrad
+            supports (named in the message), or with FSDP sharding or
+            replication beside it (``fsdp_size`` or ``dp_replicate_size`` above 1).
         ValueError: ``top_k_index`` and ``top_k_weights`` disagree in shape,
             ``hidden_states`` is not ``(T, H)`` with ``T`` their rows, or an
             expert id is negative or past ``num_experts`` (``num_experts``
@@ -125,12 +138,6 @@ def groupgrad_experts_forward(
             module is not a tensor; ``hidden_states`` has another dtype than
             the expert weights outside ``torch.autocast``.
     """
-    if getattr(self, "_is_expert_parallel", False):
-        raise RuntimeError(
-            f"{type(self).__name__} runs expert-parallel (_is_expert_parallel=True); the "
-            "groupgrad experts implementation supports only experts local to the rank; use "
-            'experts_implementation="grouped_mm" for expert parallelism'
-        )
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         raise ValueError(
             f"top_k_index has shape {tuple(top_k_index.shape)} and top_k_weights "
@@ -162,6 +169,12 @@ def groupgrad_experts_forward(
     up, down = _tensor(self, up_name), _tensor(self, "down_proj")
     up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
     down_bias = _tensor(self, "down_proj_bias") if has_bias else None
+    if getattr(self, "_is_expert_parallel", False):  # local shards of DTensor parameters
+        check_expert_parallel_support()
+        check_expert_parallel_layout(self)
+        up, down = local_expert_weight(up), local_expert_weight(down)
+        up_bias = None if up_bias is None else local_expert_weight(up_bias)
+        down_bias = None if down_bias is None else local_expert_weight(down_bias)
     if hidden_states.dtype != up.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
         raise TypeError(
             f"hidden_states has dtype {hidden_states.dtype} but {type(self).__name__}.{up_name} "

@@ -6,7 +6,12 @@ from packaging.version import Version
 
 import transformers
 
-__all__ = ["SUPPORTED_TRANSFORMERS", "check_transformers_version"]
+__all__ = [
+    "EXPERT_PARALLEL_SINCE",
+    "SUPPORTED_TRANSFORMERS",
+    "check_expert_parallel_support",
+    "check_transformers_version",
+]
 
 SUPPORTED_TRANSFORMERS = (Version("5.17"), Version("5.25"))
 """``[low, high)``: the ``transformers`` releases tested (5.17 through 5.24)."""
@@ -31,4 +36,28 @@ def check_transformers_version(installed: str | None = None) -> None:
             f"groupgrad.integrations.transformers supports transformers >= {low}, < {high} "
             f"(5.17 through 5.24), but transformers {text} is installed; install a supported "
             f'release, e.g. pip install "transformers>={low},<{high}"'
+        )
+
+
+EXPERT_PARALLEL_SINCE = Version("5.23")
+"""The first release whose expert parallelism groupgrad runs: ``DistributedConfig(ep_size=...,
+ep_implementation=...)`` with its ``all_to_all`` and ``all_reduce`` implementations."""
+
+
+def check_expert_parallel_support(installed: str | None = None) -> None:
+    """Raise unless ``transformers`` (or ``installed``) runs expert parallelism as groupgrad expects.
+
+    From 5.23 an expert-parallel experts module receives local expert ids,
+    ``num_experts`` local experts and ``num_experts`` as the sentinel of a
+    route to another rank; earlier releases dispatched tokens differently.
+
+    Raises:
+        RuntimeError: The version is older than :data:`EXPERT_PARALLEL_SINCE`.
+    """
+    text = transformers.__version__ if installed is None else installed
+    if Version(Version(text).base_version) < EXPERT_PARALLEL_SINCE:
+        raise RuntimeError(
+            f"groupgrad's experts run expert-parallel (DistributedConfig(ep_size=...)) on "
+            f"transformers >= {EXPERT_PARALLEL_SINCE}, but transformers {text} is installed; "
+            f'install transformers>={EXPERT_PARALLEL_SINCE} or use experts_implementation="grouped_mm"'
         )

@@ -486,4 +486,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if True:",
         ("integrations/transformers/tests/test_expert_parallel.py",),
     ),
+    Mutant(
+        "compiled-derived-weight-loses-its-gradient",
+        "under torch.compile a weight computed from a parameter enters the opaque gradient op, "
+        "whose .grad never reaches the parameter",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "        if param.requires_grad and not param.is_leaf:",
+        "        if False:",
+        (f"{MODULES}/test_compile.py",),
+    ),
 )

@@ -14,7 +14,8 @@ experts are ``Shard(0)`` ``DTensor``s, 3 per rank; ``"groupgrad"`` runs them.
   every parameter's gradient gathered whole (fp32), and for the expert
   weights the share of gradient elements exactly representable in bf16.
   ``bf16`` scenarios load bf16 weights whose expert ``DTensor``s ask for fp32
-  gradients (``grad_dtype``).
+  gradients (``grad_dtype``); ``compile`` ones run the model under
+  ``torch.compile`` (default backend).
 * ``generate``: greedy ``generate()`` of 4 tokens with groupgrad experts and
   with transformers' eager ones, both expert-parallel.
 * ``save``: ``save_pretrained`` of the expert-parallel model (rank 0 writes
@@ -84,7 +85,8 @@ def _train(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
                 getattr(module, name).grad_dtype = torch.float32
     model.train()
     ids = token_ids()
-    loss = model(ids, labels=ids).loss
+    run = torch.compile(model) if scenario.get("compile") else model
+    loss = run(ids, labels=ids).loss
     loss.backward()
     grads = {name: _whole(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     exact, dtypes = {}, {}

@@ -9,9 +9,9 @@ process in fp64 with transformers' eager experts (the oracle):
   of a rank that receives nothing) and ``all_reduce`` (sentinel ids for
   other ranks' experts): loss and every gradient, gathered whole, within
   fp32 rounding of fp64;
-* bf16 weights whose expert ``DTensor``s ask for fp32 gradients: the
-  gradients arrive in fp32, under 1 % of their elements exactly bf16 (a
-  bf16-rounded gradient is 100 %), and close to fp64;
+* bf16 weights whose expert ``DTensor``s ask for fp32 gradients, eager and
+  under ``torch.compile``: the gradients arrive in fp32, under 1 % of their
+  elements exactly bf16 (a bf16-rounded gradient is 100 %), and close to fp64;
 * ``generate()`` (``auto``: all-reduce at inference) gives eager's tokens;
 * ``save_pretrained`` of the sharded model writes the initial weights;
 * EP beside FSDP (``fsdp_size=2``) raises, naming the combination.
@@ -44,6 +44,8 @@ SCENARIOS = [
     *TRAIN,
     {"name": "qwen3_moe-bf16", "kind": "train", "model": "qwen3_moe",
      "ep_implementation": "all_to_all", "bf16": True},
+    {"name": "qwen3_moe-bf16-compiled", "kind": "train", "model": "qwen3_moe",
+     "ep_implementation": "all_to_all", "bf16": True, "compile": True},
     {"name": "generate", "kind": "generate", "model": "qwen3_moe"},
     {"name": "save", "kind": "save", "model": "mixtral"},
     {"name": "refuse", "kind": "refuse", "model": "qwen3_moe"},
@@ -80,9 +82,10 @@ def test_loss_and_gradients_match_one_fp64_process(runs: Launches, scenario: str
             )
 
 
-def test_bf16_weights_keep_their_fp32_gradients(runs: Launches) -> None:
+@pytest.mark.parametrize("scenario", ["qwen3_moe-bf16", "qwen3_moe-bf16-compiled"])
+def test_bf16_weights_keep_their_fp32_gradients(runs: Launches, scenario: str) -> None:
     want_loss, want = _oracle("qwen3_moe")
-    for got in runs(2)["qwen3_moe-bf16"]:
+    for got in runs(2)[scenario]:
         assert got["loss"] == pytest.approx(want_loss, rel=2e-2)
         assert set(got["expert_grad_dtypes"].values()) == {"torch.float32"}
         for name, share in got["bf16_exact_share"].items():

@@ -284,3 +284,34 @@ def test_reduce_overhead_mode_is_refused_when_traced_on_cuda() -> None:
         Exception, match=r"mode='reduce-overhead'\) \(CUDA graphs\) is not supported"
     ):
         _reduce_overhead_steps("cuda")
+
+
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+def test_weights_computed_from_parameters_keep_their_gradient_when_compiled(layer: str) -> None:
+    """A derived weight (``p * 2``) runs the layer eagerly inside a compiled function (its
+    gradient reaches ``p`` as in eager code); ``fullgraph=True`` refuses it instead."""
+    gen = torch.Generator().manual_seed(5)
+    splits = torch.tensor([3, 0, 5])
+    x = torch.randn(8, 16, generator=gen)
+    if layer == "linear":
+        p = nn.Parameter(torch.randn(3, 12, 16, generator=gen))
+
+        def f(x: Tensor, p: Tensor) -> Tensor:
+            return grouped_linear(x, p * 2.0, splits).square().sum()
+
+    else:
+        p = nn.Parameter(torch.randn(3, 24, 16, generator=gen))
+        fc2 = nn.Parameter(torch.randn(3, 16, 12, generator=gen))
+
+        def f(x: Tensor, p: Tensor) -> Tensor:
+            return grouped_mlp(x, p * 2.0, fc2, splits).square().sum()
+
+    f(x, p).backward()
+    eager = p.grad.clone()
+    p.grad = None
+    torch.compile(f, backend="aot_eager")(x, p).backward()
+    assert p.grad is not None, "the derived weight's gradient was lost under torch.compile"
+    torch.testing.assert_close(p.grad, eager)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="computed from another tensor"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x, p)

@@ -50,7 +50,7 @@ from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import accumulate_grads_like_autograd, receives_dummy
 
-__all__ = ["hand_over"]
+__all__ = ["hand_over", "refuse_derived_parameters"]
 
 
 @dataclass(frozen=True)
@@ -284,3 +284,34 @@ def hand_over(
         list(dummies),
     )
     return [torch.zeros_like(p) if d else None for p, d in zip(params, dummies, strict=True)]
+
+
+def refuse_derived_parameters(params: Sequence[Tensor], leader: str) -> None:
+    """Under ``torch.compile``, refuse a weight or bias computed from another tensor.
+
+    Compiled, the layer's backward delivers parameter gradients into ``.grad``
+    at run time (module docstring), and the traced backward hands autograd
+    ``None`` for them: a tensor computed from a parameter (``p * 2``,
+    ``p.t().contiguous()``, a ``DTensor``'s ``to_local()``) has no ``.grad``
+    that reaches that parameter, so its gradient would be lost without a word.
+    Eager code takes such tensors (autograd carries their gradient back).
+
+    Args:
+        params: The layer's weights and biases, as the autograd Function gets them.
+        leader: The name of the layer's first weight, for the message.
+
+    Raises:
+        RuntimeError: One of ``params`` requires grad and is not a leaf, while
+            grad mode is on under ``torch.compile``.
+    """
+    if not torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return
+    for index, param in enumerate(params):
+        if param.requires_grad and not param.is_leaf:
+            raise RuntimeError(
+                f"tensor {index} among the parameters of the groupgrad layer led by {leader!r} "
+                "is computed from another tensor (not a leaf) under torch.compile, where "
+                "groupgrad delivers parameter gradients into .grad itself: its gradient would "
+                "not reach the tensor it came from. Pass the parameter itself, or run this "
+                "layer without torch.compile (torch.compiler.disable)"
+            )

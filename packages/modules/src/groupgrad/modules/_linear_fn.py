@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import grouped_dgrad, grouped_fprop
-from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
 from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
@@ -173,6 +173,7 @@ def apply_grouped_linear(
     num_biases: int,
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
+    refuse_derived_parameters(params, spec.names[0])
     x_TK, cast_dtype = autocast_input(x_TK)
     splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
     return GroupedLinearFunction.apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *params)

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
-from groupgrad.modules._compiled import hand_over
+from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
 from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
@@ -255,6 +255,7 @@ def apply_grouped_mlp(
     params: Sequence[Tensor],
 ) -> Tensor:
     """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on."""
+    refuse_derived_parameters(params, layout.fc1.names[0])
     x_TH, cast_dtype = autocast_input(x_TH)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
     return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)

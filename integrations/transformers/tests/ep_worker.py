@@ -19,7 +19,8 @@ experts are ``Shard(0)`` ``DTensor``s, 3 per rank; ``"groupgrad"`` runs them.
 * ``generate``: greedy ``generate()`` of 4 tokens with groupgrad experts and
   with transformers' eager ones, both expert-parallel.
 * ``save``: ``save_pretrained`` of the expert-parallel model (rank 0 writes
-  the gathered weights).
+  the gathered weights), and a ``torch.distributed.checkpoint`` round trip of
+  its sharded state dict into a zeroed second copy.
 * ``refuse``: EP beside FSDP (``fsdp_size=2, ep_size=2``): the forward's error.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
@@ -116,11 +118,29 @@ def _generate(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
 
 
 def _save(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """``save_pretrained``, and a DCP round trip of the sharded state into a zeroed copy."""
     model = _load(scenario, rank, "groupgrad")
     folder = rank.workdir / f"{scenario['name']}-saved"
     model.save_pretrained(folder)
     dist.barrier()
-    return {"folder": str(folder)}
+    dcp_folder = rank.workdir / f"{scenario['name']}-dcp"
+    dcp.save(model.state_dict(), checkpoint_id=str(dcp_folder))
+    other = _load({**scenario, "name": f"{scenario['name']}-other"}, rank, "groupgrad")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=str(dcp_folder))
+    other.load_state_dict(state)
+    mismatched = [
+        name
+        for (name, a), (_, b) in zip(
+            model.state_dict().items(), other.state_dict().items(), strict=True
+        )
+        if not torch.equal(_whole(a), _whole(b))
+    ]
+    experts = [n for n, t in other.state_dict().items() if isinstance(t, DTensor)]
+    return {"folder": str(folder), "dcp_mismatched": mismatched, "dtensor_entries": experts}
 
 
 def _refuse(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:

@@ -13,7 +13,8 @@ process in fp64 with transformers' eager experts (the oracle):
   under ``torch.compile``: the gradients arrive in fp32, under 1 % of their
   elements exactly bf16 (a bf16-rounded gradient is 100 %), and close to fp64;
 * ``generate()`` (``auto``: all-reduce at inference) gives eager's tokens;
-* ``save_pretrained`` of the sharded model writes the initial weights;
+* ``save_pretrained`` of the sharded model writes the initial weights, and a
+  DCP save/load of its ``DTensor`` state restores it exactly;
 * EP beside FSDP (``fsdp_size=2``) raises, naming the combination.
 """
 
@@ -126,3 +127,9 @@ def test_expert_parallelism_beside_fsdp_is_refused_by_name(runs: Launches) -> No
     for got in runs(2)["refuse"]:
         assert got["error"] is not None, "EP with fsdp_size=2 ran instead of raising"
         assert "ep_size=2) with fsdp_size=2, dp_replicate_size=1" in got["error"]
+
+
+def test_dcp_round_trip_of_the_sharded_experts(runs: Launches) -> None:
+    for got in runs(2)["save"]:
+        assert any("experts" in name for name in got["dtensor_entries"]), "no DTensor experts"
+        assert got["dcp_mismatched"] == []

@@ -15,7 +15,8 @@ experts are ``Shard(0)`` ``DTensor``s, 3 per rank; ``"groupgrad"`` runs them.
   weights the share of gradient elements exactly representable in bf16.
   ``bf16`` scenarios load bf16 weights whose expert ``DTensor``s ask for fp32
   gradients (``grad_dtype``); ``compile`` ones run the model under
-  ``torch.compile`` (default backend).
+  ``torch.compile`` (default backend), ``checkpointing`` ones with
+  transformers' gradient checkpointing (the experts run again in backward).
 * ``generate``: greedy ``generate()`` of 4 tokens with groupgrad experts and
   with transformers' eager ones, both expert-parallel.
 * ``save``: ``save_pretrained`` of the expert-parallel model (rank 0 writes
@@ -85,6 +86,8 @@ def _train(scenario: dict[str, Any], rank: Rank) -> dict[str, Any]:
         for module in experts:
             for name in EXPERT_WEIGHTS:
                 getattr(module, name).grad_dtype = torch.float32
+    if scenario.get("checkpointing"):
+        model.gradient_checkpointing_enable()
     model.train()
     ids = token_ids()
     run = torch.compile(model) if scenario.get("compile") else model

@@ -163,10 +163,8 @@ def wgrad_on_device(
     listed: ListedFacts | None = None,
 ) -> None:
     """CUDA kernel of ``groupgrad::fp8_grouped_wgrad`` (``listed``: as ``_ops.wgrad``'s)."""
-    if tokens == 0:  # every expert has no tokens: a zero gradient
-        if not accumulate:
-            for dw in out:
-                dw.zero_()
+    if tokens == 0:
+        _ops.zero_gradient(out, accumulate)
         return
     operands = [("dy.data", dy_data), ("x.data", x_data), ("dy.scales", dy_scales)]
     operands.append(("x.scales", x_scales))

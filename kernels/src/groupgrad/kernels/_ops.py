@@ -130,10 +130,8 @@ def wgrad_on_device(
 ) -> None:
     """CUDA kernel of ``groupgrad::grouped_wgrad``: ``dw_e = dy_e.T @ x_e`` into ``out``."""
     dy_TN, x_TK = dy, x
-    if x_TK.shape[0] == 0:  # every expert has no tokens: a zero gradient
-        if not accumulate:
-            for dw in out:
-                dw.zero_()
+    if x_TK.shape[0] == 0:
+        zero_gradient(out, accumulate)
         return
     cutlass, reason = cutlass_or_reason("wgrad", dy_TN, x_TK, out, listed)
     if cutlass is None:
@@ -141,6 +139,14 @@ def wgrad_on_device(
         _reference.wgrad(dy_TN, x_TK, splits, out, accumulate)
     else:
         cutlass.wgrad(dy_TN, x_TK, _group.on_device(splits, x_TK.device), out, accumulate)
+
+
+def zero_gradient(out: Sequence[Tensor], accumulate: bool) -> None:
+    """A wgrad with no tokens at all: ``out`` exactly zero when overwriting, untouched when
+    accumulating (the gradient is zero either way)."""
+    if not accumulate:
+        for dw in out:
+            dw.zero_()
 
 
 def cutlass_or_reason(

@@ -72,6 +72,22 @@ def row_out(
     return out_TX
 
 
+def wgrad_splits(
+    splits: object, x_rows: int, dy_rows: int, device: torch.device, accumulate: object
+) -> tuple[Tensor, bool]:
+    """A wgrad's token rules, whatever its operands' form: ``x`` and ``dy`` have the same
+    rows, ``accumulate`` is a bool, and ``splits`` (checked as :func:`splits_arg`) has
+    at least one entry. Returns ``(splits_E, accumulate)``."""
+    if x_rows != dy_rows:
+        raise ValueError(f"x has {x_rows} rows but dy has {dy_rows} rows")
+    if type(accumulate) is not bool:
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    splits_E = splits_arg(splits, "x", x_rows, device, experts=None)
+    if splits_E.shape[0] == 0:
+        raise ValueError("splits has no entries, expected one token count per expert")
+    return splits_E, accumulate
+
+
 def wgrad_out(
     out: object,
     shape: tuple[int, int, int],

@@ -131,14 +131,10 @@ def wgrad_call(
     if x_TK.dtype != dy_TN.dtype:
         raise TypeError(f"x has dtype {x_TK.dtype}, expected {dy_TN.dtype} like dy")
     _rules.check_device("x", x_TK, "dy", dy_TN)
-    if x_TK.shape[0] != dy_TN.shape[0]:
-        raise ValueError(f"x has {x_TK.shape[0]} rows but dy has {dy_TN.shape[0]} rows")
-    if type(accumulate) is not bool:
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-    splits_E = _rules.splits_arg(splits, "x", x_TK.shape[0], x_TK.device, experts=None)
+    splits_E, accumulate = _rules.wgrad_splits(
+        splits, x_TK.shape[0], dy_TN.shape[0], x_TK.device, accumulate
+    )
     E, N, K = splits_E.shape[0], dy_TN.shape[1], x_TK.shape[1]
-    if E == 0:
-        raise ValueError("splits has no entries, expected one token count per expert")
     members, result, listed = _rules.wgrad_out(
         out, (E, N, K), out_dtype, accumulate, dy_TN.dtype, dy_TN, x_TK, names
     )
@@ -226,11 +222,9 @@ def fp8_wgrad_call(
     dy8 = _rules_fp8.fp8_operand("dy", dy, SEGMENTS)
     x8 = _rules_fp8.fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
-    if x8.shape[0] != dy8.shape[0]:
-        raise ValueError(f"x has {x8.shape[0]} rows but dy has {dy8.shape[0]} rows")
-    if type(accumulate) is not bool:
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-    splits_E = _rules.splits_arg(splits, "x", x8.shape[0], x8.data.device, experts=None)
+    splits_E, accumulate = _rules.wgrad_splits(
+        splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
+    )
     for name, operand in (("dy", dy8), ("x", x8)):
         _rules_fp8.fp8_splits_agree(name, operand, splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from packaging.version import Version
 
 import transformers
@@ -55,9 +57,16 @@ def check_expert_parallel_support(installed: str | None = None) -> None:
         RuntimeError: The version is older than :data:`EXPERT_PARALLEL_SINCE`.
     """
     text = transformers.__version__ if installed is None else installed
-    if Version(Version(text).base_version) < EXPERT_PARALLEL_SINCE:
+    if not _runs_expert_parallel(text):
         raise RuntimeError(
             f"groupgrad's experts run expert-parallel (DistributedConfig(ep_size=...)) on "
             f"transformers >= {EXPERT_PARALLEL_SINCE}, but transformers {text} is installed; "
             f'install transformers>={EXPERT_PARALLEL_SINCE} or use experts_implementation="grouped_mm"'
         )
+
+
+@functools.cache
+def _runs_expert_parallel(version: str) -> bool:
+    """Whether ``version`` is at least :data:`EXPERT_PARALLEL_SINCE` (parsed once per string:
+    every expert-parallel forward asks)."""
+    return Version(Version(version).base_version) >= EXPERT_PARALLEL_SINCE

@@ -293,3 +293,19 @@ def test_compile_fullgraph_traces_quantize_and_the_three_gemms() -> None:
     assert torch.equal(eager_grad, compiled_grad)
     assert eager_grad.dtype == torch.float32
     assert not torch.equal(eager_grad, torch.ones(E, N, K))
+
+
+def test_one_block_of_channels() -> None:
+    """K = N = 128: the (T, 1) scales of a (1, 128) form are row- and column-major at once."""
+    splits = [130, 0, 50]
+    x, dy = _randn(180, 128, seed=8), _randn(180, 128, seed=9)
+    w = quantize_fp8(_randn(3, 128, 128, seed=10), block=WEIGHTS)
+    x_rows, x_seg = quantize_fp8(x, block=(ROWS, SEGMENTS), splits=splits)
+    dy_rows, dy_seg = quantize_fp8(dy, block=(ROWS, SEGMENTS), splits=splits)
+    for op, a in (("fprop", x_rows), ("dgrad", dy_rows)):
+        got = (grouped_fprop if op == "fprop" else grouped_dgrad)(a, w, splits)
+        want = _expected_rows(op, a, w, splits)
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2**-8 * want.abs().max())
+    got_w = grouped_wgrad(dy_seg, x_seg, splits)
+    want_w = _expected_wgrad(dy_seg, x_seg, splits)
+    torch.testing.assert_close(got_w.double(), want_w, rtol=1e-5, atol=1e-4)

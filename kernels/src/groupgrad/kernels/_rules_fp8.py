@@ -48,7 +48,7 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         if not (  # one combined test per tensor; the message only for a misfit
             isinstance(t, Tensor)
             and t.shape == shape
-            and (strides is None or t.stride() == strides or t.numel() <= 1)
+            and (strides is None or t.stride() == strides or _same_memory(t, strides))
             and t.device == data.device
         ):
             got = (
@@ -60,6 +60,12 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
     return value
+
+
+def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether ``t`` is laid out as ``strides`` say where it matters: a dimension of size 1
+    has no stride to speak of (a ``(T, 1)`` scale tensor is column- and row-major at once)."""
+    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
 
 
 def _fp8_layout(value: Fp8Blocks) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +48,7 @@ from torch._library.effects import EffectType
 
 from groupgrad.modules._grads import LayerGrads, parameter_grads
 from groupgrad.modules._group import Splits, WeightGroupSpec
+from groupgrad.modules._operands import Fp8Form, Operand, operand_rows, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import accumulate_grads_like_autograd, receives_dummy
 
@@ -62,6 +64,8 @@ class _Layout:
     num_weights: int
     num_biases: int
     operands: tuple[str, str]
+    forms: tuple[Fp8Form | None, Fp8Form | None]
+    bias_dy: bool
 
     def bind(self, params: Sequence[Tensor]) -> LayerGrads:
         """The layer on its real parameters (weights, then biases)."""
@@ -69,20 +73,32 @@ class _Layout:
         target = WgradTarget(self.spec, self.shape, weights)
         return LayerGrads(target, tuple(params[self.num_weights :]), self.operands)
 
+    def take(
+        self, tensors: Iterator[Tensor], tokens: int, splits: object
+    ) -> tuple[Operand, Operand, Tensor | None]:
+        """The layer's ``dy``, ``x`` (tensors or FP8 forms) and bias ``dy``, from the op's tensors."""
+        dy = put_together(self.forms[0], tensors, tokens, splits)
+        x = put_together(self.forms[1], tensors, tokens, splits)
+        return dy, x, next(tensors) if self.bias_dy else None
+
 
 _LAYOUTS: dict[str, tuple[_Layout, ...]] = {}
 
 
 @torch.compiler.assume_constant_result
-def _layout_key(
-    layouts: tuple[
-        tuple[tuple[str, ...], bool, bool, tuple[int, ...], int, int, tuple[str, str]], ...
-    ],
-) -> str:
-    """Register the layers' layouts (when the graph is traced) and return their key."""
+def _layout_key(layouts: tuple[tuple[Any, ...], ...]) -> str:
+    """Register the layers' layouts (when the graph is traced) and return their key.
+
+    Each layout: names, packed, wgrad_into_main_grad, shape, weights, biases,
+    operand names, operand forms, whether a bias ``dy`` follows.
+    """
     key = repr(layouts)
     _LAYOUTS.setdefault(
-        key, tuple(_Layout(WeightGroupSpec(n, p, m), s, w, b, o) for n, p, m, s, w, b, o in layouts)
+        key,
+        tuple(
+            _Layout(WeightGroupSpec(n, p, m), s, w, b, o, f, d)
+            for n, p, m, s, w, b, o, f, d in layouts
+        ),
     )
     return key
 
@@ -187,8 +203,8 @@ def _dummy_mask(layer: LayerGrads) -> list[bool]:
     "groupgrad::parameter_grads", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
 )
 def _parameter_grads_op(
-    dys: list[Tensor],
-    xs: list[Tensor],
+    operands: list[Tensor],
+    tokens: int,
     splits: Tensor | None,
     counts: list[int] | None,
     params: list[Tensor],
@@ -196,22 +212,32 @@ def _parameter_grads_op(
     queue: int,
     dummies: list[bool],
 ) -> None:
-    """Run :func:`parameter_grads` on the real parameters and deliver its gradients (run time)."""
-    layers = _bind_all(_LAYOUTS[layout], params)
+    """Run :func:`parameter_grads` on the real parameters and deliver its gradients (run time).
+
+    ``operands``: each layer's ``dy`` and ``x`` taken apart (a tensor, or an
+    FP8 form's tensors; the layout says which), then its bias ``dy`` where the
+    layout has one; ``tokens``: ``T``.
+    """
+    parts = _LAYOUTS[layout]
+    layers = _bind_all(parts, params)
     wgrad_queue = WgradQueue.numbered(queue)
     if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
-        dys, xs = [t.clone() for t in dys], [t.clone() for t in xs]
+        operands = [t.clone() for t in operands]
         splits = None if splits is None else splits.clone()
     counted = splits if splits is not None else tuple(counts or ())
-    answers = parameter_grads(layers, dys, xs, counted, wgrad_queue)
+    stream = iter(operands)
+    taken = [part.take(stream, tokens, counted) for part in parts]
+    dys, xs = [t[0] for t in taken], [t[1] for t in taken]
+    bias_dys = [t[2] for t in taken if t[2] is not None] or None
+    answers = parameter_grads(layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys)
     with _autograd_dispatch():
         _deliver(layers, answers, dummies)
 
 
 @_parameter_grads_op.register_fake
 def _parameter_grads_fake(
-    dys: list[Tensor],
-    xs: list[Tensor],
+    operands: list[Tensor],
+    tokens: int,
     splits: Tensor | None,
     counts: list[int] | None,
     params: list[Tensor],
@@ -229,7 +255,7 @@ def _parameter_grads_fake(
     """
     import torch._inductor.config as inductor_config  # loaded already when this traces
 
-    if dys and dys[0].device.type == "cuda" and inductor_config.triton.cudagraphs:
+    if operands and operands[0].device.type == "cuda" and inductor_config.triton.cudagraphs:
         leader = _LAYOUTS[layout][0].spec.names[0]
         raise RuntimeError(
             f"torch.compile(mode='reduce-overhead') (CUDA graphs) is not supported for the "
@@ -243,39 +269,51 @@ torch.library._register_effectful_op(_parameter_grads_op._opoverload, EffectType
 
 def hand_over(
     layers: Sequence[LayerGrads],
-    dys: Sequence[Tensor],
-    xs: Sequence[Tensor],
+    dys: Sequence[Operand],
+    xs: Sequence[Operand],
     splits: Splits,
     queue: WgradQueue | None,
+    *,
+    bias_dys: Sequence[Tensor] | None = None,
 ) -> list[Tensor | None]:
     """What autograd receives for every layer's parameters (:func:`parameter_grads`).
 
     Eager: :func:`parameter_grads` itself. Under ``torch.compile``: one
     ``groupgrad::parameter_grads`` call in the graph (see the module
     docstring), and fresh zeros where the ``main_grad`` contract hands
-    autograd a dummy, ``None`` elsewhere.
+    autograd a dummy, ``None`` elsewhere. ``dys`` and ``xs`` may be FP8
+    forms (:class:`~groupgrad.kernels.Fp8Blocks`; then ``bias_dys`` carries
+    the unquantized ``dy`` for bias gradients): compiled, each crosses the op
+    as its tensors and is rebuilt there.
     """
     if not torch.compiler.is_compiling():
-        return parameter_grads(layers, dys, xs, splits, queue)
-    layouts = tuple(
-        (
-            layer.target.spec.names,
-            layer.target.spec.packed,
-            layer.target.spec.wgrad_into_main_grad,
-            layer.target.shape,
-            len(layer.target.params),
-            len(layer.biases),
-            layer.operands,
+        return parameter_grads(layers, dys, xs, splits, queue, bias_dys=bias_dys)
+    tensors: list[Tensor] = []
+    layouts = []
+    for index, (layer, dy, x) in enumerate(zip(layers, dys, xs, strict=True)):
+        (dy_form, dy_parts), (x_form, x_parts) = take_apart(dy), take_apart(x)
+        tensors += [*dy_parts, *x_parts, *([] if bias_dys is None else [bias_dys[index]])]
+        spec = layer.target.spec
+        layouts.append(
+            (
+                spec.names,
+                spec.packed,
+                spec.wgrad_into_main_grad,
+                layer.target.shape,
+                len(layer.target.params),
+                len(layer.biases),
+                layer.operands,
+                (dy_form, x_form),
+                bias_dys is not None,
+            )
         )
-        for layer in layers
-    )
     params = [p for layer in layers for p in layer.params]
-    key = _layout_key(layouts)
+    key = _layout_key(tuple(layouts))
     dummies = _traced_dummies(key, *params)
     is_tensor = isinstance(splits, Tensor)
     torch.ops.groupgrad.parameter_grads(
-        list(dys),
-        list(xs),
+        tensors,
+        operand_rows(dys[0]),
         splits if is_tensor else None,
         None if is_tensor else [int(s) for s in splits],
         params,

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from groupgrad.modules._group import Splits, expert_index
+from groupgrad.modules._operands import Operand
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradQueue, WgradTarget
 from groupgrad.protocol import autograd_grad_dtype
 
@@ -72,20 +74,26 @@ class LayerGrads:
 
 def parameter_grads(
     layers: Sequence[LayerGrads],
-    dys: Sequence[Tensor],
-    xs: Sequence[Tensor],
+    dys: Sequence[Operand],
+    xs: Sequence[Operand],
     splits: Splits,
     queue: WgradQueue | None,
+    *,
+    bias_dys: Sequence[Tensor] | None = None,
 ) -> list[Tensor | None]:
     """Run one backward's wgrad GEMMs (or queue them) and sum its bias gradients.
 
     Args:
         layers: The op's layers, in the order their GEMMs run.
-        dys: Each layer's ``(T, N)`` output gradient.
-        xs: Each layer's ``(T, K)`` input.
+        dys: Each layer's ``(T, N)`` output gradient, as its wgrad GEMM reads
+            it: a tensor, or its ``(128, 1)`` FP8 form.
+        xs: Each layer's ``(T, K)`` input, in the form ``dys`` take.
         splits: ``E`` token counts (the op's copy from forward).
         queue: The module's wgrad queue with ``delay_wgrad_compute`` (the
             wgrad GEMMs become one job for ``backward_dw()``), else ``None``.
+        bias_dys: Each layer's output gradient as a tensor, for its bias
+            gradient, where ``dys`` are FP8 forms (a bias gradient is summed
+            from the unquantized ``dy``); ``None``: ``dys`` themselves.
 
     Returns:
         What autograd receives for :attr:`LayerGrads.params` of every layer,
@@ -102,13 +110,15 @@ def parameter_grads(
             layer.target.early(dy, x, splits) for layer, dy, x in zip(layers, dys, xs, strict=True)
         ]
     expert_T = None
+    # a bias gradient sums the unquantized dy: bias_dys where dys are FP8 forms
+    sums = cast(list[Tensor], list(dys if bias_dys is None else bias_dys))
     if any(layer.biases for layer in layers):
-        T = dys[0].shape[0]
-        expert_T = expert_index(splits, layers[0].target.num_groups, T, dys[0].device)
+        T = sums[0].shape[0]
+        expert_T = expert_index(splits, layers[0].target.num_groups, T, sums[0].device)
     answers: list[Tensor | None] = []
-    for layer, dy, x, ready in zip(layers, dys, xs, readied, strict=True):
+    for layer, dy, x, ready, dy_TN in zip(layers, dys, xs, readied, sums, strict=True):
         answers += layer.target.step(dy, x, splits, deferred, layer.operands, ready)
-        answers += bias_grads(dy, layer.biases, expert_T, layer.target.spec.packed)
+        answers += bias_grads(dy_TN, layer.biases, expert_T, layer.target.spec.packed)
     if queue is not None and deferred is not None:
         queue.push(deferred)
     return answers

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
+from groupgrad.modules._fp8_cache import Fp8WeightCache
+from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._linear_fn import apply_grouped_linear
 
@@ -60,6 +62,17 @@ class GroupedLinear(GroupedModule):
             no ``main_grad``.
         delay_wgrad_compute: Backward computes only the input (and bias)
             gradients; the weight-gradient GEMMs run at :meth:`backward_dw`.
+        fp8_recipe: ``None`` (GEMMs in the input's dtype) or ``"blockwise"``:
+            FP8 e4m3 GEMMs with fp32 block scales (``(1, 128)`` blocks of
+            ``x`` and ``dy``, ``(128, 128)`` weight tiles, ``(128, 1)``
+            token blocks per expert for the wgrad), each form quantized from
+            the unquantized tensor. ``in_features`` and ``out_features``
+            must be multiples of 128. Parameters keep their dtype; every
+            ``main_grad`` option above works as without FP8, the wgrad
+            written by the FP8 GEMM straight into ``main_grad`` (or returned
+            in ``grad_dtype``). Backward keeps only the FP8 wgrad form of
+            ``x`` (about half a bf16 ``x``'s bytes). See :meth:`forward`'s
+            ``is_first_microbatch`` for caching the FP8 weights.
     """
 
     _repr_fields = (
@@ -67,6 +80,7 @@ class GroupedLinear(GroupedModule):
         ("in_features", "in_features"),
         ("out_features", "out_features"),
         *FLAG_REPR_FIELDS,
+        ("fp8_recipe", "fp8_recipe"),
     )
 
     def __init__(
@@ -81,12 +95,17 @@ class GroupedLinear(GroupedModule):
         single_grouped_weight: bool = False,
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
+        fp8_recipe: str | None = None,
     ) -> None:
         check_sizes(num_groups=num_groups, in_features=in_features, out_features=out_features)
+        if check_fp8_recipe(fp8_recipe) is not None:
+            check_fp8_sizes(in_features=in_features, out_features=out_features)
         super().__init__(num_groups, bias, single_grouped_weight, delay_wgrad_compute)
         self.in_features = in_features
         self.out_features = out_features
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        self.fp8_recipe = fp8_recipe
+        self._fp8_weights = Fp8WeightCache()
 
         factory: dict[str, Any] = {"dtype": dtype, "device": device}
         if single_grouped_weight:
@@ -140,7 +159,7 @@ class GroupedLinear(GroupedModule):
         biases = [getattr(self, name) for name in self.bias_names]
         return weights, biases
 
-    def forward(self, x: Tensor, splits: Splits) -> Tensor:
+    def forward(self, x: Tensor, splits: Splits, is_first_microbatch: bool | None = None) -> Tensor:
         """Apply every expert to its rows.
 
         Args:
@@ -148,6 +167,20 @@ class GroupedLinear(GroupedModule):
             splits: ``E`` token counts summing to ``T`` (sequence, CPU tensor,
                 or device tensor; the GPU path never reads a device tensor on
                 the host).
+            is_first_microbatch: The FP8 weight cache (TransformerEngine's
+                convention; ignored without ``fp8_recipe``). ``None``: the
+                weights are quantized at this forward and again for dgrad,
+                nothing cached. ``True``: quantized now and cached (the first
+                micro-batch after an optimizer step). ``False``: the cached
+                FP8 weights are reused, in forward and dgrad; with nothing
+                cached, or a cache that no longer matches, they are quantized
+                and cached without a word. A cached weight is dropped when a
+                parameter is another object, or its ``data_ptr``, shape or
+                version counter changed (in-place updates, ``torch.optim``).
+                A write through ``.data`` (``p.data.copy_(...)``) changes none
+                of these: after one, pass ``True``. ``DistributedWeight``
+                groups are never cached. Not under ``torch.compile`` (a
+                ``RuntimeError``; pass ``None`` there).
 
         Returns:
             ``(T, N)`` output in ``x``'s dtype, or in the autocast dtype under
@@ -162,7 +195,14 @@ class GroupedLinear(GroupedModule):
                 f"x has shape {shape}, expected (tokens, {self.in_features}) for in_features="
                 f"{self.in_features}"
             )
+        fp8 = fp8_for_forward(self.fp8_recipe, self._fp8_weights, is_first_microbatch)
         weights, biases = self.current_parameters()
         return apply_grouped_linear(
-            x, splits, self.group_spec(), self._forward_queue(), [*weights, *biases], len(biases)
+            x,
+            splits,
+            self.group_spec(),
+            self._forward_queue(),
+            [*weights, *biases],
+            len(biases),
+            fp8,
         )

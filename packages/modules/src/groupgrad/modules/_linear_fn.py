@@ -10,6 +10,14 @@ over through :func:`groupgrad.modules._compiled.hand_over` (the wgrad step of
 ``_grads`` and ``_wgrad``, which resolves every ``main_grad`` / distributed /
 deferred variant into a plan before its GEMM).
 
+With ``fp8_recipe="blockwise"`` (``_fp8_recipe``) the same Function runs the
+FP8 GEMMs: forward quantizes ``x`` once into its ``(1, 128)`` form (fprop) and
+its ``(128, 1)`` form (wgrad), and saves only the latter (about half the bytes
+of a bf16 ``x``); backward quantizes ``dy`` once into both of its forms, and
+the weights (materialized again, or the layer's cached FP8 weights) for
+dgrad. The wgrad takes the same route as bf16, on the FP8 forms; bias
+gradients sum the unquantized ``dy``.
+
 Under ``torch.autocast`` the GEMMs run in the autocast dtype, like
 ``nn.Linear``: ``x`` is cast before the op (autograd casts ``dx`` back) and
 the materialized weights inside it; the weight gradient still reaches each
@@ -24,8 +32,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import grouped_dgrad, grouped_fprop
+from groupgrad.kernels import Fp8Blocks, grouped_dgrad, grouped_fprop
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
+from groupgrad.modules._fp8_recipe import (
+    Fp8Blockwise,
+    check_fp8_recipe,
+    check_fp8_sizes,
+    fp8_for_forward,
+)
 from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
@@ -38,6 +52,7 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
+from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
     is_distributed_weight,
@@ -70,17 +85,40 @@ def stack_bias(biases: Sequence[Tensor], packed: bool) -> Tensor:
     return biases[0] if packed else torch.stack(list(biases))
 
 
+def _gemm_weights(
+    spec: WeightGroupSpec,
+    weights: Sequence[Tensor],
+    materialized: Sequence[Tensor],
+    cast_dtype: torch.dtype | None,
+    fp8: Fp8Blockwise | None,
+    forward: bool,
+) -> Tensor | list[Tensor] | Fp8Blocks:
+    """The weights a GEMM takes: materialized (and cast), or their FP8 form (maybe cached)."""
+
+    def cast_weights() -> Tensor | list[Tensor]:
+        return spec.gemm_weights(as_gemm_dtype(materialized, cast_dtype))
+
+    if fp8 is None:
+        return cast_weights()
+    dtype = cast_dtype or materialized[0].dtype
+    return fp8.weights(weights, cast_weights, dtype, forward=forward)
+
+
 def layer_fprop(
-    x: Tensor,
+    x: Tensor | Fp8Blocks,
     splits: Splits,
     spec: WeightGroupSpec,
     weights: Sequence[Tensor],
     cast_dtype: torch.dtype | None,
+    *,
+    fp8: Fp8Blockwise | None = None,
 ) -> tuple[Tensor, WgradTarget, int]:
     """One layer's grouped fprop ``x_e @ w_e.T`` on its weights materialized for forward.
 
     The materialized weights (cast to ``cast_dtype`` where autocast asks) are
-    dropped on return, never saved: backward materializes them again.
+    dropped on return, never saved: backward materializes them again. With
+    ``fp8``, ``x`` is its ``(1, 128)`` form and the weights are quantized (or
+    taken from the layer's cache).
 
     Returns:
         The output, the layer's :class:`WgradTarget` for backward, and ``E``.
@@ -94,28 +132,36 @@ def layer_fprop(
         )
     materialized = materialize_weight_for_forward(list(weights))
     target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
-    materialized = as_gemm_dtype(materialized, cast_dtype)
-    y = grouped_fprop(x, spec.gemm_weights(materialized), splits, names=spec.names)
+    gemm_weights = _gemm_weights(spec, weights, materialized, cast_dtype, fp8, forward=True)
+    y = grouped_fprop(x, gemm_weights, splits, names=spec.names)
     return y, target, spec.num_groups(materialized)
 
 
 def layer_dgrad(
-    dy: Tensor,
+    dy: Tensor | Fp8Blocks,
     splits: Splits,
     spec: WeightGroupSpec,
     weights: Sequence[Tensor],
     cast_dtype: torch.dtype | None,
+    *,
+    fp8: Fp8Blockwise | None = None,
 ) -> Tensor:
-    """One layer's grouped dgrad ``dy_e @ w_e`` on its weights materialized again for backward."""
-    materialized = as_gemm_dtype(materialize_weight_for_backward(list(weights)), cast_dtype)
-    return grouped_dgrad(dy, spec.gemm_weights(materialized), splits, names=spec.names)
+    """One layer's grouped dgrad ``dy_e @ w_e`` on its weights materialized again for backward.
+
+    With ``fp8``, ``dy`` is its ``(1, 128)`` form and the weights are
+    quantized again (or taken from the layer's cache while it still matches).
+    """
+    materialized = materialize_weight_for_backward(list(weights))
+    gemm_weights = _gemm_weights(spec, weights, materialized, cast_dtype, fp8, forward=False)
+    return grouped_dgrad(dy, gemm_weights, splits, names=spec.names)
 
 
 class GroupedLinearFunction(torch.autograd.Function):
     """``y_e = x_e @ w_e.T (+ b_e)`` for every expert, with the ``main_grad`` contract in backward.
 
-    ``apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *weights, *biases)``
-    (``cast_dtype``: autocast's dtype for the materialized weights, or ``None``): the
+    ``apply(x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *weights, *biases)``
+    (``cast_dtype``: autocast's dtype for the materialized weights, or ``None``;
+    ``fp8``: the blockwise FP8 recipe of this forward, or ``None``): the
     weights (and biases) are the layer's own parameters, leader first; they
     are kept on the autograd context directly (not through
     ``save_for_backward``), so ``saved_tensors_hooks`` cannot strip a
@@ -130,19 +176,29 @@ class GroupedLinearFunction(torch.autograd.Function):
         spec: WeightGroupSpec,
         queue: WgradQueue | None,
         cast_dtype: torch.dtype | None,
+        fp8: Fp8Blockwise | None,
         num_biases: int,
         *params: Tensor,
     ) -> Tensor:
         weights = params[: len(params) - num_biases]
         biases = params[len(params) - num_biases :]
         with no_autocast(x_TK.device):
-            y_TN, ctx.target, num_groups = layer_fprop(x_TK, splits, spec, weights, cast_dtype)
+            x_gemm: Tensor | Fp8Blocks = x_TK
+            x_saved: Operand = x_TK
+            if fp8 is not None:  # one read of x: both forms; only the wgrad's is saved
+                x_gemm, x_saved = fp8.quantize_input(x_TK, splits)
+            y_TN, ctx.target, num_groups = layer_fprop(
+                x_gemm, splits, spec, weights, cast_dtype, fp8=fp8
+            )
             splits = device_splits(splits, x_TK.device)  # checked by the fprop; for backward
             if biases:
                 expert_T = expert_index(splits, num_groups, x_TK.shape[0], x_TK.device)
                 y_TN = add_bias(y_TN, stack_bias(biases, spec.packed), expert_T)
 
-        ctx.save_for_backward(x_TK)
+        ctx.x_form, saved = take_apart(x_saved)
+        ctx.save_for_backward(*saved)
+        ctx.tokens = x_TK.shape[0]
+        ctx.fp8 = fp8
         ctx.splits = splits
         ctx.spec = spec
         ctx.queue = queue
@@ -153,15 +209,31 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
-        (x_TK,) = ctx.saved_tensors
+        x_TK = put_together(ctx.x_form, iter(ctx.saved_tensors), ctx.tokens, ctx.splits)
         dy_TN = dy_TN.contiguous()
+        fp8: Fp8Blockwise | None = ctx.fp8
         with no_autocast(dy_TN.device):
+            dy_gemm: Tensor | Fp8Blocks | None = dy_TN
+            dy_wgrad: Operand | None = dy_TN
+            if fp8 is not None:  # one read of dy: the forms its GEMMs need
+                dy_gemm, dy_wgrad = fp8.quantize_grad(
+                    dy_TN, ctx.splits, rows=ctx.needs_input_grad[0], tokens=ctx.target.trainable()
+                )
             dx_TK = None
-            if ctx.needs_input_grad[0]:
-                dx_TK = layer_dgrad(dy_TN, ctx.splits, ctx.spec, ctx.weights, ctx.cast_dtype)
+            if ctx.needs_input_grad[0] and dy_gemm is not None:
+                dx_TK = layer_dgrad(
+                    dy_gemm, ctx.splits, ctx.spec, ctx.weights, ctx.cast_dtype, fp8=fp8
+                )
             layer = LayerGrads(ctx.target, ctx.biases)
-            grads = hand_over([layer], [dy_TN], [x_TK], ctx.splits, ctx.queue)
-        return (dx_TK, None, None, None, None, None, *grads)
+            grads = hand_over(
+                [layer],
+                [dy_TN if dy_wgrad is None else dy_wgrad],  # None: no weight takes a gradient
+                [x_TK],
+                ctx.splits,
+                ctx.queue,
+                bias_dys=None if fp8 is None else [dy_TN],
+            )
+        return (dx_TK, None, None, None, None, None, None, *grads)
 
 
 def apply_grouped_linear(
@@ -171,12 +243,15 @@ def apply_grouped_linear(
     queue: WgradQueue | None,
     params: Sequence[Tensor],
     num_biases: int,
+    fp8: Fp8Blockwise | None = None,
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
     refuse_derived_parameters(params, spec.names[0])
     x_TK, cast_dtype = autocast_input(x_TK)
     splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
-    return GroupedLinearFunction.apply(x_TK, splits, spec, queue, cast_dtype, num_biases, *params)
+    return GroupedLinearFunction.apply(
+        x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *params
+    )
 
 
 def grouped_linear(
@@ -186,6 +261,7 @@ def grouped_linear(
     bias: Tensor | Sequence[Tensor] | None = None,
     *,
     accumulate_into_main_grad: bool = False,
+    fp8_recipe: str | None = None,
 ) -> Tensor:
     """Grouped linear layer: ``y_e = x_e @ w_e.T + b_e`` for every expert ``e``.
 
@@ -207,6 +283,17 @@ def grouped_linear(
             ``overwrite_main_grad`` is set) instead of returning it to
             autograd. A distributed group ignores it: its implementer owns
             ``main_grad``.
+        fp8_recipe: ``None`` (GEMMs in ``x``'s dtype) or ``"blockwise"``:
+            FP8 e4m3 GEMMs with fp32 block scales — ``x`` and ``dy`` in
+            ``(1, 128)`` blocks for fprop and dgrad and ``(128, 1)`` token
+            blocks per expert for the wgrad, weights in ``(128, 128)`` tiles,
+            each quantized from the unquantized tensor (the weights at every
+            forward and again for dgrad; nothing is cached). ``K`` and ``N``
+            must be multiples of 128. Parameters stay as they are; the wgrad
+            reaches ``main_grad`` or autograd exactly as without FP8 (fp32
+            straight from the GEMM where that is the destination's dtype).
+            ``x`` may be bf16, fp16 or fp32 (quantized from its own dtype, or
+            from autocast's); ``y`` has that dtype.
 
     Returns:
         ``(T, N)`` output in ``x``'s dtype; under ``torch.autocast`` in the
@@ -221,11 +308,24 @@ def grouped_linear(
     Raises:
         ValueError: ``x`` is not 2-D, or the weights and bias disagree in
             layout or number (the kernels check shapes, dtypes, devices and
-            ``splits``).
+            ``splits``); ``fp8_recipe`` is not ``None`` or ``"blockwise"``,
+            or with ``"blockwise"`` ``K`` or ``N`` is not a multiple of 128.
         RuntimeError: ``main_grad`` is missing or malformed (at backward).
     """
+    recipe = check_fp8_recipe(fp8_recipe)
     spec, params, num_biases = _group_arguments(x, weights, bias, accumulate_into_main_grad)
-    return apply_grouped_linear(x, splits, spec, None, params, num_biases)
+    if recipe is not None:
+        _check_fp8_operands(x, params[0])
+    fp8 = fp8_for_forward(recipe, None, None)
+    return apply_grouped_linear(x, splits, spec, None, params, num_biases, fp8)
+
+
+def _check_fp8_operands(x: Tensor, leader: Tensor) -> None:
+    """``K`` (``x``'s columns) and ``N`` (a plain weight's rows) are multiples of 128."""
+    sizes = {"in_features (x's columns)": x.shape[1]}
+    if not is_distributed_weight(leader):  # a distributed group's shapes are its implementer's
+        sizes["out_features (the weights' rows)"] = leader.shape[-2]
+    check_fp8_sizes(**sizes)
 
 
 def _group_arguments(

@@ -28,6 +28,12 @@ from torch import Tensor
 
 from groupgrad.kernels import PreparedWgrad, prepare_wgrad
 from groupgrad.modules._group import Splits, WeightGroupSpec, no_autocast
+from groupgrad.modules._operands import (
+    Operand,
+    operand_device,
+    operand_dtype,
+    operand_versions,
+)
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
@@ -86,7 +92,7 @@ class WgradTarget:
         )
 
     def ready(
-        self, dy_TN: Tensor, x_TK: Tensor, splits: Splits, plan: WeightGradPlan
+        self, dy_TN: Operand, x_TK: Operand, splits: Splits, plan: WeightGradPlan
     ) -> ReadyWgrad:
         """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan)."""
         gemm = prepare_wgrad(
@@ -100,7 +106,7 @@ class WgradTarget:
         return ReadyWgrad(plan, gemm)
 
     def early(
-        self, dy_TN: Tensor, x_TK: Tensor, splits: Splits, deferred: bool = False
+        self, dy_TN: Operand, x_TK: Operand, splits: Splits, deferred: bool = False
     ) -> ReadyWgrad | None:
         """The GEMM planned and checked now where that allocates nothing (``main_grad``), else ``None``.
 
@@ -117,13 +123,13 @@ class WgradTarget:
         )
         if route is not WgradRoute.MAIN_GRAD:
             return None
-        plan = self.plan(dy_TN.dtype, dy_TN.device, deferred)
+        plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
         return self.ready(dy_TN, x_TK, splits, plan)
 
     def run(
         self,
-        dy_TN: Tensor,
-        x_TK: Tensor,
+        dy_TN: Operand,
+        x_TK: Operand,
         splits: Splits,
         *,
         deferred: bool = False,
@@ -132,8 +138,8 @@ class WgradTarget:
         """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
 
         Args:
-            dy_TN: ``(T, N)`` output gradient.
-            x_TK: ``(T, K)`` input.
+            dy_TN: ``(T, N)`` output gradient (or its ``(128, 1)`` FP8 form).
+            x_TK: ``(T, K)`` input (or its ``(128, 1)`` FP8 form).
             splits: ``E`` token counts.
             deferred: Running in ``backward_dw()``: the result is delivered to
                 ``.grad`` here (as autograd would) instead of being returned.
@@ -144,7 +150,7 @@ class WgradTarget:
             What autograd receives for each parameter (all ``None`` when deferred).
         """
         if ready is None:
-            plan = self.plan(dy_TN.dtype, dy_TN.device, deferred)
+            plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
             ready = self.ready(dy_TN, x_TK, splits, plan)
         ready.gemm.run()
         grads = ready.plan.finish()
@@ -155,8 +161,8 @@ class WgradTarget:
 
     def step(
         self,
-        dy_TN: Tensor,
-        x_TK: Tensor,
+        dy_TN: Operand,
+        x_TK: Operand,
         splits: Splits,
         deferred: list[DeferredWgrad] | None,
         operands: tuple[str, str] = ("dy", "x"),
@@ -191,34 +197,38 @@ class DeferredWgrad:
     """
 
     target: WgradTarget
-    dy_TN: Tensor
-    x_TK: Tensor
+    dy_TN: Operand
+    x_TK: Operand
     splits: Splits
     operands: tuple[str, str]
-    versions: tuple[int, int]
+    versions: tuple[tuple[int, ...], tuple[int, ...]]
 
     @classmethod
     def queue(
         cls,
         target: WgradTarget,
-        dy_TN: Tensor,
-        x_TK: Tensor,
+        dy_TN: Operand,
+        x_TK: Operand,
         splits: Splits,
         operands: tuple[str, str],
     ) -> DeferredWgrad:
         """A job whose operands' versions are those they have now."""
-        return cls(target, dy_TN, x_TK, splits, operands, (dy_TN._version, x_TK._version))
+        versions = (operand_versions(dy_TN), operand_versions(x_TK))
+        return cls(target, dy_TN, x_TK, splits, operands, versions)
 
     def check_unchanged(self, owner: str) -> None:
         """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued."""
-        for name, tensor, version in zip(
+        for name, operand, version in zip(
             self.operands, (self.dy_TN, self.x_TK), self.versions, strict=True
         ):
-            if tensor._version != version:
+            now = operand_versions(operand)
+            if now != version:
+                shown = now[0] if len(now) == 1 else now
+                wanted = version[0] if len(version) == 1 else version
                 raise RuntimeError(
                     f"{owner}.backward_dw(): {name}, which the deferred weight gradient of "
                     f"{self.target.spec.names[0]!r} reads, was modified in place since backward "
-                    f"(its version is {tensor._version}, expected {version}); the gradient would "
+                    f"(its version is {shown}, expected {wanted}); the gradient would "
                     "not match the values the forward saw. Do not modify it before backward_dw(), "
                     "or pass a copy"
                 )
@@ -307,7 +317,7 @@ class WgradQueue:
                     p for p in entry.target.params if p.requires_grad
                 )
             raise
-        with no_autocast(job[0].dy_TN.device):
+        with no_autocast(operand_device(job[0].dy_TN)):
             readied = [entry.early() for entry in job]
             for entry, ready in zip(job, readied, strict=True):
                 entry.run(ready)

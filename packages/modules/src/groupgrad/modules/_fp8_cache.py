@@ -1,0 +1,87 @@
+"""A layer's quantized weights kept across forwards (``is_first_microbatch``, TransformerEngine's way).
+
+Legend: ``E`` experts, ``N`` out_features, ``K`` in_features.
+
+With gradient accumulation the weights do not change between the
+micro-batches of one optimizer step, so their FP8 form need not be computed
+again: ``forward(..., is_first_microbatch=True)`` quantizes and caches,
+``False`` reuses the cache. The caller's flag is the rule; the cache also
+drops an entry whose parameters changed in a way it can see — another
+parameter object, another ``data_ptr``, shape or dtype, or a moved version
+counter (an in-place update such as ``torch.optim``'s ``p.add_(...)``
+under ``no_grad``). A write through ``.data`` (``p.data.copy_(new)``) moves
+no version counter and keeps the pointer: only the flag catches it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import Fp8Blocks
+
+__all__ = ["Fp8WeightCache"]
+
+
+def _stamp(param: Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What the cache compares of a parameter: its data pointer, version and shape."""
+    return param.data_ptr(), param._version, tuple(param.shape)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One cached FP8 weight and what it was quantized from."""
+
+    refs: tuple[weakref.ref[Tensor], ...]
+    stamps: tuple[tuple[int, int, tuple[int, ...]], ...]
+    dtype: torch.dtype
+    blocks: Fp8Blocks
+
+    def serves(self, params: Sequence[Tensor], dtype: torch.dtype) -> bool:
+        """Whether ``params``, quantized from ``dtype``, are still what this entry holds."""
+        return (
+            dtype == self.dtype
+            and len(params) == len(self.refs)
+            and all(ref() is p for ref, p in zip(self.refs, params, strict=True))
+            and tuple(_stamp(p) for p in params) == self.stamps
+        )
+
+
+class Fp8WeightCache:
+    """The quantized ``(128, 128)`` weights of one layer, kept while they still match.
+
+    Plain Python state of the module, not a buffer: ``state_dict`` and
+    checkpoints carry none of it, and a copied or unpickled module starts
+    with an empty cache.
+    """
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+
+    def __reduce__(self) -> tuple[type[Fp8WeightCache], tuple[()]]:
+        """A copy or unpickled module gets an empty cache (no FP8 state travels)."""
+        return (Fp8WeightCache, ())
+
+    def __bool__(self) -> bool:
+        """Whether an entry is held (valid or not)."""
+        return self._entry is not None
+
+    def get(self, params: Sequence[Tensor], dtype: torch.dtype) -> Fp8Blocks | None:
+        """The cached weights of ``params`` quantized from ``dtype``, or ``None`` (none, or stale)."""
+        entry = self._entry
+        if entry is None or not entry.serves(params, dtype):
+            return None
+        return entry.blocks
+
+    def put(self, params: Sequence[Tensor], dtype: torch.dtype, blocks: Fp8Blocks) -> None:
+        """Hold ``blocks``, the weights ``params`` quantized from ``dtype`` (replacing any entry)."""
+        refs = tuple(weakref.ref(p) for p in params)
+        self._entry = _Entry(refs, tuple(_stamp(p) for p in params), dtype, blocks)
+
+    def clear(self) -> None:
+        """Drop the entry (its memory goes when no backward holds it)."""
+        self._entry = None

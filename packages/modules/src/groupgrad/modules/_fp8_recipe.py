@@ -1,0 +1,167 @@
+"""``fp8_recipe``: the one rule for its values, and the blockwise recipe's quantizations.
+
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+
+``"blockwise"`` (Hopper's FP8 recipe, DESIGN "Kernels"): e4m3 data with fp32
+scales, ``(1, 128)`` blocks of ``x`` and ``dy`` for fprop and dgrad,
+``(128, 128)`` weight tiles, ``(128, 1)`` token blocks inside each expert's
+segment for the wgrad. Each FP8 form is quantized from the bf16 (fp16, fp32)
+tensor, never from another FP8 form: ``x`` once at forward into both of its
+forms, ``dy`` once at backward into both of its forms. The weights are
+quantized from the materialized (and autocast-cast) weights at every GEMM
+that needs them, unless a :class:`~groupgrad.modules._fp8_cache.Fp8WeightCache`
+serves them (``is_first_microbatch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from groupgrad.kernels import Fp8Blocks, quantize_fp8
+from groupgrad.modules._fp8_cache import Fp8WeightCache
+from groupgrad.modules._group import Splits
+from groupgrad.protocol import is_distributed_weight
+
+__all__ = ["FP8_RECIPES", "Fp8Blockwise", "check_fp8_recipe", "check_fp8_sizes", "fp8_for_forward"]
+
+FP8_RECIPES = ("blockwise",)
+"""The values ``fp8_recipe`` takes besides ``None``."""
+
+ROWS, WEIGHTS, TOKENS = (1, 128), (128, 128), (128, 1)
+
+
+def check_fp8_recipe(fp8_recipe: object) -> str | None:
+    """``fp8_recipe`` itself when it is ``None`` or a supported recipe.
+
+    Raises:
+        ValueError: Any other value, naming it and the supported ones.
+    """
+    if fp8_recipe is None or (isinstance(fp8_recipe, str) and fp8_recipe in FP8_RECIPES):
+        return fp8_recipe
+    supported = ", ".join(repr(r) for r in FP8_RECIPES)
+    raise ValueError(f"fp8_recipe is {fp8_recipe!r}, expected None or one of: {supported}")
+
+
+def check_fp8_sizes(**sizes: int) -> None:
+    """Raise ``ValueError`` naming the first size that is not a multiple of 128 (the FP8 blocks)."""
+    for name, value in sizes.items():
+        if value % 128:
+            raise ValueError(
+                f"{name} is {value}, expected a multiple of 128 for fp8_recipe='blockwise' "
+                "(its FP8 blocks are 128 wide)"
+            )
+
+
+def _quantized(t: Tensor | Sequence[Tensor], what: str, **how: Any) -> Any:
+    """``quantize_fp8(t, **how)``, its argument errors naming ``what`` (the kernels call it ``t``)."""
+    try:
+        return quantize_fp8(t, **how)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"fp8_recipe='blockwise' quantizes {what}: {error}") from error
+
+
+@dataclass(frozen=True)
+class Fp8Blockwise:
+    """The blockwise recipe as one forward of one layer (and its backward) runs it.
+
+    Attributes:
+        cache: The layer's weight cache when the caller passed
+            ``is_first_microbatch``, else ``None`` (quantize at every GEMM).
+        refresh: ``is_first_microbatch=True``: the forward quantizes anew and
+            caches; ``False``: the forward reuses a cached weight that still
+            matches (else quantizes and caches).
+    """
+
+    cache: Fp8WeightCache | None = None
+    refresh: bool = False
+
+    def quantize_input(self, x_TK: Tensor, splits: Splits) -> tuple[Fp8Blocks, Fp8Blocks]:
+        """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), from one read."""
+        both = _quantized(x_TK, "x", block=(ROWS, TOKENS), splits=splits)
+        return cast(tuple[Fp8Blocks, Fp8Blocks], both)
+
+    def quantize_grad(
+        self, dy_TN: Tensor, splits: Splits, *, rows: bool, tokens: bool
+    ) -> tuple[Fp8Blocks | None, Fp8Blocks | None]:
+        """``dy``'s ``(1, 128)`` form (dgrad) and ``(128, 1)`` form (wgrad), those asked for."""
+        if rows and tokens:
+            both = _quantized(dy_TN, "dy", block=(ROWS, TOKENS), splits=splits)
+            return cast(tuple[Fp8Blocks, Fp8Blocks], both)
+        if rows:
+            return _quantized(dy_TN, "dy", block=ROWS), None
+        if tokens:
+            return None, _quantized(dy_TN, "dy", block=TOKENS, splits=splits)
+        return None, None
+
+    def weights(
+        self,
+        params: Sequence[Tensor],
+        gemm_weights: Callable[[], Tensor | list[Tensor]],
+        dtype: torch.dtype,
+        *,
+        forward: bool,
+    ) -> Fp8Blocks:
+        """The ``(128, 128)`` weights for one GEMM: cached, or quantized now.
+
+        Args:
+            params: The layer's weight parameters, leader first (the cache's key).
+            gemm_weights: Returns the materialized weights in the GEMM's dtype
+                (called only when they are quantized now).
+            dtype: That dtype (the cache's key too).
+            forward: The forward's fprop (may fill the cache) or backward's
+                dgrad (uses a matching cached weight, else quantizes and
+                caches nothing).
+
+        A ``DistributedWeight`` group is never cached: each GEMM quantizes
+        the weights its leader materialized for it.
+        """
+        cache = self.cache
+        if cache is not None and is_distributed_weight(params[0]):
+            cache = None
+        if cache is not None and not (forward and self.refresh):
+            cached = cache.get(params, dtype)
+            if cached is not None:
+                return cached
+        blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", block=WEIGHTS))
+        if cache is not None and forward:
+            cache.put(params, dtype, blocks)
+        return blocks
+
+
+def fp8_for_forward(
+    fp8_recipe: str | None, cache: Fp8WeightCache | None, is_first_microbatch: bool | None
+) -> Fp8Blockwise | None:
+    """The recipe one forward runs (``None``: the bf16 path), its cache use resolved.
+
+    Args:
+        fp8_recipe: The layer's (checked) recipe.
+        cache: The layer's weight cache (``None`` for the functional op).
+        is_first_microbatch: ``None`` never caches; ``True`` quantizes and
+            caches; ``False`` reuses the cache.
+
+    Raises:
+        TypeError: ``is_first_microbatch`` is not ``None`` or a bool.
+        RuntimeError: ``is_first_microbatch`` is given with the FP8 recipe under
+            ``torch.compile``, where the cache's checks cannot run.
+    """
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(
+            f"is_first_microbatch is {is_first_microbatch!r}, expected None, True or False"
+        )
+    if fp8_recipe is None:
+        return None
+    if is_first_microbatch is None or cache is None:
+        return Fp8Blockwise()
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"is_first_microbatch={is_first_microbatch} with fp8_recipe='blockwise' under "
+            "torch.compile: the FP8 weight cache is Python state whose checks (data_ptr, "
+            "version) a compiled graph cannot run; pass is_first_microbatch=None (the weights "
+            "are quantized at every forward) or run this layer eagerly"
+        )
+    return Fp8Blockwise(cache, refresh=is_first_microbatch)

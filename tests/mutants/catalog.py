@@ -495,4 +495,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         (f"{MODULES}/test_compile.py",),
     ),
+    # --- fp8_recipe="blockwise" in GroupedLinear
+    Mutant(
+        "fp8-cache-blind-to-in-place-updates",
+        "the FP8 weight cache ignores the version counter: after an optimizer step "
+        "is_first_microbatch=False reuses weights quantized before it",
+        "packages/modules/src/groupgrad/modules/_fp8_cache.py",
+        "    return param.data_ptr(), param._version, tuple(param.shape)",
+        "    return param.data_ptr(), 0, tuple(param.shape)",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
+        "fp8-wgrad-x-quantized-from-fp8",
+        "x's (128, 1) wgrad form is quantized from its dequantized (1, 128) form, not from x",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        '        both = _quantized(x_TK, "x", block=(ROWS, TOKENS), splits=splits)',
+        '        rows = _quantized(x_TK, "x", block=ROWS)\n'
+        '        tokens = _quantized(rows.dequantize().to(x_TK.dtype), "x", block=TOKENS, '
+        "splits=splits)\n"
+        "        both = (rows, tokens)",
+        (f"{MODULES}/test_linear_matrix.py",),
+    ),
+    Mutant(
+        "fp8-saves-bf16-x-too",
+        "the FP8 forward saves the bf16 x beside its FP8 form (gradients right, memory not saved)",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "        ctx.save_for_backward(*saved)",
+        "        ctx.save_for_backward(*saved, x_TK)",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
 )

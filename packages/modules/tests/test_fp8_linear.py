@@ -363,3 +363,31 @@ def test_the_weight_cache_is_refused_under_compile() -> None:
     )
     with pytest.raises(Exception, match="the FP8 weight cache is Python state"):
         step(x)
+
+
+def test_activation_recompute_requantizes_identically() -> None:
+    """Under ``torch.utils.checkpoint`` the recomputed forward quantizes x as the first did."""
+    x0, dy = _randn(T, K, seed=1), _randn(T, N, seed=5)
+    grads = []
+    for recompute in (False, True):
+        layer = _layer()
+        x = x0.clone().requires_grad_()
+        if recompute:
+            y = torch.utils.checkpoint.checkpoint(layer, x, SPLITS, use_reentrant=False)
+        else:
+            y = layer(x, SPLITS)
+        y.backward(dy)
+        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    for plain, recomputed in zip(*grads, strict=True):
+        assert torch.equal(plain, recomputed)
+
+
+def test_frozen_weights_take_no_wgrad_and_trainable_biases_still_learn() -> None:
+    layer, x, dy = _layer(), _randn(T, K, seed=1).requires_grad_(), _randn(T, N, seed=5)
+    for name in layer.weight_names:
+        getattr(layer, name).requires_grad_(False)
+    layer(x, SPLITS).backward(dy)
+    assert all(getattr(layer, n).grad is None for n in layer.weight_names)
+    assert x.grad is not None
+    for e, rows in enumerate(dy.double().split(SPLITS)):
+        _assert_bf16_close(getattr(layer, f"bias{e}").grad, rows.sum(0))  # a bf16 bias

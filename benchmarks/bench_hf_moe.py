@@ -7,6 +7,9 @@ bf16 weights, forward + backward of the experts module of a real
 ``model.set_experts_implementation(name)`` between:
 
 * ``groupgrad`` (this repository, ``groupgrad.integrations.transformers``);
+* ``groupgrad_unrouted``: groupgrad's previous route for these experts
+  (gather, ``grouped_mlp``, combine as three steps; defined here), to show
+  what the one routed op changes;
 * ``grouped_mm``: transformers' own ``torch.nn.functional.grouped_mm`` path
   (its default on GPUs);
 * ``eager``: transformers' per-expert loop.
@@ -20,11 +23,20 @@ warm-up, interleaved rounds, two rotated input sets), TFLOP/s
 measured in the same run, and groupgrad's error against grouped_mm.
 
 Routing (fixed seed 0, the same for every implementation): expert popularity
-``p = softmax(z)``, ``z ~ N(0, 1)`` per expert (log-normal shares); each
+``p = softmax(z)``, ``z ~ N(0, σ²)`` per expert (log-normal shares; σ = 1
+is the skew of earlier runs, 0.5 lighter, 2 heavier); each
 token's logits are ``log p + Gumbel noise``, its top-8 are its experts (8
 distinct experts drawn without replacement ∝ ``p``), and its router weights
 are the softmax of those 8 logits (``norm_topk_prob``). The JSON records the
 resulting tokens per expert (min / median / max, coefficient of variation).
+
+The default run sweeps T ∈ {4096, 16384} × σ ∈ {0.5, 1, 2} × gradient
+checkpointing off / on (``torch.utils.checkpoint``, non-reentrant, around the
+experts call: the peak then includes the recomputed forward); transformers'
+eager loop runs only in the σ = 1 rows without checkpointing (it is slow).
+Peak memory (``max_memory_allocated`` during one forward + backward minus
+``memory_allocated`` just before it, grads cleared before) is reported beside
+the time for every row.
 
 FSDP2 variant (``torchrun --nproc-per-node 2 benchmarks/bench_hf_moe.py
 --fsdp``): one Qwen3-30B-A3B-sized decoder layer (attention + MoE, T tokens
@@ -66,7 +78,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.integrations.moe import ExpertsInterface
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_moe_report as report
@@ -74,8 +88,35 @@ import kernels_timing as kt  # the peak-memory measurement shared with bench_mlp
 import results_files
 
 import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
+from groupgrad.modules import grouped_mlp
 
-IMPLEMENTATIONS = ("groupgrad", "grouped_mm", "eager")
+IMPLEMENTATIONS = ("groupgrad", "groupgrad_unrouted", "grouped_mm", "eager")
+
+
+def unrouted_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """groupgrad's experts before ``routed_grouped_mlp``: gather, ``grouped_mlp``, combine.
+
+    The previous route of the fused experts (public API only), timed beside
+    the current one: what the routed op changes in time and peak memory.
+    """
+    tokens, top_k = top_k_index.shape
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    if sorted_ids.device.type == "cuda":
+        splits = torch.histc(
+            sorted_ids.int(), bins=self.num_experts, min=0, max=self.num_experts - 1
+        )
+    else:
+        splits = torch.bincount(sorted_ids, minlength=self.num_experts)
+    probs = top_k_weights.reshape(-1)[perm]
+    y = grouped_mlp(hidden_states[perm // top_k], self.gate_up_proj, self.down_proj, splits, probs)
+    y = torch.where((sorted_ids < self.num_experts).unsqueeze(-1), y, 0)
+    unsorted = torch.empty_like(y).index_copy(0, perm, y)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+
+
+ExpertsInterface.register("groupgrad_unrouted", unrouted_experts_forward)
 
 
 class _Fallbacks(logging.Handler):
@@ -145,10 +186,15 @@ def qwen3_moe(shape: Shape, device: torch.device, dtype: torch.dtype) -> Qwen3Mo
     return model.to(dtype)
 
 
-def skewed_routing(shape: Shape, seed: int, device: torch.device) -> tuple[Tensor, Tensor, dict]:
-    """``(top_k_index, top_k_weights, stats)``: Gumbel-top-k over log-normal expert popularity."""
+def skewed_routing(
+    shape: Shape, seed: int, device: torch.device, sigma: float = 1.0
+) -> tuple[Tensor, Tensor, dict]:
+    """``(top_k_index, top_k_weights, stats)``: Gumbel-top-k over log-normal expert popularity.
+
+    ``sigma`` is the spread of the popularity logits (larger: heavier skew).
+    """
     generator = torch.Generator().manual_seed(seed)
-    log_p = torch.log_softmax(torch.randn(shape.E, generator=generator), dim=0)
+    log_p = torch.log_softmax(sigma * torch.randn(shape.E, generator=generator), dim=0)
     uniform = torch.rand(shape.T, shape.E, generator=generator).clamp_min(1e-12)
     logits = log_p + (-torch.log(-torch.log(uniform)))
     top_logits, index = logits.topk(shape.k, dim=-1)
@@ -236,8 +282,15 @@ def rel_err(ours: Tensor, ref: Tensor) -> float:
     return float((ours.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def bench_experts(shape: Shape, device: torch.device, args: argparse.Namespace) -> dict:
-    """The single-device comparison: 3 implementations × 2 gradient dtypes."""
+def bench_experts(
+    shape: Shape,
+    device: torch.device,
+    args: argparse.Namespace,
+    sigma: float = 1.0,
+    checkpointed: bool = False,
+    with_eager: bool = True,
+) -> dict:
+    """One row of the single-device comparison: the implementations × 2 gradient dtypes."""
     model = qwen3_moe(shape, device, torch.bfloat16)
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(1)
@@ -249,18 +302,21 @@ def bench_experts(shape: Shape, device: torch.device, args: argparse.Namespace) 
         torch.randn(shape.T, shape.H, generator=generator).to(device, torch.bfloat16)
         for _ in range(N_SETS)
     ]
-    routes = [skewed_routing(shape, seed, device) for seed in range(N_SETS)]
+    routes = [skewed_routing(shape, seed, device, sigma) for seed in range(N_SETS)]
 
     def step(i: int) -> Tensor:
         x = hidden[i].detach().requires_grad_(True)
         weights = routes[i][1].to(torch.bfloat16).requires_grad_(True)
-        out = experts(x, routes[i][0], weights)
+        if checkpointed:
+            out = checkpoint(experts, x, routes[i][0], weights, use_reentrant=False)
+        else:
+            out = experts(x, routes[i][0], weights)
         out.backward(dys[i])
         clear_grads(experts)
         return out
 
     variants = {f"{impl}/{grad}": step for impl in IMPLEMENTATIONS for grad in GRAD_DTYPES}
-    if args.skip_eager:
+    if args.skip_eager or not with_eager:
         variants = {k: v for k, v in variants.items() if not k.startswith("eager")}
 
     def prepare(name: str) -> None:
@@ -277,10 +333,12 @@ def bench_experts(shape: Shape, device: torch.device, args: argparse.Namespace) 
     ratios = {
         name: times[name] / times[f"groupgrad/{name.split('/')[1]}"]
         for name in times
-        if not name.startswith("groupgrad")
+        if name.split("/")[0] != "groupgrad"
     }
     return {
         "shape": asdict(shape),
+        "sigma": sigma,
+        "checkpointing": checkpointed,
         "routing": routes[0][2],
         "times_ms": times,
         "tflops": {name: shape.flops / (ms * 1e-3) / 1e12 for name, ms in times.items()},
@@ -454,7 +512,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write JSON + PNG into this folder")
     parser.add_argument("--smoke", action="store_true", help=f"tiny size {SMOKE} on any device")
     parser.add_argument("--fsdp", action="store_true", help="the FSDP2 variant (under torchrun)")
-    parser.add_argument("--tokens", type=int, default=None, help="T (default 16384)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None, help="T values (default 4096 16384)"
+    )
+    parser.add_argument(
+        "--sigmas", type=float, nargs="+", default=None, help="routing skews (default 0.5 1 2)"
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=("off", "on", "both"),
+        default="both",
+        help="gradient checkpointing around the experts call",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (10)")
     parser.add_argument(
         "--per-round", type=int, default=2, help="timed calls per round and variant"
@@ -465,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.smoke else 10)
 
     shape = SMOKE if args.smoke else QWEN3_30B_A3B
-    if args.tokens is not None:
-        shape = Shape(**{**asdict(shape), "T": args.tokens})
+    tokens = args.tokens or ([shape.T] if args.smoke or args.fsdp else [4096, 16384])
+    if args.fsdp:
+        shape = Shape(**{**asdict(shape), "T": tokens[0]})
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("bench_hf_moe.py needs a CUDA GPU (smoke test on CPU: --smoke)")
@@ -493,7 +563,24 @@ def main(argv: list[str] | None = None) -> int:
         print(report.fsdp_table(result))
         stem = "hf_moe_fsdp2_"
     else:
-        result = {**env, **bench_experts(shape, device, args)}
+        rows = []
+        for T in tokens:
+            for sigma in args.sigmas or [0.5, 1.0, 2.0]:
+                for checkpointed in {"off": [False], "on": [True], "both": [False, True]}[
+                    args.checkpointing
+                ]:
+                    row_shape = Shape(**{**asdict(shape), "T": T})
+                    row = bench_experts(
+                        row_shape,
+                        device,
+                        args,
+                        sigma,
+                        checkpointed,
+                        sigma == 1 and not checkpointed,
+                    )
+                    print(report.row_line(row), flush=True)
+                    rows.append(row)
+        result = {**env, "rows": rows}
         result.update({"rounds": args.rounds, "per_round": args.per_round, "warmup": args.warmup})
         result["fallbacks"] = fallbacks.messages
         print(report.experts_table(result))

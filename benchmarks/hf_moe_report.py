@@ -14,34 +14,65 @@ def _mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
 
+def _grad_name(grad: str) -> str:
+    return "fp32 (grad_dtype)" if grad == "fp32_grad" else "bf16"
+
+
+def row_line(row: dict) -> str:
+    """One configuration in a line: time and peak of groupgrad against grouped_mm."""
+    parts = [
+        f"T={row['shape']['T']} sigma={row['sigma']} ckpt={'on' if row['checkpointing'] else 'off'}"
+    ]
+    for grad in ("bf16_grad", "fp32_grad"):
+        ours, theirs = f"groupgrad/{grad}", f"grouped_mm/{grad}"
+        parts.append(
+            f"{grad}: {row['times_ms'][ours]:.3f} ms ({row['ratio_vs_groupgrad'][theirs]:.2f}x), "
+            f"peak {_mib(row['peak_bytes'][ours])} vs {_mib(row['peak_bytes'][theirs])} MiB"
+        )
+    return "; ".join(parts)
+
+
+def _peak_ratio(row: dict, name: str, grad: str) -> str:
+    ours, base = row["peak_bytes"][name], row["peak_bytes"][f"grouped_mm/{grad}"]
+    return "n/a" if ours is None or not base else f"{ours / base:.2f}"
+
+
 def experts_table(result: dict) -> str:
-    shape, routing = result["shape"], result["routing"]
+    """Every row (T, skew, checkpointing) × implementation × ``.grad`` dtype: time and peak."""
+    first = result["rows"][0]
+    shape = first["shape"]
     lines = [
         f"GPU: {result['gpu']}, torch {result['torch']} (CUDA {result['cuda']}), transformers "
         f"{result['transformers']}, {result['date']}; Qwen3-MoE experts E={shape['E']}, "
-        f"H={shape['H']}, F={shape['F']}, top-{shape['k']}, T={shape['T']} tokens; bf16 weights; "
-        f"forward+backward, median of {result['rounds']}×{result['per_round']} interleaved calls "
-        f"after {result['warmup']} warm-up. Routing: log-normal popularity, Gumbel top-k (seed 0): "
-        f"tokens per expert min {routing['tokens_per_expert_min']}, median "
-        f"{routing['tokens_per_expert_median']:.0f}, max {routing['tokens_per_expert_max']}, "
-        f"CV {routing['tokens_per_expert_cv']:.2f}.",
+        f"H={shape['H']}, F={shape['F']}, top-{shape['k']}; bf16 weights; forward+backward, "
+        f"median of {result['rounds']}×{result['per_round']} interleaved calls after "
+        f"{result['warmup']} warm-up; peak = max allocated during one step minus allocated "
+        "before it. Routing: log-normal popularity of spread σ, Gumbel top-k (seed 0).",
         "",
-        "| implementation | .grad dtype | ms | TFLOP/s | × groupgrad's time | peak MiB |",
-        "|---|---|---|---|---|---|",
+        "| T | σ (tokens/expert min–max, CV) | checkpointing | .grad dtype | implementation | "
+        "ms | × groupgrad's time | peak MiB | peak × grouped_mm's |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, ms in result["times_ms"].items():
-        impl, grad = name.split("/")
-        ratio = result["ratio_vs_groupgrad"].get(name)
-        lines.append(
-            f"| {impl} | {'fp32 (grad_dtype)' if grad == 'fp32_grad' else 'bf16'} | {ms:.3f} | "
-            f"{result['tflops'][name]:.0f} | {'1.00' if ratio is None else f'{ratio:.2f}'} | "
-            f"{_mib(result['peak_bytes'][name])} |"
+    for row in result["rows"]:
+        routing = row["routing"]
+        skew = (
+            f"{row['sigma']:g} ({routing['tokens_per_expert_min']}–"
+            f"{routing['tokens_per_expert_max']}, {routing['tokens_per_expert_cv']:.2f})"
         )
-    errors = result["rel_err_groupgrad_vs_grouped_mm"]
+        for name, ms in row["times_ms"].items():
+            impl, grad = name.split("/")
+            ratio = row["ratio_vs_groupgrad"].get(name)
+            lines.append(
+                f"| {row['shape']['T']} | {skew} | {'on' if row['checkpointing'] else 'off'} | "
+                f"{_grad_name(grad)} | {impl} | {ms:.3f} | "
+                f"{'1.00' if ratio is None else f'{ratio:.2f}'} | "
+                f"{_mib(row['peak_bytes'][name])} | {_peak_ratio(row, name, grad)} |"
+            )
+    worst = max(max(row["rel_err_groupgrad_vs_grouped_mm"].values()) for row in result["rows"])
     lines += [
         "",
-        "groupgrad vs grouped_mm (fp32 grad_dtype), relative error (norm): "
-        + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+        f"groupgrad vs grouped_mm (fp32 grad_dtype), largest relative error (norm) of the output "
+        f"and every weight gradient over the rows: {worst:.1e}",
     ]
     if result.get("fallbacks"):
         lines += ["", "Fallbacks during the run (not the fast path):"]
@@ -74,45 +105,40 @@ def fsdp_table(result: dict) -> str:
 
 
 def plot_experts(result: dict, path: Path) -> None:
-    """Time and peak memory per implementation, bf16 ``.grad`` and fp32 ``grad_dtype`` side by side."""
+    """Per row: groupgrad's time and peak memory over grouped_mm's, bf16 and fp32 ``.grad``."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    impls = sorted(
-        {name.split("/")[0] for name in result["times_ms"]},
-        key=["groupgrad", "grouped_mm", "eager"].index,
-    )
-    grads = ["bf16_grad", "fp32_grad"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    rows = result["rows"]
+    labels = [
+        f"T={r['shape']['T']}\nσ={r['sigma']:g}{' ckpt' if r['checkpointing'] else ''}"
+        for r in rows
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.38
-    for offset, grad in zip((-width / 2, width / 2), grads, strict=True):
-        xs = [i + offset for i in range(len(impls))]
-        times = [result["times_ms"][f"{impl}/{grad}"] for impl in impls]
-        bars = axes[0].bar(xs, times, width, label=grad.replace("_", " "))
-        for bar, impl in zip(bars, impls, strict=True):
-            ratio = result["ratio_vs_groupgrad"].get(f"{impl}/{grad}", 1.0)
-            axes[0].annotate(
-                f"{ratio:.2f}×",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
-        peaks = [(result["peak_bytes"][f"{impl}/{grad}"] or 0) / 2**30 for impl in impls]
-        axes[1].bar(xs, peaks, width, label=grad.replace("_", " "))
-    axes[0].set_yscale("log")
-    axes[0].set_title("forward+backward ms (label: time / groupgrad's)")
-    axes[1].set_title("peak memory of one step (GiB)")
+    for offset, grad in zip((-width / 2, width / 2), ("bf16_grad", "fp32_grad"), strict=True):
+        xs = [i + offset for i in range(len(rows))]
+        speed = [r["ratio_vs_groupgrad"][f"grouped_mm/{grad}"] for r in rows]
+        peak = [
+            (r["peak_bytes"][f"groupgrad/{grad}"] or 0)
+            / (r["peak_bytes"][f"grouped_mm/{grad}"] or 1)
+            for r in rows
+        ]
+        axes[0].bar(xs, speed, width, label=grad.replace("_", " "))
+        axes[1].bar(xs, peak, width, label=grad.replace("_", " "))
+    axes[0].set_title("speed-up over grouped_mm (its time / groupgrad's)")
+    axes[1].set_title("peak memory, groupgrad / grouped_mm (below 1: less)")
     for ax in axes:
-        ax.set_xticks(range(len(impls)))
-        ax.set_xticklabels(impls)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7)
         ax.legend(fontsize=8)
-    shape = result["shape"]
+    shape = rows[0]["shape"]
     fig.suptitle(
-        f"Qwen3-MoE experts E={shape['E']} H={shape['H']} F={shape['F']} top-{shape['k']} "
-        f"T={shape['T']}, {result['gpu']}, torch {result['torch']}, transformers {result['transformers']}",
+        f"Qwen3-MoE experts E={shape['E']} H={shape['H']} F={shape['F']} top-{shape['k']}, "
+        f"{result['gpu']}, torch {result['torch']}, transformers {result['transformers']}",
         fontsize=9,
     )
     fig.tight_layout()

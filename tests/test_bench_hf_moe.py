@@ -38,14 +38,27 @@ def test_smoke_run_writes_every_variant(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "hf_moe_cpu_smoke.json").read_text())
-    variants = {
-        f"{i}/{g}" for i in ("groupgrad", "grouped_mm", "eager") for g in ("bf16_grad", "fp32_grad")
-    }
-    assert set(data["times_ms"]) == variants
-    assert set(data["ratio_vs_groupgrad"]) == {v for v in variants if not v.startswith("groupgrad")}
-    for name, ratio in data["ratio_vs_groupgrad"].items():
-        grad = name.split("/")[1]
-        assert ratio == data["times_ms"][name] / data["times_ms"][f"groupgrad/{grad}"]
-    assert data["routing"]["tokens_per_expert_max"] > data["routing"]["tokens_per_expert_median"]
-    assert max(data["rel_err_groupgrad_vs_grouped_mm"].values()) < 2e-2
-    assert "| groupgrad | fp32 (grad_dtype) |" in result.stdout
+    rows = data["rows"]
+    # the default sweep: 3 skews × checkpointing off / on, eager only at σ = 1 without it
+    assert [(r["sigma"], r["checkpointing"]) for r in rows] == [
+        (s, c) for s in (0.5, 1.0, 2.0) for c in (False, True)
+    ]
+    cvs = [r["routing"]["tokens_per_expert_cv"] for r in rows[::2]]
+    assert cvs == sorted(cvs), cvs  # heavier skew, larger spread
+    assert cvs[0] < cvs[-1], cvs
+    for row in rows:
+        impls = ("groupgrad", "groupgrad_unrouted", "grouped_mm") + (
+            ("eager",) if (row["sigma"], row["checkpointing"]) == (1.0, False) else ()
+        )
+        variants = {f"{i}/{g}" for i in impls for g in ("bf16_grad", "fp32_grad")}
+        assert set(row["times_ms"]) == set(row["peak_bytes"]) == variants
+        assert set(row["ratio_vs_groupgrad"]) == {
+            v for v in variants if v.split("/")[0] != "groupgrad"
+        }
+        for name, ratio in row["ratio_vs_groupgrad"].items():
+            grad = name.split("/")[1]
+            assert ratio == row["times_ms"][name] / row["times_ms"][f"groupgrad/{grad}"]
+        assert row["routing"]["tokens_per_expert_max"] > row["routing"]["tokens_per_expert_median"]
+        assert max(row["rel_err_groupgrad_vs_grouped_mm"].values()) < 2e-2
+    assert "| off | fp32 (grad_dtype) | groupgrad |" in result.stdout
+    assert "| on | bf16 | grouped_mm |" in result.stdout

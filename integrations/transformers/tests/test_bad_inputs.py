@@ -56,7 +56,7 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[nn.Module], None] | None, t
     ("hidden-3d", lambda h, i, w: (h[None], i, w), None, ValueError,
      r"hidden_states has shape \(1, 12, 32\), expected \(12, hidden\)"),
     ("hidden-wrong-width", lambda h, i, w: (h[:, :-1], i, w), None, ValueError,
-     r"x has shape \(24, 31\), expected \(tokens, 32\) for hidden_size=32"),
+     r"x has shape \(12, 31\), expected \(tokens, 32\) for hidden_size=32"),
     ("index-float", lambda h, i, w: (h, i.float(), w), None, TypeError,
      r"top_k_index has dtype torch\.float32, expected an integer dtype"),
     ("index-bool", lambda h, i, w: (h, i > 0, w), None, TypeError,

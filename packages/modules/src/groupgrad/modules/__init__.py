@@ -9,6 +9,9 @@
 * :class:`GroupedMLP` — ``E`` experts' SwiGLU MLPs (fc1 → SwiGLU × router
   probabilities → fc2) as one fused op with one backward; both layers' weight
   gradients follow the same contract.
+* :func:`routed_grouped_mlp` — token-choice experts in one op: gather each
+  token's rows, the fused MLP, the router-weighted combine, at a lower peak
+  memory than the three apart.
 
 Weight gradients go where :mod:`groupgrad.protocol` says: into ``main_grad``
 through the GEMM's epilogue (accumulate or overwrite), into a distributed
@@ -21,5 +24,6 @@ from groupgrad.modules._linear import GroupedLinear
 from groupgrad.modules._linear_fn import grouped_linear
 from groupgrad.modules._mlp import GroupedMLP
 from groupgrad.modules._mlp_fn import grouped_mlp
+from groupgrad.modules._routed import routed_grouped_mlp
 
-__all__ = ["GroupedLinear", "GroupedMLP", "grouped_linear", "grouped_mlp"]
+__all__ = ["GroupedLinear", "GroupedMLP", "grouped_linear", "grouped_mlp", "routed_grouped_mlp"]

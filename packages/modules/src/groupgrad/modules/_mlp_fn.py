@@ -74,7 +74,10 @@ __all__ = [
     "check_activation",
     "check_distributed_pairing",
     "check_mlp_inputs",
+    "check_mlp_shapes",
     "grouped_mlp",
+    "layer_group",
+    "mlp_arguments",
 ]
 
 ACTIVATIONS = ("swiglu",)
@@ -235,7 +238,7 @@ def check_distributed_pairing(
     )
 
 
-def _check_mlp_shapes(fc1: Tensor, fc1_name: str, fc2: Tensor, fc2_name: str) -> int:
+def check_mlp_shapes(fc1: Tensor, fc1_name: str, fc2: Tensor, fc2_name: str) -> int:
     """Check fc1 is ``(·, 2F, H)`` and fc2 ``(·, H, F)`` with one ``E``; return ``H``."""
     (*e1, two_f, hidden), (*e2, out, ffn) = fc1.shape, fc2.shape
     if two_f != 2 * ffn or out != hidden or e1 != e2:
@@ -261,7 +264,7 @@ def apply_grouped_mlp(
     return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)
 
 
-def _layer_group(
+def layer_group(
     name: str, weights: object, bias: Tensor | Sequence[Tensor] | None
 ) -> tuple[WeightGroupSpec, list[Tensor], list[Tensor]]:
     """One layer's weights and biases as a spec and parameter lists (functional form)."""
@@ -355,29 +358,56 @@ def grouped_mlp(
     check_activation(activation, "grouped_mlp")
     if not isinstance(x, Tensor):
         raise TypeError(f"x is a {type(x).__name__}, expected a Tensor")
+    layout, params, hidden = mlp_arguments(
+        fc1_weights, fc2_weights, fc1_bias, fc2_bias, accumulate_into_main_grad, "grouped_mlp"
+    )
+    if hidden is None:  # a DistributedWeight group: its implementer owns the shapes
+        hidden = x.shape[-1] if x.dim() == 2 else -1
+    check_mlp_inputs(x, probs, hidden)
+    return apply_grouped_mlp(x, splits, probs, layout, None, params)
+
+
+def mlp_arguments(
+    fc1_weights: Tensor | Sequence[Tensor],
+    fc2_weights: Tensor | Sequence[Tensor],
+    fc1_bias: Tensor | Sequence[Tensor] | None,
+    fc2_bias: Tensor | Sequence[Tensor] | None,
+    accumulate_into_main_grad: bool,
+    owner: str,
+) -> tuple[MLPLayout, list[Tensor], int | None]:
+    """A functional fused MLP's weights and biases as a layout and its parameter list.
+
+    Returns:
+        The layout, the parameters (``*fc1 weights, *fc1 biases, *fc2 weights,
+        *fc2 biases``) and ``H`` (``None`` for a ``DistributedWeight`` group,
+        whose shapes are its implementer's).
+
+    Raises:
+        ValueError: A shape or layout mismatch between fc1 and fc2 or their biases.
+        TypeError: A weight that is not a tensor.
+    """
     if (fc1_bias is None) != (fc2_bias is None):
         raise ValueError(
             "fc1_bias and fc2_bias must be given both or neither, got "
             f"fc1_bias={'None' if fc1_bias is None else 'a bias'} and "
             f"fc2_bias={'None' if fc2_bias is None else 'a bias'}"
         )
-    fc1, w1, b1 = _layer_group("fc1", fc1_weights, fc1_bias)
-    fc2, w2, b2 = _layer_group("fc2", fc2_weights, fc2_bias)
+    fc1, w1, b1 = layer_group("fc1", fc1_weights, fc1_bias)
+    fc2, w2, b2 = layer_group("fc2", fc2_weights, fc2_bias)
     if fc1.packed != fc2.packed or len(w1) != len(w2):
         raise ValueError(
             f"fc1_weights and fc2_weights differ in layout ({len(w1)} "
             f"{'packed' if fc1.packed else 'per-expert'} vs {len(w2)} "
             f"{'packed' if fc2.packed else 'per-expert'}); expected the same"
         )
-    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], "grouped_mlp")
-    hidden = x.shape[-1] if x.dim() == 2 else -1
+    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], owner)
+    hidden = None
     if not is_distributed_weight(w1[0]):
-        hidden = _check_mlp_shapes(w1[0], fc1.names[0], w2[0], fc2.names[0])
-    check_mlp_inputs(x, probs, hidden)
+        hidden = check_mlp_shapes(w1[0], fc1.names[0], w2[0], fc2.names[0])
     layout = MLPLayout(
         fc1=WeightGroupSpec(fc1.names, fc1.packed, accumulate_into_main_grad),
         fc2=WeightGroupSpec(fc2.names, fc2.packed, accumulate_into_main_grad),
         num_weights=len(w1),
         num_biases=len(b1),
     )
-    return apply_grouped_mlp(x, splits, probs, layout, None, [*w1, *b1, *w2, *b2])
+    return layout, [*w1, *b1, *w2, *b2], hidden

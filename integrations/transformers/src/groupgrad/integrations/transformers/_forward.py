@@ -11,9 +11,12 @@ slots, ``E`` experts, ``H`` hidden size, ``F`` expert width.
     y_SH  = experts(x_SH)      grouped_mlp (fused) or grouped_linear ∘ gate ∘ grouped_linear
     out_TH = Σ_j y[slot t·k + j] · top_k_weights[t, j]   (fp32 sum, one rounding)
 
-The router weight multiplies each slot's expert output, as the model does;
-inside the fused MLP it scales the SwiGLU output instead (the same value: fc2
-is linear and has no bias there). Weight gradients go to autograd in each
+The router weight multiplies each slot's expert output, as the model does.
+Where the fused MLP is followed by nothing (no bias, no post-expert norm) the
+three steps are one op, :func:`~groupgrad.modules.routed_grouped_mlp`: the
+router weight scales the SwiGLU output inside it (the same value: fc2 is
+linear and has no bias there), and it keeps no ``(S, H)`` tensor from forward
+to backward — the peak memory of ``grouped_mm``'s chain or lower. Weight gradients go to autograd in each
 parameter's ``grad_dtype`` straight from the GEMM epilogue (the module's own
 packed parameters are passed to the grouped ops, not copies).
 """
@@ -32,7 +35,7 @@ from groupgrad.integrations.transformers._ep import (
 )
 from groupgrad.integrations.transformers._route import experts_route
 from groupgrad.integrations.transformers._version import check_expert_parallel_support
-from groupgrad.modules import grouped_linear, grouped_mlp
+from groupgrad.modules import grouped_linear, grouped_mlp, routed_grouped_mlp
 
 __all__ = ["groupgrad_experts_forward", "tokens_per_expert"]
 
@@ -181,19 +184,16 @@ def groupgrad_experts_forward(
             f"has dtype {up.dtype}; expected one dtype (or torch.autocast), as the eager "
             "experts require"
         )
+    if route.probs_in_mlp:  # gather, fused MLP and combine in one op: the lowest peak memory
+        # a "no expert" choice rides along with the last expert at router weight 0
+        weights_Tk = top_k_weights.masked_fill(top_k_index >= num_experts, 0)
+        out_TH = routed_grouped_mlp(hidden_states, up, down, perm_S, splits_E, weights_Tk)
+        return out_TH.to(hidden_states.dtype)
     x_SH = hidden_states[perm_S // top_k]
     probs_S = top_k_weights.reshape(-1)[perm_S]
 
     if route.fused:
-        y_SH = grouped_mlp(
-            x_SH,
-            up,
-            down,
-            splits_E,
-            probs_S if route.probs_in_mlp else None,
-            fc1_bias=up_bias,
-            fc2_bias=down_bias,
-        )
+        y_SH = grouped_mlp(x_SH, up, down, splits_E, fc1_bias=up_bias, fc2_bias=down_bias)
     else:
         h_SN = grouped_linear(x_SH, _as_out_in(up, route.transposed), splits_E, up_bias)
         gate = cast(Callable[[Tensor], Tensor], self._apply_gate if has_gate else self.act_fn)
@@ -201,8 +201,7 @@ def groupgrad_experts_forward(
         y_SH = grouped_linear(a_SF, _as_out_in(down, route.transposed), splits_E, down_bias)
     if getattr(self, "has_post_expert_norm", False):
         y_SH = cast(Callable[[Tensor], Tensor], self.post_expert_norm)(y_SH)
-    if not route.probs_in_mlp:
-        y_SH = y_SH * probs_S.unsqueeze(-1)
+    y_SH = y_SH * probs_S.unsqueeze(-1)
     y_SH = torch.where((sorted_ids_S < num_experts).unsqueeze(-1), y_SH, 0)
 
     unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)

@@ -524,4 +524,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "        ctx.save_for_backward(*saved, x_TK)",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
+    # --- routed_grouped_mlp (gather, fused MLP, combine as one op)
+    Mutant(
+        "routed-keeps-fc1-output",
+        "routed_grouped_mlp's backward keeps fc1's output until it returns (peak memory up by h)",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "        t.untyped_storage().resize_(0)",
+        "        pass",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
+        "routed-router-grads-in-expert-order",
+        "routed_grouped_mlp returns the router weights' gradient in expert (slot-sorted) order",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "        dweights_Tk = flat.index_copy_(0, slots_S, dprobs_S).view(shape)",
+        "        dweights_Tk = flat.copy_(dprobs_S).view(shape)",
+        (f"{MODULES}/test_routed.py",),
+    ),
 )

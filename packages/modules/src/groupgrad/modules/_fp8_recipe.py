@@ -1,6 +1,7 @@
 """``fp8_recipe``: the one rule for its values, and the blockwise recipe's quantizations.
 
-Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features, ``C`` any
+activation's channels.
 
 ``"blockwise"`` (Hopper's FP8 recipe, DESIGN "Kernels"): e4m3 data with fp32
 scales, ``(1, 128)`` blocks of ``x`` and ``dy`` for fprop and dgrad,
@@ -86,17 +87,28 @@ class Fp8Blockwise:
         return cast(tuple[Fp8Blocks, Fp8Blocks], both)
 
     def quantize_grad(
-        self, dy_TN: Tensor, splits: Splits, *, rows: bool, tokens: bool
+        self, dy_TN: Tensor, splits: Splits, *, rows: bool, tokens: bool, what: str = "dy"
     ) -> tuple[Fp8Blocks | None, Fp8Blocks | None]:
-        """``dy``'s ``(1, 128)`` form (dgrad) and ``(128, 1)`` form (wgrad), those asked for."""
+        """``dy``'s ``(1, 128)`` form (dgrad) and ``(128, 1)`` form (wgrad), those asked for.
+
+        ``what`` names the gradient in argument errors.
+        """
         if rows and tokens:
-            both = _quantized(dy_TN, "dy", block=(ROWS, TOKENS), splits=splits)
+            both = _quantized(dy_TN, what, block=(ROWS, TOKENS), splits=splits)
             return cast(tuple[Fp8Blocks, Fp8Blocks], both)
         if rows:
-            return _quantized(dy_TN, "dy", block=ROWS), None
+            return self.quantize_rows(dy_TN, what), None
         if tokens:
-            return None, _quantized(dy_TN, "dy", block=TOKENS, splits=splits)
+            return None, self.quantize_tokens(dy_TN, splits, what)
         return None, None
+
+    def quantize_rows(self, t_TC: Tensor, what: str) -> Fp8Blocks:
+        """``t``'s ``(1, 128)`` form: an fprop/dgrad operand, or an activation kept for backward."""
+        return cast(Fp8Blocks, _quantized(t_TC, what, block=ROWS))
+
+    def quantize_tokens(self, t_TC: Tensor, splits: Splits, what: str) -> Fp8Blocks:
+        """``t``'s ``(128, 1)`` form, 128-token blocks inside each expert's rows (a wgrad operand)."""
+        return cast(Fp8Blocks, _quantized(t_TC, what, block=TOKENS, splits=splits))
 
     def weights(
         self,

@@ -9,15 +9,16 @@ import torch
 from torch import Tensor
 
 from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
+from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes
 from groupgrad.modules._group import Splits
 from groupgrad.modules._linear import GroupedLinear, check_sizes
-from groupgrad.modules._mlp_fn import (
+from groupgrad.modules._mlp_args import (
     MLPLayout,
-    apply_grouped_mlp,
     check_activation,
     check_distributed_pairing,
     check_mlp_inputs,
 )
+from groupgrad.modules._mlp_fn import apply_grouped_mlp, mlp_forms
 
 __all__ = ["GroupedMLP"]
 
@@ -73,10 +74,24 @@ class GroupedMLP(GroupedModule):
         delay_wgrad_compute: Backward computes only the input, ``probs`` and
             bias gradients; both weight-gradient GEMMs run at
             :meth:`backward_dw`.
+        fp8_recipe: ``None`` (GEMMs in the input's dtype) or ``"blockwise"``:
+            the four GEMMs in FP8 e4m3 with fp32 block scales, as
+            :class:`~groupgrad.modules.GroupedLinear` runs them (``fc1`` and
+            ``fc2`` get the same recipe). ``x``, ``a`` (fc2's input), ``dy``
+            and ``dh`` (fc1's output gradient) are each quantized into the
+            ``(1, 128)`` and ``(128, 1)`` forms their GEMMs read, from the
+            unquantized tensor. Backward keeps ``x``'s ``(128, 1)`` form and
+            fc1's output ``h`` in its ``(1, 128)`` form (about half the bf16
+            bytes), and the SwiGLU reads that ``h`` dequantized in forward
+            and backward alike, so the recomputed ``a`` is the forward's.
+            ``hidden_size`` and ``ffn_hidden_size`` must be multiples of 128.
+            Parameters keep their dtype and every ``main_grad`` option works
+            as without FP8. See :meth:`forward`'s ``is_first_microbatch``.
 
     Raises:
         ValueError: A size is not a positive int, or ``activation`` is not
-            ``"swiglu"``.
+            ``"swiglu"``; ``fp8_recipe`` is not ``None`` or ``"blockwise"``,
+            or with ``"blockwise"`` a size is not a multiple of 128.
     """
 
     _repr_fields = (
@@ -85,6 +100,7 @@ class GroupedMLP(GroupedModule):
         ("ffn_hidden_size", "ffn_hidden_size"),
         ("activation", "activation"),
         *FLAG_REPR_FIELDS,
+        ("fp8_recipe", "fp8_recipe"),
     )
 
     def __init__(
@@ -100,13 +116,17 @@ class GroupedMLP(GroupedModule):
         single_grouped_weight: bool = False,
         accumulate_into_main_grad: bool = False,
         delay_wgrad_compute: bool = False,
+        fp8_recipe: str | None = None,
     ) -> None:
         check_sizes(num_groups=num_groups, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation, "GroupedMLP")
+        if check_fp8_recipe(fp8_recipe) is not None:
+            check_fp8_sizes(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         super().__init__(num_groups, bias, single_grouped_weight, delay_wgrad_compute)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
+        self.fp8_recipe = fp8_recipe
 
         def layer(in_features: int, out_features: int) -> GroupedLinear:
             return GroupedLinear(
@@ -119,6 +139,7 @@ class GroupedMLP(GroupedModule):
                 single_grouped_weight=single_grouped_weight,
                 accumulate_into_main_grad=accumulate_into_main_grad,
                 delay_wgrad_compute=delay_wgrad_compute,
+                fp8_recipe=fp8_recipe,
             )
 
         self.fc1 = layer(hidden_size, 2 * ffn_hidden_size)
@@ -139,7 +160,13 @@ class GroupedMLP(GroupedModule):
         self.fc1.reset_parameters()
         self.fc2.reset_parameters()
 
-    def forward(self, x: Tensor, splits: Splits, probs: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        splits: Splits,
+        probs: Tensor | None = None,
+        is_first_microbatch: bool | None = None,
+    ) -> Tensor:
         """Apply every expert's MLP to its rows, scaled per token by ``probs``.
 
         Args:
@@ -151,6 +178,14 @@ class GroupedMLP(GroupedModule):
             probs: ``(T,)`` router probability of each row (any floating
                 dtype; it receives a gradient in its dtype), or ``None`` for
                 ones.
+            is_first_microbatch: The FP8 weight caches of ``fc1`` and ``fc2``
+                (ignored without ``fp8_recipe``), exactly as
+                :meth:`GroupedLinear.forward <groupgrad.modules.GroupedLinear.forward>`
+                uses its own: ``None`` quantizes the weights at every GEMM;
+                ``True`` quantizes and caches; ``False`` reuses a cache that
+                still matches. After a write through ``.data`` pass ``True``.
+                ``DistributedWeight`` groups are never cached; not under
+                ``torch.compile``.
 
         Returns:
             ``(T, H)`` output in ``x``'s dtype, or in the autocast dtype under
@@ -163,9 +198,12 @@ class GroupedMLP(GroupedModule):
             ValueError: ``x`` is not ``(T, H)``; ``probs`` is not ``(T,)`` or
                 on another device; fc1 and fc2 are not both distributed or
                 both plain (the kernels check ``splits``, dtypes and devices).
-            TypeError: ``probs`` is not a floating-point tensor.
+            TypeError: ``probs`` is not a floating-point tensor, or
+                ``is_first_microbatch`` not ``None`` or a bool.
         """
         check_mlp_inputs(x, probs, self.hidden_size)
+        caches = (self.fc1._fp8_weights, self.fc2._fp8_weights)
+        forms = mlp_forms(self.fp8_recipe, caches, is_first_microbatch)
         fc1_weights, fc1_biases = self.fc1.current_parameters()
         fc2_weights, fc2_biases = self.fc2.current_parameters()
         fc1, fc2 = self.fc1.group_spec("fc1"), self.fc2.group_spec("fc2")
@@ -174,4 +212,4 @@ class GroupedMLP(GroupedModule):
         )
         layout = MLPLayout(fc1, fc2, num_weights=len(fc1_weights), num_biases=len(fc1_biases))
         params = [*fc1_weights, *fc1_biases, *fc2_weights, *fc2_biases]
-        return apply_grouped_mlp(x, splits, probs, layout, self._forward_queue(), params)
+        return apply_grouped_mlp(x, splits, probs, layout, self._forward_queue(), params, forms)

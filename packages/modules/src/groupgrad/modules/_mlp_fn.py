@@ -33,6 +33,14 @@ With ``delay_wgrad_compute`` both wgrads go into one job of the module's
 :class:`~groupgrad.modules._wgrad.WgradQueue`; ``backward_dw()`` runs them
 (fc2, then fc1).
 
+With ``fp8_recipe="blockwise"`` the same Function and backward run the FP8
+GEMMs; :class:`~groupgrad.modules._mlp_forms.MLPForms` says which form of
+each tensor a step reads and what is kept: ``x``'s ``(128, 1)`` form and
+``h``'s ``(1, 128)`` form instead of the bf16 ``x`` and ``h`` (about
+``1.03·(H + 2F)`` bytes per token, roughly half), the SwiGLU reading ``h``
+dequantized in both directions. Bias gradients sum the unquantized ``dy`` and
+``dh``; ``dprobs`` comes from the bf16 SwiGLU backward as without FP8.
+
 ``splits`` is copied at forward; under ``torch.autocast`` the GEMMs run in
 the autocast dtype (``x`` cast before the op, the materialized weights inside
 it) and the wgrads still reach each parameter in its ``grad_dtype``.
@@ -43,7 +51,6 @@ parameters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,75 +58,48 @@ from torch import Tensor
 
 from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
+from groupgrad.modules._fp8_cache import Fp8WeightCache
+from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
 from groupgrad.modules._grads import LayerGrads
 from groupgrad.modules._group import (
     Splits,
-    WeightGroupSpec,
     autocast_input,
-    check_biases,
     device_splits,
     expert_index,
     no_autocast,
     snapshot_splits,
 )
 from groupgrad.modules._linear_fn import add_bias, layer_dgrad, layer_fprop, stack_bias
+from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported for _routed
+    MLPLayout,
+    check_activation,
+    check_mlp_inputs,
+    mlp_arguments,
+)
+from groupgrad.modules._mlp_forms import MLPForms
+from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue
 from groupgrad.protocol import is_distributed_weight
 
 __all__ = [
-    "ACTIVATIONS",
     "GroupedMLPFunction",
     "MLPLayout",
     "apply_grouped_mlp",
     "check_activation",
-    "check_distributed_pairing",
     "check_mlp_inputs",
-    "check_mlp_shapes",
     "grouped_mlp",
-    "layer_group",
     "mlp_arguments",
+    "mlp_forms",
 ]
-
-ACTIVATIONS = ("swiglu",)
-
-
-@dataclass(frozen=True)
-class MLPLayout:
-    """How the flat parameter list of :class:`GroupedMLPFunction` splits into fc1 and fc2.
-
-    ``apply`` receives ``*fc1_weights, *fc1_biases, *fc2_weights, *fc2_biases``;
-    fc1 and fc2 have the same layout (per-expert or packed, bias or not).
-
-    Attributes:
-        fc1: fc1's weight layout.
-        fc2: fc2's weight layout.
-        num_weights: Weight parameters per layer (``E``, or 1 when packed).
-        num_biases: Bias parameters per layer (0 without bias).
-    """
-
-    fc1: WeightGroupSpec
-    fc2: WeightGroupSpec
-    num_weights: int
-    num_biases: int
-
-    def split(
-        self, params: Sequence[Tensor]
-    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """``(fc1 weights, fc1 biases, fc2 weights, fc2 biases)``."""
-        per_layer = self.num_weights + self.num_biases
-        if len(params) != 2 * per_layer:
-            raise ValueError(f"got {len(params)} parameters, expected {2 * per_layer}")
-        fc1, fc2 = tuple(params[:per_layer]), tuple(params[per_layer:])
-        w = self.num_weights
-        return fc1[:w], fc1[w:], fc2[:w], fc2[w:]
 
 
 class GroupedMLPFunction(torch.autograd.Function):
     """``y = fc2(silu(h[:, :F]) * h[:, F:] * probs[:, None])``, ``h = fc1(x)``: one backward.
 
-    ``apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)`` with ``params``
-    ordered as :class:`MLPLayout` says; ``probs_T`` may be ``None``; ``queue``
-    is the module's wgrad queue with ``delay_wgrad_compute``, else ``None``.
+    ``apply(x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params)`` with
+    ``params`` ordered as :class:`MLPLayout` says; ``probs_T`` may be ``None``;
+    ``queue`` is the module's wgrad queue with ``delay_wgrad_compute``, else
+    ``None``; ``forms`` the bf16 or FP8 operand forms (:class:`MLPForms`).
     """
 
     @staticmethod
@@ -131,26 +111,37 @@ class GroupedMLPFunction(torch.autograd.Function):
         layout: MLPLayout,
         queue: WgradQueue | None,
         cast_dtype: torch.dtype | None,
+        forms: MLPForms,
         *params: Tensor,
     ) -> Tensor:
         w1, b1, w2, b2 = layout.split(params)
         T = x_TH.shape[0]
         with no_autocast(x_TH.device):
-            h_T2F, ctx.fc1, num_groups = layer_fprop(x_TH, splits, layout.fc1, w1, cast_dtype)
+            x_gemm, x_kept = forms.input(x_TH, splits)
+            h_T2F, ctx.fc1, num_groups = layer_fprop(
+                x_gemm, splits, layout.fc1, w1, cast_dtype, fp8=forms.fc1
+            )
             splits = device_splits(splits, x_TH.device)  # checked by fc1; for fc2 and backward
             expert_T = None
             if layout.num_biases:
                 expert_T = expert_index(splits, num_groups, T, x_TH.device)
                 h_T2F = add_bias(h_T2F, stack_bias(b1, layout.fc1.packed), expert_T)
+            h_T2F, h_kept = forms.fc1_output(h_T2F)
 
             a_TF = swiglu_probs(h_T2F, probs_T)
 
-            y_TH, ctx.fc2, _ = layer_fprop(a_TF, splits, layout.fc2, w2, cast_dtype)
+            y_TH, ctx.fc2, _ = layer_fprop(
+                forms.fc2_input(a_TF), splits, layout.fc2, w2, cast_dtype, fp8=forms.fc2
+            )
             del a_TF  # recomputed by backward's SwiGLU pass
             if expert_T is not None:
                 y_TH = add_bias(y_TH, stack_bias(b2, layout.fc2.packed), expert_T)
 
-        ctx.save_for_backward(x_TH, h_T2F, probs_T)
+        (x_form, x_parts), (h_form, h_parts) = take_apart(x_kept), take_apart(h_kept)
+        ctx.save_for_backward(*x_parts, *h_parts, probs_T)
+        ctx.kept_forms = (x_form, h_form)
+        ctx.tokens = T
+        ctx.forms = forms
         ctx.splits = splits
         ctx.layout = layout
         ctx.queue = queue
@@ -160,93 +151,52 @@ class GroupedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_TH: Tensor) -> tuple[Tensor | None, ...]:
-        x_TH, h_T2F, probs_T = ctx.saved_tensors
+        saved = iter(ctx.saved_tensors)
+        x_form, h_form = ctx.kept_forms
+        x_kept = put_together(x_form, saved, ctx.tokens, ctx.splits)
+        h_kept = put_together(h_form, saved, ctx.tokens, ctx.splits)
+        probs_T = next(saved)
         with no_autocast(dy_TH.device):
-            return _mlp_backward(ctx, dy_TH.contiguous(), x_TH, h_T2F, probs_T)
+            return _mlp_backward(ctx, dy_TH.contiguous(), x_kept, h_kept, probs_T)
 
 
 def _mlp_backward(
-    ctx: Any, dy_TH: Tensor, x_TH: Tensor, h_T2F: Tensor, probs_T: Tensor | None
+    ctx: Any, dy_TH: Tensor, x_kept: Operand, h_kept: Operand, probs_T: Tensor | None
 ) -> tuple[Tensor | None, ...]:
     layout: MLPLayout = ctx.layout
+    forms: MLPForms = ctx.forms
     w1, b1, w2, b2 = ctx.params
     splits = ctx.splits
-    da_TF = layer_dgrad(dy_TH, splits, layout.fc2, w2, ctx.cast_dtype)
-    dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
-    del da_TF
     fc2 = LayerGrads(ctx.fc2, b2, ("dy", "fc2's input"))
     fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"))
-    # fc1's wgrad needs only dh and x: both wgrads (and their main_grad checks) run now
-    grads = hand_over([fc2, fc1], [dy_TH, dh_T2F], [a_TF, x_TH], splits, ctx.queue)
+    fc2_trains = fc2.target.trainable()
+    dy_dgrad, dy_wgrad = forms.grad(dy_TH, splits, "fc2", rows=True, tokens=fc2_trains)
+    da_TF = layer_dgrad(dy_dgrad, splits, layout.fc2, w2, ctx.cast_dtype, fp8=forms.fc2)
+    del dy_dgrad
+    dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, forms.swiglu_input(h_kept), probs_T)
+    del da_TF, h_kept
+    a_wgrad = forms.fc2_wgrad_input(a_TF, splits, needed=fc2_trains)
     del a_TF
+    dh_dgrad, dh_wgrad = forms.grad(
+        dh_T2F, splits, "fc1", rows=ctx.needs_input_grad[0], tokens=fc1.target.trainable()
+    )
+    # fc1's wgrad needs only dh and x: both wgrads (and their main_grad checks) run now
+    grads = hand_over(
+        [fc2, fc1],
+        [dy_wgrad, dh_wgrad],
+        [a_wgrad, x_kept],
+        splits,
+        ctx.queue,
+        bias_dys=forms.bias_dys(dy_TH, dh_T2F),
+    )
+    del a_wgrad, dy_wgrad, dh_wgrad
     fc2_grads, fc1_grads = grads[: len(fc2.params)], grads[len(fc2.params) :]
 
     dx_TH = None
-    if ctx.needs_input_grad[0]:
-        dx_TH = layer_dgrad(dh_T2F, splits, layout.fc1, w1, ctx.cast_dtype)
+    if ctx.needs_input_grad[0] and dh_dgrad is not None:
+        dx_TH = layer_dgrad(dh_dgrad, splits, layout.fc1, w1, ctx.cast_dtype, fp8=forms.fc1)
     dprobs_T = dprobs_T if ctx.needs_input_grad[2] else None
-    return (dx_TH, None, dprobs_T, None, None, None, *fc1_grads, *fc2_grads)
-
-
-def check_activation(activation: object, owner: str) -> None:
-    """Raise ``ValueError`` unless ``activation`` is one the fused MLP supports."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation is {activation!r}; {owner} supports only "
-            f"{', '.join(repr(a) for a in ACTIVATIONS)}"
-        )
-
-
-def check_mlp_inputs(x: object, probs: object, hidden_size: int) -> None:
-    """Check ``x`` is ``(T, H)`` and ``probs`` is ``None`` or a floating ``(T,)`` on ``x``'s device.
-
-    Raises:
-        ValueError: A shape or device mismatch.
-        TypeError: ``probs`` is not a floating-point tensor.
-    """
-    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != hidden_size:
-        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(
-            f"x has shape {shape}, expected (tokens, {hidden_size}) for hidden_size={hidden_size}"
-        )
-    if probs is None:
-        return
-    if not isinstance(probs, Tensor):
-        raise TypeError(f"probs is a {type(probs).__name__}, expected a Tensor or None")
-    if tuple(probs.shape) != (x.shape[0],):
-        raise ValueError(
-            f"probs has shape {tuple(probs.shape)}, expected (T,) = ({x.shape[0]},): one "
-            "router probability per row of x"
-        )
-    if not probs.dtype.is_floating_point:
-        raise TypeError(f"probs has dtype {probs.dtype}, expected a floating-point dtype")
-    if probs.device != x.device:
-        raise ValueError(f"probs is on {probs.device}, expected x's device {x.device}")
-
-
-def check_distributed_pairing(
-    fc1_leader: Tensor, fc1_name: str, fc2_leader: Tensor, fc2_name: str, owner: str
-) -> None:
-    """Raise ``ValueError`` unless fc1 and fc2 are both distributed or both plain."""
-    fc1_distributed = is_distributed_weight(fc1_leader)
-    if fc1_distributed == is_distributed_weight(fc2_leader):
-        return
-    distributed, plain = (fc1_name, fc2_name) if fc1_distributed else (fc2_name, fc1_name)
-    raise ValueError(
-        f"{distributed} is a DistributedWeight but {plain} is a plain tensor; {owner} needs fc1 "
-        "and fc2 both distributed or both plain"
-    )
-
-
-def check_mlp_shapes(fc1: Tensor, fc1_name: str, fc2: Tensor, fc2_name: str) -> int:
-    """Check fc1 is ``(·, 2F, H)`` and fc2 ``(·, H, F)`` with one ``E``; return ``H``."""
-    (*e1, two_f, hidden), (*e2, out, ffn) = fc1.shape, fc2.shape
-    if two_f != 2 * ffn or out != hidden or e1 != e2:
-        raise ValueError(
-            f"{fc1_name} has shape {tuple(fc1.shape)} and {fc2_name} has shape "
-            f"{tuple(fc2.shape)}; expected fc1 (·, 2F, H) and fc2 (·, H, F) with one E, F and H"
-        )
-    return int(hidden)
+    return (dx_TH, None, dprobs_T, None, None, None, None, *fc1_grads, *fc2_grads)
 
 
 def apply_grouped_mlp(
@@ -256,56 +206,30 @@ def apply_grouped_mlp(
     layout: MLPLayout,
     queue: WgradQueue | None,
     params: Sequence[Tensor],
+    forms: MLPForms | None = None,
 ) -> Tensor:
-    """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on."""
+    """Run :class:`GroupedMLPFunction`, in autocast's dtype where autocast is on.
+
+    ``forms``: the FP8 operand forms (``None``: bf16, ``MLPForms()``).
+    """
     refuse_derived_parameters(params, layout.fc1.names[0])
     x_TH, cast_dtype = autocast_input(x_TH)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
-    return GroupedMLPFunction.apply(x_TH, splits, probs_T, layout, queue, cast_dtype, *params)
+    forms = MLPForms() if forms is None else forms
+    return GroupedMLPFunction.apply(
+        x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params
+    )
 
 
-def layer_group(
-    name: str, weights: object, bias: Tensor | Sequence[Tensor] | None
-) -> tuple[WeightGroupSpec, list[Tensor], list[Tensor]]:
-    """One layer's weights and biases as a spec and parameter lists (functional form)."""
-    if isinstance(weights, Tensor):
-        if weights.dim() != 3 and not is_distributed_weight(weights):
-            raise ValueError(
-                f"{name}_weights has shape {tuple(weights.shape)}, expected (E, ·, ·) or a "
-                "sequence of E 2-D tensors"
-            )
-        members: list[Tensor] = [weights]
-        names: tuple[str, ...] = (f"{name}_weights",)
-    elif isinstance(weights, Sequence) and not isinstance(weights, str | bytes) and weights:
-        members = list(weights)
-        for index, w in enumerate(members):
-            if not isinstance(w, Tensor):
-                raise TypeError(
-                    f"{name}_weights[{index}] is a {type(w).__name__}, expected a Tensor"
-                )
-        names = tuple(f"{name}_weights[{i}]" for i in range(len(members)))
-    else:
-        raise TypeError(
-            f"{name}_weights is {type(weights).__name__}, expected an (E, ·, ·) tensor or a "
-            "non-empty sequence of E 2-D tensors"
-        )
-    packed = isinstance(weights, Tensor)
-    biases: list[Tensor] = []
-    if bias is not None:
-        if packed != isinstance(bias, Tensor):
-            raise ValueError(
-                f"{name}_bias is a {type(bias).__name__}; expected a packed (E, ·) tensor with "
-                f"packed {name}_weights, or a sequence of E 1-D tensors with per-expert weights"
-            )
-        biases = [bias] if isinstance(bias, Tensor) else list(bias)
-        if len(biases) != len(members):
-            raise ValueError(
-                f"{name}_bias has {len(biases)} entries, expected {len(members)} (one per "
-                f"{name} weight)"
-            )
-        if not is_distributed_weight(members[0]):
-            check_biases(biases, members, packed, f"{name}_bias", f"{name}_weights")
-    return WeightGroupSpec(names, packed, False), members, biases
+def mlp_forms(
+    fp8_recipe: str | None,
+    caches: tuple[Fp8WeightCache | None, Fp8WeightCache | None],
+    is_first_microbatch: bool | None,
+) -> MLPForms:
+    """The operand forms of one forward: bf16, or FP8 with fc1's and fc2's cache use resolved."""
+    fc1 = fp8_for_forward(fp8_recipe, caches[0], is_first_microbatch)
+    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch)
+    return MLPForms(fc1, fc2)
 
 
 def grouped_mlp(
@@ -319,6 +243,7 @@ def grouped_mlp(
     fc2_bias: Tensor | Sequence[Tensor] | None = None,
     activation: str = "swiglu",
     accumulate_into_main_grad: bool = False,
+    fp8_recipe: str | None = None,
 ) -> Tensor:
     """Fused grouped SwiGLU MLP: ``fc2(silu(h[:, :F]) * h[:, F:] * probs[:, None])``, ``h = fc1(x)``.
 
@@ -346,16 +271,26 @@ def grouped_mlp(
         accumulate_into_main_grad: Write each weight's gradient into its
             ``main_grad`` (adding, or overwriting where ``overwrite_main_grad``
             is set when the GEMM runs) instead of returning it to autograd.
+        fp8_recipe: ``None`` (GEMMs in ``x``'s dtype) or ``"blockwise"``:
+            the four GEMMs in FP8 e4m3 with fp32 block scales, as
+            :func:`~groupgrad.modules.grouped_linear` runs them (weights
+            quantized at every GEMM, nothing cached). Backward keeps ``x``'s
+            ``(128, 1)`` form and ``h``'s ``(1, 128)`` form, which the SwiGLU
+            reads dequantized in forward and backward alike. ``H`` and ``F``
+            must be multiples of 128. Parameters stay as they are.
 
     Returns:
         ``(T, H)`` output in ``x``'s dtype (the autocast dtype under autocast).
 
     Raises:
-        ValueError: A shape, layout, device or activation mismatch.
+        ValueError: A shape, layout, device or activation mismatch;
+            ``fp8_recipe`` is not ``None`` or ``"blockwise"``, or with
+            ``"blockwise"`` ``H`` or ``F`` is not a multiple of 128.
         TypeError: An argument of the wrong type.
         RuntimeError: ``main_grad`` is missing or malformed (at backward).
     """
     check_activation(activation, "grouped_mlp")
+    recipe = check_fp8_recipe(fp8_recipe)
     if not isinstance(x, Tensor):
         raise TypeError(f"x is a {type(x).__name__}, expected a Tensor")
     layout, params, hidden = mlp_arguments(
@@ -364,50 +299,11 @@ def grouped_mlp(
     if hidden is None:  # a DistributedWeight group: its implementer owns the shapes
         hidden = x.shape[-1] if x.dim() == 2 else -1
     check_mlp_inputs(x, probs, hidden)
-    return apply_grouped_mlp(x, splits, probs, layout, None, params)
-
-
-def mlp_arguments(
-    fc1_weights: Tensor | Sequence[Tensor],
-    fc2_weights: Tensor | Sequence[Tensor],
-    fc1_bias: Tensor | Sequence[Tensor] | None,
-    fc2_bias: Tensor | Sequence[Tensor] | None,
-    accumulate_into_main_grad: bool,
-    owner: str,
-) -> tuple[MLPLayout, list[Tensor], int | None]:
-    """A functional fused MLP's weights and biases as a layout and its parameter list.
-
-    Returns:
-        The layout, the parameters (``*fc1 weights, *fc1 biases, *fc2 weights,
-        *fc2 biases``) and ``H`` (``None`` for a ``DistributedWeight`` group,
-        whose shapes are its implementer's).
-
-    Raises:
-        ValueError: A shape or layout mismatch between fc1 and fc2 or their biases.
-        TypeError: A weight that is not a tensor.
-    """
-    if (fc1_bias is None) != (fc2_bias is None):
-        raise ValueError(
-            "fc1_bias and fc2_bias must be given both or neither, got "
-            f"fc1_bias={'None' if fc1_bias is None else 'a bias'} and "
-            f"fc2_bias={'None' if fc2_bias is None else 'a bias'}"
-        )
-    fc1, w1, b1 = layer_group("fc1", fc1_weights, fc1_bias)
-    fc2, w2, b2 = layer_group("fc2", fc2_weights, fc2_bias)
-    if fc1.packed != fc2.packed or len(w1) != len(w2):
-        raise ValueError(
-            f"fc1_weights and fc2_weights differ in layout ({len(w1)} "
-            f"{'packed' if fc1.packed else 'per-expert'} vs {len(w2)} "
-            f"{'packed' if fc2.packed else 'per-expert'}); expected the same"
-        )
-    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], owner)
-    hidden = None
-    if not is_distributed_weight(w1[0]):
-        hidden = check_mlp_shapes(w1[0], fc1.names[0], w2[0], fc2.names[0])
-    layout = MLPLayout(
-        fc1=WeightGroupSpec(fc1.names, fc1.packed, accumulate_into_main_grad),
-        fc2=WeightGroupSpec(fc2.names, fc2.packed, accumulate_into_main_grad),
-        num_weights=len(w1),
-        num_biases=len(b1),
-    )
-    return layout, [*w1, *b1, *w2, *b2], hidden
+    if recipe is not None:
+        sizes = {"hidden size (x's columns)": hidden}
+        fc2_leader = params[layout.num_weights + layout.num_biases]
+        if not is_distributed_weight(fc2_leader):  # a distributed group's shapes are its own
+            sizes["ffn size (fc2_weights' last dimension)"] = fc2_leader.shape[-1]
+        check_fp8_sizes(**sizes)
+    forms = mlp_forms(recipe, (None, None), None)
+    return apply_grouped_mlp(x, splits, probs, layout, None, params, forms)

@@ -10,23 +10,43 @@ as random values for accumulate. The fake leaders' forward materialization
 scales the weights by 2 and the backward one by 4, so the test sees which
 weights each GEMM used.
 
+Each case runs with ``fp8_recipe=None`` and ``"blockwise"``. For FP8 the
+fp64 reference multiplies the dequantized FP8 form each GEMM must read, each
+quantized (in the test, from the fp64 chain rounded to the module's dtype)
+from the unquantized tensor: ``x``'s and ``a``'s ``(1, 128)`` forms and the
+forward's weights for the fprops, ``dy``'s and ``dh``'s ``(1, 128)`` forms and
+the backward's weights for the dgrads, the ``(128, 1)`` forms of ``dy``/``a``
+and ``dh``/``x`` for the wgrads; the SwiGLU (PyTorch's, fp64) reads ``h``'s
+dequantized ``(1, 128)`` form in forward and backward; bias gradients sum the
+unquantized ``dy`` and ``dh``. A GEMM fed another form, a form derived from
+another FP8 form, or an ``a`` other than the forward's misses the 1e-5.
+
 Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch import Tensor
 from torch.nn import functional as F
 
+from groupgrad.kernels import quantize_fp8
 from groupgrad.modules import GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight
 from groupgrad_testsupport import matrix
 from groupgrad_testsupport.matrix import Case
 
-E, H, FFN = 4, 16, 8
-SPLITS = [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]]
+E = 4
+SIZES = {None: (16, 8), "blockwise": (128, 128)}  # recipe -> (H, F): FP8 blocks are 128 wide
+SPLITS = {
+    None: [[0, 5, 0, 7], [4, 0, 6, 3], [6, 2, 5, 0]],
+    "blockwise": [[0, 5, 0, 137], [4, 0, 6, 3], [6, 2, 5, 0]],  # an expert of two token blocks
+}
 WITH_PROBS = [True, False, True]
+ROWS, WEIGHTS, TOKENS = (1, 128), (128, 128), (128, 1)
 
 
 # zero_out_wgrad concerns the main_grad dummy only
@@ -38,9 +58,11 @@ def _layer_weights(module: GroupedMLP, layer: str) -> list[torch.Tensor]:
     return [getattr(linear, n) for n in linear.weight_names]
 
 
-def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
+def _build(case: Case, seed: int, recipe: str | None) -> tuple[GroupedMLP, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    module = GroupedMLP(E, H, FFN, **matrix.module_flags(case), dtype=torch.float32)
+    H, FFN = SIZES[recipe]
+    flags = matrix.module_flags(case)
+    module = GroupedMLP(E, H, FFN, **flags, dtype=torch.float32, fp8_recipe=recipe)
     if case.kind == "distributed":
         matrix.distribute_fake(module.fc1, case.main_grad)
         matrix.distribute_fake(module.fc2, case.main_grad)
@@ -48,6 +70,29 @@ def _build(case: Case, seed: int) -> tuple[GroupedMLP, list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed + 1)
     matrix.attach_main_grads(weights, case.main_grad, zero_out=case.zero_out, generator=generator)
     return module, weights
+
+
+def _reader(recipe: str | None, splits: list[int]) -> Callable[[Tensor, tuple[int, int]], Tensor]:
+    """What a step reads of an fp64 tensor in ``block``: itself, or its FP8 form dequantized.
+
+    The FP8 form is quantized from the tensor rounded to the module's dtype
+    (fp32), as the module quantizes its own fp32 tensor.
+    """
+
+    def read(t64: Tensor, block: tuple[int, int]) -> Tensor:
+        if recipe is None:
+            return t64
+        how = {"splits": splits} if block == TOKENS else {}
+        blocks = quantize_fp8(t64.float(), block=block, **how)
+        return torch.as_tensor(blocks.dequantize()).double()  # type: ignore[union-attr]
+
+    return read
+
+
+def _per_expert(splits: list[int], gemm: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
+    """``gemm(e, *rows_of_e)`` for every expert, concatenated in row order."""
+    parts = zip(*(t.split(splits) for t in tensors), strict=True)
+    return torch.cat([gemm(e, *rows) for e, rows in enumerate(parts)])
 
 
 def _reference(
@@ -58,37 +103,50 @@ def _reference(
     dy: torch.Tensor,
     splits: list[int],
 ) -> dict:
-    """fp64 per-expert reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
+    """fp64 reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
     fwd, bwd = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
+    read = _reader(module.fp8_recipe, splits)
     w1s, b1s = matrix.experts_fp64(module.fc1)
     w2s, b2s = matrix.experts_fp64(module.fc2)
+    w1f, w1b = (read(scale * torch.stack(w1s), WEIGHTS) for scale in (fwd, bwd))
+    w2f, w2b = (read(scale * torch.stack(w2s), WEIGHTS) for scale in (fwd, bwd))
+    x64, dy64 = x.double(), dy.double()
+
+    h = _per_expert(splits, lambda e, x_e: F.linear(x_e, w1f[e], b1s[e]), read(x64, ROWS))
+    h = read(h, ROWS).requires_grad_()  # the h the SwiGLU reads, forward and backward
     p_all = torch.ones(x.shape[0], dtype=torch.float64) if probs is None else probs.double()
-    out: dict[str, list] = {k: [] for k in ("y", "dx", "dp", "dw1", "dw2", "db1", "db2")}
-    for e, (x_e, dy_e, p_e) in enumerate(
-        zip(x.double().split(splits), dy.double().split(splits), p_all.split(splits), strict=True)
-    ):
-        h = F.linear(x_e, fwd * w1s[e], b1s[e]).requires_grad_()
-        p_e = p_e.clone().requires_grad_()
-        gate, up = h.chunk(2, dim=1)
-        a = F.silu(gate) * up * p_e[:, None]
-        out["y"].append(F.linear(a.detach(), fwd * w2s[e], b2s[e]))
-        da = dy_e @ (bwd * w2s[e])
-        dh, dp = torch.autograd.grad(a, [h, p_e], da)
-        out["dx"].append(dh @ (bwd * w1s[e]))
-        out["dp"].append(dp)
-        out["dw1"].append(dh.T @ x_e)
-        out["dw2"].append(dy_e.T @ a.detach())
-        out["db1"].append(dh.sum(0))
-        out["db2"].append(dy_e.sum(0))
-    result = {k: torch.cat(out[k]) for k in ("y", "dx", "dp")}
-    for k in ("dw1", "dw2", "db1", "db2"):
-        result[k] = [torch.stack(out[k])] if case.layout == "single" else out[k]
-    return result
+    p_all.requires_grad_()
+    gate, up = h.chunk(2, dim=1)
+    a = F.silu(gate) * up * p_all[:, None]
+    a_fc2 = read(a.detach(), ROWS)
+    y = _per_expert(splits, lambda e, a_e: F.linear(a_e, w2f[e], b2s[e]), a_fc2)
+    da = _per_expert(splits, lambda e, d_e: d_e @ w2b[e], read(dy64, ROWS))
+    dh, dp = torch.autograd.grad(a, [h, p_all], da)
+    dx = _per_expert(splits, lambda e, d_e: d_e @ w1b[e], read(dh, ROWS))
+
+    def wgrads(d_TN: Tensor, x_TK: Tensor) -> list[Tensor]:
+        pairs = zip(read(d_TN, TOKENS).split(splits), read(x_TK, TOKENS).split(splits), strict=True)
+        return [d_e.T @ x_e for d_e, x_e in pairs]
+
+    def layout(per_expert: list[Tensor]) -> list[Tensor]:
+        return [torch.stack(per_expert)] if case.layout == "single" else per_expert
+
+    return {
+        "y": y,
+        "dx": dx,
+        "dp": dp,
+        "dw1": layout(wgrads(dh, x64)),
+        "dw2": layout(wgrads(dy64, a.detach())),
+        "db1": layout([d_e.sum(0) for d_e in dh.split(splits)]),  # the unquantized dh
+        "db2": layout([d_e.sum(0) for d_e in dy64.split(splits)]),
+    }
 
 
+@pytest.mark.parametrize("recipe", [None, "blockwise"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_grouped_mlp_matrix(case: Case) -> None:
-    module, weights = _build(case, seed=11)
+def test_grouped_mlp_matrix(case: Case, recipe: str | None) -> None:
+    module, weights = _build(case, seed=11, recipe=recipe)
+    H, _ = SIZES[recipe]
     names = [f"fc1.{n}" for n in module.fc1.weight_names]
     names += [f"fc2.{n}" for n in module.fc2.weight_names]
     biases = [getattr(module.fc1, n) for n in module.fc1.bias_names]
@@ -98,7 +156,7 @@ def test_grouped_mlp_matrix(case: Case) -> None:
     sum_db = [torch.zeros(b.shape, dtype=torch.float64) for b in biases]
     gen = torch.Generator().manual_seed(123)
 
-    for step, (splits, with_probs) in enumerate(zip(SPLITS, WITH_PROBS, strict=True)):
+    for step, (splits, with_probs) in enumerate(zip(SPLITS[recipe], WITH_PROBS, strict=True)):
         tokens = sum(splits)
         x = torch.randn(tokens, H, generator=gen).requires_grad_()
         probs = torch.rand(tokens, generator=gen).requires_grad_() if with_probs else None
@@ -148,9 +206,9 @@ def test_grouped_mlp_matrix(case: Case) -> None:
         for layer in ("fc1", "fc2"):
             leader = _layer_weights(module, layer)[0]
             assert isinstance(leader, FakeDistributedWeight)
-            assert leader.calls["materialize_group_for_forward"] == len(SPLITS), layer
-            assert leader.calls["materialize_group_for_backward"] == len(SPLITS), layer
-            assert leader.calls["finalize_group_grads"] == len(SPLITS), layer
+            assert leader.calls["materialize_group_for_forward"] == len(WITH_PROBS), layer
+            assert leader.calls["materialize_group_for_backward"] == len(WITH_PROBS), layer
+            assert leader.calls["finalize_group_grads"] == len(WITH_PROBS), layer
             if case.main_grad != "none":
                 assert all(g.dtype == torch.float32 for g in leader.finalized[-1]), layer
     if case.delay:

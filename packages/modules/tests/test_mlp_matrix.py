@@ -11,33 +11,25 @@ scales the weights by 2 and the backward one by 4, so the test sees which
 weights each GEMM used.
 
 Each case runs with ``fp8_recipe=None`` and ``"blockwise"``. For FP8 the
-fp64 reference multiplies the dequantized FP8 form each GEMM must read, each
-quantized (in the test, from the fp64 chain rounded to the module's dtype)
-from the unquantized tensor: ``x``'s and ``a``'s ``(1, 128)`` forms and the
-forward's weights for the fprops, ``dy``'s and ``dh``'s ``(1, 128)`` forms and
-the backward's weights for the dgrads, the ``(128, 1)`` forms of ``dy``/``a``
-and ``dh``/``x`` for the wgrads; the SwiGLU (PyTorch's, fp64) reads ``h``'s
-dequantized ``(1, 128)`` form in forward and backward; bias gradients sum the
-unquantized ``dy`` and ``dh``. A GEMM fed another form, a form derived from
-another FP8 form, or an ``a`` other than the forward's misses the 1e-5.
+fp64 reference (``groupgrad_testsupport.mlp_reference``) multiplies the
+dequantized FP8 form each GEMM must read, each quantized from the unquantized
+tensor, and its SwiGLU reads ``h``'s dequantized ``(1, 128)`` form in forward
+and backward. A GEMM fed another form, a form derived from another FP8 form,
+or an ``a`` other than the forward's misses the 1e-5.
 
 Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-from torch import Tensor
-from torch.nn import functional as F
 
-from groupgrad.kernels import quantize_fp8
 from groupgrad.modules import GroupedMLP
 from groupgrad.protocol.testing import FakeDistributedWeight
 from groupgrad_testsupport import matrix
 from groupgrad_testsupport.matrix import Case
+from groupgrad_testsupport.mlp_reference import mlp_reference
 
 E = 4
 SIZES = {None: (16, 8), "blockwise": (128, 128)}  # recipe -> (H, F): FP8 blocks are 128 wide
@@ -46,7 +38,6 @@ SPLITS = {
     "blockwise": [[0, 5, 0, 137], [4, 0, 6, 3], [6, 2, 5, 0]],  # an expert of two token blocks
 }
 WITH_PROBS = [True, False, True]
-ROWS, WEIGHTS, TOKENS = (1, 128), (128, 128), (128, 1)
 
 
 # zero_out_wgrad concerns the main_grad dummy only
@@ -72,29 +63,6 @@ def _build(case: Case, seed: int, recipe: str | None) -> tuple[GroupedMLP, list[
     return module, weights
 
 
-def _reader(recipe: str | None, splits: list[int]) -> Callable[[Tensor, tuple[int, int]], Tensor]:
-    """What a step reads of an fp64 tensor in ``block``: itself, or its FP8 form dequantized.
-
-    The FP8 form is quantized from the tensor rounded to the module's dtype
-    (fp32), as the module quantizes its own fp32 tensor.
-    """
-
-    def read(t64: Tensor, block: tuple[int, int]) -> Tensor:
-        if recipe is None:
-            return t64
-        how = {"splits": splits} if block == TOKENS else {}
-        blocks = quantize_fp8(t64.float(), block=block, **how)
-        return torch.as_tensor(blocks.dequantize()).double()  # type: ignore[union-attr]
-
-    return read
-
-
-def _per_expert(splits: list[int], gemm: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
-    """``gemm(e, *rows_of_e)`` for every expert, concatenated in row order."""
-    parts = zip(*(t.split(splits) for t in tensors), strict=True)
-    return torch.cat([gemm(e, *rows) for e, rows in enumerate(parts)])
-
-
 def _reference(
     module: GroupedMLP,
     case: Case,
@@ -104,42 +72,22 @@ def _reference(
     splits: list[int],
 ) -> dict:
     """fp64 reference with PyTorch's SwiGLU: y, dx, dprobs, per-parameter dw and db."""
-    fwd, bwd = (2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0)
-    read = _reader(module.fp8_recipe, splits)
     w1s, b1s = matrix.experts_fp64(module.fc1)
     w2s, b2s = matrix.experts_fp64(module.fc2)
-    w1f, w1b = (read(scale * torch.stack(w1s), WEIGHTS) for scale in (fwd, bwd))
-    w2f, w2b = (read(scale * torch.stack(w2s), WEIGHTS) for scale in (fwd, bwd))
-    x64, dy64 = x.double(), dy.double()
-
-    h = _per_expert(splits, lambda e, x_e: F.linear(x_e, w1f[e], b1s[e]), read(x64, ROWS))
-    h = read(h, ROWS).requires_grad_()  # the h the SwiGLU reads, forward and backward
-    p_all = torch.ones(x.shape[0], dtype=torch.float64) if probs is None else probs.double()
-    p_all.requires_grad_()
-    gate, up = h.chunk(2, dim=1)
-    a = F.silu(gate) * up * p_all[:, None]
-    a_fc2 = read(a.detach(), ROWS)
-    y = _per_expert(splits, lambda e, a_e: F.linear(a_e, w2f[e], b2s[e]), a_fc2)
-    da = _per_expert(splits, lambda e, d_e: d_e @ w2b[e], read(dy64, ROWS))
-    dh, dp = torch.autograd.grad(a, [h, p_all], da)
-    dx = _per_expert(splits, lambda e, d_e: d_e @ w1b[e], read(dh, ROWS))
-
-    def wgrads(d_TN: Tensor, x_TK: Tensor) -> list[Tensor]:
-        pairs = zip(read(d_TN, TOKENS).split(splits), read(x_TK, TOKENS).split(splits), strict=True)
-        return [d_e.T @ x_e for d_e, x_e in pairs]
-
-    def layout(per_expert: list[Tensor]) -> list[Tensor]:
-        return [torch.stack(per_expert)] if case.layout == "single" else per_expert
-
-    return {
-        "y": y,
-        "dx": dx,
-        "dp": dp,
-        "dw1": layout(wgrads(dh, x64)),
-        "dw2": layout(wgrads(dy64, a.detach())),
-        "db1": layout([d_e.sum(0) for d_e in dh.split(splits)]),  # the unquantized dh
-        "db2": layout([d_e.sum(0) for d_e in dy64.split(splits)]),
-    }
+    ref: dict = mlp_reference(
+        torch.stack(w1s),
+        torch.stack(w2s),
+        (b1s, b2s),
+        x,
+        probs,
+        dy,
+        splits,
+        fp8=module.fp8_recipe is not None,
+        scales=(2.0, 4.0) if case.kind == "distributed" else (1.0, 1.0),
+    )
+    for key in ("dw1", "dw2", "db1", "db2"):
+        ref[key] = [ref[key]] if case.layout == "single" else list(ref[key].unbind(0))
+    return ref
 
 
 @pytest.mark.parametrize("recipe", [None, "blockwise"], ids=["bf16", "fp8"])

@@ -12,19 +12,31 @@ module's dtype, as the module rounds its own): ``x``'s and ``a``'s
 ``(128, 1)`` forms of ``dy``/``a`` and ``dh``/``x`` for the wgrads; the SwiGLU
 reads ``h``'s dequantized ``(1, 128)`` form in forward and backward; bias
 gradients sum the unquantized ``dy`` and ``dh``.
+
+:func:`fp8_mlp_wgrads` gives the FP8 wgrads alone for bf16 modules, where an
+fp64 chain would round ``h``, ``a`` and ``dh`` differently from the module and
+flip the odd e4m3 value: its intermediates come from the kernels' reference
+twins in the module's dtype, its wgrad products are fp64.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from groupgrad.kernels import quantize_fp8
+from groupgrad.kernels import (
+    grouped_dgrad_ref,
+    grouped_fprop_ref,
+    quantize_fp8,
+    quantize_fp8_ref,
+    swiglu_probs_backward_ref,
+)
 
-__all__ = ["mlp_reference"]
+__all__ = ["fp8_mlp_wgrads", "mlp_reference"]
 
 ROWS, WEIGHTS, TOKENS = (1, 128), (128, 128), (128, 1)
 
@@ -107,3 +119,40 @@ def mlp_reference(
         "db1": torch.stack([d_e.sum(0) for d_e in dh.split(splits)]),  # the unquantized dh
         "db2": torch.stack([d_e.sum(0) for d_e in dy64.split(splits)]),
     }
+
+
+def fp8_mlp_wgrads(
+    w1_E2FH: Tensor,
+    w2_EHF: Tensor,
+    x_TH: Tensor,
+    probs_T: Tensor | None,
+    dy_TH: Tensor,
+    splits: list[int],
+) -> tuple[Tensor, Tensor]:
+    """fc1's and fc2's FP8 wgrads (no biases), fp64 products of the dequantized ``(128, 1)`` forms.
+
+    ``h``, ``a``, ``da`` and ``dh`` are what the kernels' reference twins
+    compute in ``x``'s dtype from the FP8 operands (the SwiGLU reading ``h``'s
+    dequantized ``(1, 128)`` form); each wgrad operand is quantized from them.
+
+    Returns:
+        ``dw1`` ``(E, 2F, H)`` and ``dw2`` ``(E, H, F)`` in fp64.
+    """
+
+    def quantize(t: Tensor, block: object) -> Any:
+        return quantize_fp8_ref(t, block=block, splits=splits if block != WEIGHTS else None)
+
+    x_rows, x_tokens = quantize(x_TH, (ROWS, TOKENS))
+    h = grouped_fprop_ref(x_rows, quantize(w1_E2FH, WEIGHTS), splits)
+    h_kept = quantize_fp8_ref(h, block=ROWS)
+    h = torch.as_tensor(h_kept.dequantize()).to(h.dtype)  # type: ignore[union-attr]
+    dy_rows, dy_tokens = quantize(dy_TH, (ROWS, TOKENS))
+    da = grouped_dgrad_ref(dy_rows, quantize(w2_EHF, WEIGHTS), splits)
+    dh, _, a = swiglu_probs_backward_ref(da, h, probs_T)
+
+    def wgrad(d_tokens: Any, x_tokens: Any) -> Tensor:
+        d64, x64 = (torch.as_tensor(f.dequantize()).double() for f in (d_tokens, x_tokens))
+        pairs = zip(d64.split(splits), x64.split(splits), strict=True)
+        return torch.stack([d_e.T @ x_e for d_e, x_e in pairs])
+
+    return wgrad(quantize(dh, TOKENS), x_tokens), wgrad(dy_tokens, quantize(a, TOKENS))

@@ -524,6 +524,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "        ctx.save_for_backward(*saved, x_TK)",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
+    # --- fp8_recipe="blockwise" in GroupedMLP
+    Mutant(
+        "fp8-mlp-fc2-wgrad-a-quantized-from-fp8",
+        "fc2's wgrad operand a is quantized from a's dequantized (1, 128) form, not from the "
+        "recomputed bf16 a",
+        "packages/modules/src/groupgrad/modules/_mlp_forms.py",
+        '        return self.fc2.quantize_tokens(a_TF, splits, "the SwiGLU output")',
+        '        rows = self.fc2.quantize_rows(a_TF, "a").dequantize().to(a_TF.dtype)\n'
+        '        return self.fc2.quantize_tokens(rows, splits, "the SwiGLU output")',
+        (f"{MODULES}/test_mlp_matrix.py",),
+    ),
+    Mutant(
+        "fp8-mlp-forward-swiglu-reads-bf16-h",
+        "the forward's SwiGLU reads the bf16 h while backward's reads the kept FP8 h: the "
+        "recomputed a (fc2's wgrad operand, dprobs, dh) is not the forward's",
+        "packages/modules/src/groupgrad/modules/_mlp_forms.py",
+        "        return self.swiglu_input(kept), kept",
+        "        return h_T2F, kept",
+        (f"{MODULES}/test_mlp_matrix.py", f"{MODULES}/test_fp8_mlp.py"),
+    ),
+    Mutant(
+        "fp8-mlp-fc2-cache-never-refreshed",
+        "is_first_microbatch=True re-quantizes fc1's weights but reuses fc2's cache: after a "
+        "write through .data (an optimizer's) fc2 runs on stale FP8 weights",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch)",
+        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch and False)",
+        (f"{MODULES}/test_fp8_mlp.py",),
+    ),
     # --- routed_grouped_mlp (gather, fused MLP, combine as one op)
     Mutant(
         "routed-keeps-fc1-output",

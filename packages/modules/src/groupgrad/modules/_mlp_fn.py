@@ -51,12 +51,12 @@ parameters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
+from groupgrad.kernels import Fp8Blocks, swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
 from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
@@ -171,6 +171,7 @@ def _mlp_backward(
     fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"))
     fc2_trains = fc2.target.trainable()
     dy_dgrad, dy_wgrad = forms.grad(dy_TH, splits, "fc2", rows=True, tokens=fc2_trains)
+    dy_dgrad = cast(Tensor | Fp8Blocks, dy_dgrad)  # rows=True: always there
     da_TF = layer_dgrad(dy_dgrad, splits, layout.fc2, w2, ctx.cast_dtype, fp8=forms.fc2)
     del dy_dgrad
     dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, forms.swiglu_input(h_kept), probs_T)

@@ -50,9 +50,11 @@ SPLITS = ("uniform", "heavy")
 VARIANTS = ("bf16", "fp8", "fp8_cached")
 FAMILIES = (  # (family, substrings of a kernel name), first match wins
     ("fp8_gemm", ("fp8", "Fp8", "e4m3", "FP8")),
-    ("quantize", ("quant", "_fp8_", "amax")),
+    ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel")),  # the Triton quantizers
     ("gemm", ("cutlass", "gemm", "Gemm", "nvjet", "sm90")),
     ("swiglu", ("swiglu",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")),
+    ("copy", ("copy", "Memcpy", "Memset", "fill")),
 )
 
 

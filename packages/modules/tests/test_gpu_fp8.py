@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from groupgrad.modules import GroupedLinear, GroupedMLP
-from groupgrad_testsupport.compiled import assert_keeps_fp32
+from groupgrad_testsupport.compiled import bf16_exact_share
 
 pytestmark = pytest.mark.gpu
 
@@ -90,5 +90,10 @@ def test_fp8_layer_on_cutlass_matches_the_reference(
         assert a.dtype == b.dtype
         assert torch.isfinite(a).all(), index
         assert (a - b).norm() <= 1e-2 * b.norm(), (index, float((a - b).norm() / b.norm()))
-    for index in range(2, len(got)):  # fp32 wgrads, no more bf16-exact than the reference's
-        assert_keeps_fp32(got[index].cpu(), want[index], f"wgrad {index - 2}")
+    # fp32 wgrads straight from the epilogue, not rounded to bf16 (which is 100 % bf16-exact).
+    # Hopper's FP8 MMA keeps about 13 significant bits between promotions, so a one-block sum
+    # is bf16-exact with odds near 2**-5 (3 % measured; the fp32 reference: 0.2 %)
+    for index in range(2, len(got)):
+        if want[index].any():
+            assert got[index].dtype == torch.float32
+            assert bf16_exact_share(got[index]) < 0.1, f"wgrad {index - 2} rounded to bf16?"

@@ -100,7 +100,7 @@ def train(
             model.set_requires_gradient_sync(micro == cfg["micro_batches"] - 1)
             data = moe_model.batch(cfg, step, micro, rank)
             x = data["x"].to(device).requires_grad_(True)
-            out = model(x, data["idx"].to(device))
+            out = model(x, data["idx"].to(device), *first_microbatch(cfg, step, micro))
             moe_model.loss_of(out, data["target"]).backward()
             result["outs"].append(out.detach().cpu().clone())
             result["dxs"].append(x.grad.detach().cpu().clone())
@@ -111,6 +111,18 @@ def train(
         result["weights"].append({plain_name(n): _full(p) for n, p in model.named_parameters()})
     result["reduce_scatters"] = log
     return result
+
+
+def first_microbatch(cfg: Mapping[str, Any], step: int, micro: int) -> tuple[bool, ...]:
+    """The ``is_first_microbatch`` argument, if any, one forward passes (``cfg["fp8_cache"]``).
+
+    ``"stale"``: ``True`` at the very first forward only, ``False`` at every
+    later one, across optimizer steps too: a layer that cached its FP8
+    weights across forwards would use step 0's weights at step 1.
+    """
+    if cfg.get("fp8_cache") != "stale":
+        return ()
+    return (step == 0 and micro == 0,)
 
 
 def _reload(

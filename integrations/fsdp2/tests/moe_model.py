@@ -6,7 +6,8 @@ Legend: ``T`` tokens, ``k`` experts per token, ``E`` experts, ``H`` hidden,
 :class:`MoEModel` is two :class:`MoEBlock` s (a router ``nn.Linear`` with bias
 and groupgrad experts — a ``GroupedMLP``, or two ``GroupedLinear`` s around a
 SwiGLU — per-expert or packed, with biases) and a dense ``nn.Linear`` head,
-as a user would write it. Which experts each token visits is data (the
+as a user would write it; ``cfg["fp8"]`` makes the experts FP8
+(``fp8_recipe="blockwise"``). Which experts each token visits is data (the
 ``idx`` tensors), so every precision routes the same way; the router's
 softmax probability of each visit scales it, so the router trains too.
 
@@ -36,7 +37,11 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()
         H, F_, E = cfg["hidden"], cfg["ffn"], cfg["experts"]
-        options = {"bias": cfg["bias"], "single_grouped_weight": cfg["packed"]}
+        options = {
+            "bias": cfg["bias"],
+            "single_grouped_weight": cfg["packed"],
+            "fp8_recipe": "blockwise" if cfg.get("fp8") else None,
+        }
         self.kind = cfg["module"]
         self.num_experts = E
         self.router = nn.Linear(H, E)
@@ -46,8 +51,11 @@ class MoEBlock(nn.Module):
             self.fc1 = GroupedLinear(E, H, 2 * F_, **options)
             self.fc2 = GroupedLinear(E, F_, H, **options)
 
-    def forward(self, x_TH: Tensor, idx_Tk: Tensor) -> Tensor:
+    def forward(
+        self, x_TH: Tensor, idx_Tk: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor:
         T, k = idx_Tk.shape
+        cache = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
         probs_Tk = torch.softmax(self.router(x_TH).float(), dim=-1).gather(1, idx_Tk)
         flat = idx_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -55,11 +63,11 @@ class MoEBlock(nn.Module):
         rows = x_TH[order // k]
         p_S = probs_Tk.reshape(-1)[order]
         if self.kind == "mlp":
-            y = self.experts(rows, splits, p_S)
+            y = self.experts(rows, splits, p_S, **cache)
         else:
-            h = self.fc1(rows, splits)
+            h = self.fc1(rows, splits, **cache)
             gate, up = h.float().chunk(2, dim=-1)
-            y = self.fc2((F.silu(gate) * up * p_S[:, None]).to(h.dtype), splits)
+            y = self.fc2((F.silu(gate) * up * p_S[:, None]).to(h.dtype), splits, **cache)
         unsorted = torch.zeros_like(y).index_copy(0, order, y)
         return x_TH + unsorted.view(T, k, -1).float().sum(1).to(x_TH.dtype)
 
@@ -72,10 +80,10 @@ class MoEModel(nn.Module):
         self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg["blocks"]))
         self.head = nn.Linear(cfg["hidden"], cfg["hidden"])
 
-    def forward(self, x_TH: Tensor, idx: Tensor) -> Tensor:
-        """``idx``: ``(blocks, T, k)`` expert ids."""
+    def forward(self, x_TH: Tensor, idx: Tensor, is_first_microbatch: bool | None = None) -> Tensor:
+        """``idx``: ``(blocks, T, k)`` expert ids; ``is_first_microbatch`` reaches the experts."""
         for block, idx_Tk in zip(self.blocks, idx.unbind(0), strict=True):
-            x_TH = block(x_TH, idx_Tk)
+            x_TH = block(x_TH, idx_Tk, is_first_microbatch)
         return self.head(x_TH)
 
 

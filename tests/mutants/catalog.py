@@ -570,4 +570,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        dweights_Tk = flat.copy_(dprobs_S).view(shape)",
         (f"{MODULES}/test_routed.py",),
     ),
+    Mutant(
+        "fsdp2-fp8-weights-cached-across-forwards",
+        "FSDP2 units keep their FP8 layers' cached weights from one forward to the next "
+        "(is_first_microbatch=False after an optimizer step serves the old weights)",
+        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_fp8.py",
+        "            layer._fp8_weights.clear()",
+        "            pass",
+        ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
+    ),
 )

@@ -579,4 +579,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass",
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
+    Mutant(
+        "hf-fp8-experts-run-bf16",
+        'transformers\' "groupgrad_fp8" experts run their GEMMs in bf16 (FP8 asked for, not used)',
+        "integrations/transformers/src/groupgrad/integrations/transformers/_forward.py",
+        '    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, "blockwise")',
+        "    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)",
+        ("integrations/transformers/tests/test_fp8_experts.py",),
+    ),
 )

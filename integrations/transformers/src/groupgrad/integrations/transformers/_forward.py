@@ -37,7 +37,7 @@ from groupgrad.integrations.transformers._route import experts_route
 from groupgrad.integrations.transformers._version import check_expert_parallel_support
 from groupgrad.modules import grouped_linear, grouped_mlp, routed_grouped_mlp
 
-__all__ = ["groupgrad_experts_forward", "tokens_per_expert"]
+__all__ = ["groupgrad_experts_forward", "groupgrad_fp8_experts_forward", "tokens_per_expert"]
 
 
 def tokens_per_expert(sorted_ids_S: Tensor, num_experts: int) -> Tensor:
@@ -96,6 +96,23 @@ def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
     return weight.transpose(-2, -1).contiguous() if transposed else weight
 
 
+def groupgrad_fp8_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """:func:`groupgrad_experts_forward` with the GEMMs in FP8 (``fp8_recipe="blockwise"``).
+
+    Registered as ``"groupgrad_fp8"``. The expert weights stay as they are
+    (bf16); each GEMM quantizes its operands (1×128 activations, 128×128
+    weights, 128-token blocks for the weight gradients) and the weight
+    gradients still reach autograd in each parameter's ``grad_dtype``.
+    Hidden size and expert width must be multiples of 128 (else a
+    ``ValueError`` naming the size). The fused experts run
+    :func:`~groupgrad.modules.grouped_mlp` between the gather and the combine
+    (:func:`~groupgrad.modules.routed_grouped_mlp` has no FP8 yet).
+    """
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, "blockwise")
+
+
 def groupgrad_experts_forward(
     self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
@@ -141,6 +158,16 @@ def groupgrad_experts_forward(
             module is not a tensor; ``hidden_states`` has another dtype than
             the expert weights outside ``torch.autocast``.
     """
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)
+
+
+def _experts_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    fp8_recipe: str | None,
+) -> Tensor:
     if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         raise ValueError(
             f"top_k_index has shape {tuple(top_k_index.shape)} and top_k_weights "
@@ -184,7 +211,7 @@ def groupgrad_experts_forward(
             f"has dtype {up.dtype}; expected one dtype (or torch.autocast), as the eager "
             "experts require"
         )
-    if route.probs_in_mlp:  # gather, fused MLP and combine in one op: the lowest peak memory
+    if route.probs_in_mlp and fp8_recipe is None:  # gather, MLP, combine in one op: least memory
         # a "no expert" choice rides along with the last expert at router weight 0
         weights_Tk = top_k_weights.masked_fill(top_k_index >= num_experts, 0)
         out_TH = routed_grouped_mlp(hidden_states, up, down, perm_S, splits_E, weights_Tk)
@@ -192,16 +219,22 @@ def groupgrad_experts_forward(
     x_SH = hidden_states[perm_S // top_k]
     probs_S = top_k_weights.reshape(-1)[perm_S]
 
-    if route.fused:
-        y_SH = grouped_mlp(x_SH, up, down, splits_E, fc1_bias=up_bias, fc2_bias=down_bias)
+    if route.probs_in_mlp:  # FP8: the router weight scales the SwiGLU output inside the MLP
+        y_SH = grouped_mlp(x_SH, up, down, splits_E, probs_S, fp8_recipe=fp8_recipe)
+    elif route.fused:
+        y_SH = grouped_mlp(
+            x_SH, up, down, splits_E, fc1_bias=up_bias, fc2_bias=down_bias, fp8_recipe=fp8_recipe
+        )
     else:
-        h_SN = grouped_linear(x_SH, _as_out_in(up, route.transposed), splits_E, up_bias)
+        up_w, down_w = _as_out_in(up, route.transposed), _as_out_in(down, route.transposed)
+        h_SN = grouped_linear(x_SH, up_w, splits_E, up_bias, fp8_recipe=fp8_recipe)
         gate = cast(Callable[[Tensor], Tensor], self._apply_gate if has_gate else self.act_fn)
         a_SF = gate(h_SN)
-        y_SH = grouped_linear(a_SF, _as_out_in(down, route.transposed), splits_E, down_bias)
+        y_SH = grouped_linear(a_SF, down_w, splits_E, down_bias, fp8_recipe=fp8_recipe)
     if getattr(self, "has_post_expert_norm", False):
         y_SH = cast(Callable[[Tensor], Tensor], self.post_expert_norm)(y_SH)
-    y_SH = y_SH * probs_S.unsqueeze(-1)
+    if not route.probs_in_mlp:
+        y_SH = y_SH * probs_S.unsqueeze(-1)
     y_SH = torch.where((sorted_ids_S < num_experts).unsqueeze(-1), y_SH, 0)
 
     unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)

@@ -1,0 +1,95 @@
+"""``"groupgrad_fp8"``: transformers experts with their GEMMs in blockwise FP8 (reference kernels on CPU).
+
+FP8 rounds every GEMM operand to e4m3 (3 mantissa bits), so the results are
+checked against transformers' own eager experts in fp32 within FP8's error
+(a few percent, relative to the norm) — and to differ from them by more than
+bf16 would, so a silent fall back to bf16 GEMMs fails. Weight gradients of
+bf16 experts whose ``grad_dtype`` is fp32 must arrive in fp32, not rounded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from groupgrad_testsupport import load_sibling
+from groupgrad_testsupport.compiled import bf16_exact_share
+from groupgrad_testsupport.experts import run_experts
+
+tiny = load_sibling(__file__, "tiny")
+
+import groupgrad.integrations.transformers as ggt  # noqa: E402 (registers both names)
+
+H = F = 128  # FP8 blocks: hidden size and expert width multiples of 128
+E, K, T = 4, 2, 40
+
+
+def _experts(name: str) -> nn.Module:
+    common = {"hidden_size": H, "num_experts_per_tok": K, "experts_implementation": "eager"}
+    if name == "qwen3_moe":
+        module: nn.Module = Qwen3MoeExperts(
+            Qwen3MoeConfig(moe_intermediate_size=F, num_experts=E, **common)
+        )
+    elif name == "mixtral":
+        module = MixtralExperts(MixtralConfig(intermediate_size=F, num_local_experts=E, **common))
+    else:  # transposed weights, interleaved gate/up, biases, its own gate: two grouped linears
+        module = GptOssExperts(GptOssConfig(intermediate_size=F, num_local_experts=E, **common))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) / H**0.5)
+    return module
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_both_names_are_registered() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ggt.FP8_IMPLEMENTATION == "groupgrad_fp8"
+    assert ALL_EXPERTS_FUNCTIONS["groupgrad_fp8"] is ggt.groupgrad_fp8_experts_forward
+    assert ALL_EXPERTS_FUNCTIONS["groupgrad"] is ggt.groupgrad_experts_forward
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_fp8_experts_within_fp8_error_with_fp32_wgrads(name: str) -> None:
+    eager = _experts(name)
+    ours = tiny.use_implementation(copy.deepcopy(eager).to(torch.bfloat16), "groupgrad_fp8")
+    bf16 = tiny.use_implementation(copy.deepcopy(eager).to(torch.bfloat16), "groupgrad")
+    for module in (ours, bf16):
+        for param in module.parameters():
+            param.grad_dtype = torch.float32
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(T, H, generator=generator)
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1)
+    dy = torch.randn(T, H, generator=generator)
+    _, want = run_experts(eager, hidden, index, weights, dy)
+    _, got = run_experts(ours, hidden.bfloat16(), index, weights.bfloat16(), dy.bfloat16())
+    _, near = run_experts(bf16, hidden.bfloat16(), index, weights.bfloat16(), dy.bfloat16())
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        error, bf16_error = _rel(got[key], value), _rel(near[key], value)
+        assert error < 0.15, (key, error)
+        if key.endswith(("proj", "out", "hidden")):  # a GEMM result: FP8 rounds more than bf16
+            assert error > 2 * bf16_error, (key, error, bf16_error)
+        # transposed weights take their gradient through a bf16 copy (ExpertsRoute.transposed)
+        if key.startswith("d_") and key.endswith("proj") and name != "gpt_oss":
+            assert got[key].dtype == torch.float32, key
+            assert bf16_exact_share(got[key]) < 0.1, key
+
+
+def test_sizes_not_multiples_of_128_are_named() -> None:
+    experts = tiny.use_implementation(tiny.EXPERTS_MODULES["qwen3_moe"](0), "groupgrad_fp8")
+    index, weights = tiny.routing(8, seed=2)
+    with pytest.raises(ValueError, match="128"):
+        experts(torch.randn(8, tiny.HIDDEN), index, weights)

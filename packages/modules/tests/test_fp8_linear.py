@@ -171,6 +171,18 @@ def test_distributed_weights_are_never_cached() -> None:
     _assert_bf16_close(_y(layer, x, False), _expected_y(x, scaled, SPLITS))
 
 
+def test_megatron_fsdp_weights_are_never_cached() -> None:
+    """Megatron-FSDP (ZeRO-1) writes updated weights into the same storage, no version moved."""
+    layer, x = _layer(bias=False), _randn(T, K, seed=1)
+    for name in layer.weight_names:
+        getattr(layer, name).__fsdp_param__ = True
+    cached = _y(layer, x, True)
+    layer.weight2.data.copy_(_randn(N, K, seed=3))  # invisible to the cache's checks
+    fresh = _y(layer, x, False)
+    assert not torch.equal(fresh, cached)
+    _assert_bf16_close(fresh, _expected_y(x, _weights(layer), SPLITS))
+
+
 # --------------------------------------------------------------------------- what backward keeps
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._group import Splits
-from groupgrad.protocol import is_distributed_weight
+from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
 __all__ = ["FP8_RECIPES", "Fp8Blockwise", "check_fp8_recipe", "check_fp8_sizes", "fp8_for_forward"]
 
@@ -130,10 +130,13 @@ class Fp8Blockwise:
                 caches nothing).
 
         A ``DistributedWeight`` group is never cached: each GEMM quantizes
-        the weights its leader materialized for it.
+        the weights its leader materialized for it. Nor are Megatron-FSDP
+        parameters (``__fsdp_param__``): it re-gathers them for every forward,
+        and under ZeRO-1 writes the updated weights into the same storage
+        without moving a version counter, where a cached entry looks current.
         """
         cache = self.cache
-        if cache is not None and is_distributed_weight(params[0]):
+        if cache is not None and (is_distributed_weight(params[0]) or is_fsdp_param(params[0])):
             cache = None
         if cache is not None and not (forward and self.refresh):
             cached = cache.get(params, dtype)

@@ -32,7 +32,10 @@ from groupgrad_testsupport import Rank, run_worker
 
 
 class Net(nn.Module):
-    """``GroupedMLP(tanh(GroupedLinear(x)))``: per-expert weights with bias, then a fused MLP."""
+    """``GroupedMLP(tanh(GroupedLinear(x)))``: per-expert weights with bias, then a fused MLP.
+
+    ``cfg["fp8"]``: both layers FP8 (``fp8_recipe="blockwise"``).
+    """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         from groupgrad.modules import GroupedLinear, GroupedMLP
@@ -40,18 +43,20 @@ class Net(nn.Module):
         super().__init__()
         e, h, f = cfg["experts"], cfg["hidden"], cfg["ffn_hidden"]
         dtype = getattr(torch, cfg.get("dtype", "float32"))
-        self.proj = GroupedLinear(e, h, h, bias=True, dtype=dtype, accumulate_into_main_grad=True)
-        self.mlp = GroupedMLP(
-            e,
-            h,
-            f,
-            single_grouped_weight=cfg["packed"],
-            dtype=dtype,
-            accumulate_into_main_grad=True,
-        )
+        options = {
+            "dtype": dtype,
+            "accumulate_into_main_grad": cfg.get("main_grad", True),
+            "fp8_recipe": "blockwise" if cfg.get("fp8") else None,
+        }
+        self.proj = GroupedLinear(e, h, h, bias=True, **options)
+        self.mlp = GroupedMLP(e, h, f, single_grouped_weight=cfg["packed"], **options)
 
-    def forward(self, x: Tensor, splits: list[int], probs: Tensor) -> Tensor:
-        return self.mlp(torch.tanh(self.proj(x, splits)), splits, probs)
+    def forward(
+        self, x: Tensor, splits: list[int], probs: Tensor, is_first_microbatch: bool | None = None
+    ) -> Tensor:
+        cache = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
+        h = torch.tanh(self.proj(x, splits, **cache))
+        return self.mlp(h, splits, probs, **cache)
 
 
 def make_data(cfg: dict[str, Any], rank: int, step: int, micro: int) -> dict[str, Any]:
@@ -199,8 +204,11 @@ def run_scenario(cfg: dict[str, Any], this: Rank) -> dict[str, Any]:
                 last = micro == cfg["micro_batches"] - 1
                 dtype = getattr(torch, cfg.get("dtype", "float32"))
                 x, probs, dy = (batch[k].to(device, dtype) for k in ("x", "probs", "dy"))
+                # "stale": is_first_microbatch=False at every forward after the very first,
+                # across optimizer steps too (a weight cached across forwards would be stale)
+                cache = (step == 0 and micro == 0,) if cfg.get("fp8_cache") == "stale" else ()
                 with contextlib.nullcontext() if last else model.no_sync():
-                    y = model(x, batch["splits"], probs)
+                    y = model(x, batch["splits"], probs, *cache)
                     (y * dy).sum().backward()
                 calls_per_micro.append(calls[before:])
             optimizer.step()

@@ -587,4 +587,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)",
         ("integrations/transformers/tests/test_fp8_experts.py",),
     ),
+    Mutant(
+        "megatron-fsdp-fp8-weights-cached",
+        "Megatron-FSDP parameters served from the FP8 weight cache (ZeRO-1 rewrites them in "
+        "place, unseen: is_first_microbatch=False after an optimizer step reads the old weights)",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "(is_distributed_weight(params[0]) or is_fsdp_param(params[0]))",
+        "is_distributed_weight(params[0])",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
 )

@@ -62,7 +62,7 @@ def _module_and_submodules(entry: Any) -> tuple[type, Any]:
 
 def _moe_experts(moe_spec: Any) -> tuple[type, Any]:
     module, submodules = _module_and_submodules(moe_spec)
-    assert module is MoELayer
+    assert issubclass(module, MoELayer)  # GroupgradMoELayer: passes the layer number on
     return _module_and_submodules(submodules.experts)
 
 
@@ -173,13 +173,12 @@ def test_expert_tensor_parallelism_is_refused_at_construction(build: Any) -> Non
         build(_config(expert_tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize(("option", "value"), [("fp8", "hybrid"), ("fp4", "nvfp4")])
-def test_fp8_and_fp4_are_refused(option: str, value: str) -> None:
+def test_fp4_is_refused() -> None:
     config = _config()
-    setattr(config, option, value)  # Megatron's own check needs Transformer Engine for fp8
-    with pytest.raises(ValueError, match=rf"{option} is '{value}'; groupgrad experts compute"):
+    config.fp4 = "nvfp4"  # Megatron's own check needs Transformer Engine
+    with pytest.raises(ValueError, match=r"fp4 is 'nvfp4'; groupgrad experts compute"):
         GroupgradFusedExperts(4, config)
-    with pytest.raises(ValueError, match=rf"{option} is '{value}'"):
+    with pytest.raises(ValueError, match=r"fp4 is 'nvfp4'"):
         _linear(GroupgradColumnParallelGroupedLinear, config)
 
 

@@ -17,7 +17,11 @@ the GEMM straight into Megatron DDP's fp32 ``main_grad``, with
 DDP registers), expert parallelism (``allreduce = False``, expert
 data-parallel buffers), ``init_method`` per expert, and write distributed
 checkpoints that interchange with ``SequentialMLP``'s and ``TEGroupedMLP``'s.
-Expert tensor parallelism and FP8/FP4 are refused at construction.
+FP8: the fused experts run ``config.fp8="e4m3"`` with
+``config.fp8_recipe="blockwise"`` as groupgrad's ``fp8_recipe="blockwise"``
+(weights cached per optimizer step through Megatron's
+``is_first_microbatch`` flag); any other FP8 setting, FP8 on the grouped
+linears, FP4 and expert tensor parallelism are refused at construction.
 
 Specs in Megatron's style: :func:`get_gpt_layer_groupgrad_spec` (a GPT layer),
 :func:`get_moe_module_groupgrad_spec` (an MoE layer),
@@ -40,6 +44,7 @@ from groupgrad.integrations.megatron_core._linear import (
     GroupgradRowParallelGroupedLinear,
 )
 from groupgrad.integrations.megatron_core._specs import (
+    GroupgradMoELayer,
     GroupgradSpecProvider,
     get_gpt_layer_groupgrad_spec,
     get_groupgrad_experts_spec,
@@ -52,6 +57,7 @@ __all__ = [
     "GroupgradColumnParallelGroupedLinear",
     "GroupgradFusedExperts",
     "GroupgradGroupedLinear",
+    "GroupgradMoELayer",
     "GroupgradRowParallelGroupedLinear",
     "GroupgradSpecProvider",
     "get_gpt_layer_groupgrad_spec",

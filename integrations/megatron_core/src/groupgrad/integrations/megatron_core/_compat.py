@@ -45,6 +45,7 @@ __all__ = [
     "grouped_mlp_submodules",
     "provider_experts_entry",
     "swiglu_sharded_factory",
+    "with_moe_layer",
 ]
 
 SUPPORTED_RELEASES: dict[tuple[int, int], str] = {
@@ -126,3 +127,15 @@ def swiglu_sharded_factory(
             dp_group=dp_group,
         )
     return apply_swiglu_sharded_factory(sharded_tensor, sharded_offsets, singleton_local_shards)
+
+
+def with_moe_layer(moe_entry: Any, moe_layer: type) -> Any:
+    """Megatron's MoE-layer spec entry with ``moe_layer`` (a subclass of its ``MoELayer``) as the module.
+
+    0.16: a ``ModuleSpec`` (its ``module`` replaced); 0.19: a
+    ``partial(MoELayer, submodules=...)`` (rebuilt on ``moe_layer``).
+    """
+    if _NEW_BUILDERS:
+        return partial(moe_layer, *moe_entry.args, **moe_entry.keywords)
+    moe_entry.module = moe_layer
+    return moe_entry

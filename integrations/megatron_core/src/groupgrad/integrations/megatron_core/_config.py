@@ -38,7 +38,8 @@ def check_expert_config(config: Any, owner: str) -> None:
 
     Raises:
         ValueError: Expert tensor parallelism (``expert_tensor_parallel_size``
-            larger than 1), or FP8 / FP4 training.
+            larger than 1), or FP4 training. FP8 is each backend's own check
+            (``_fp8``).
     """
     etp = config.expert_tensor_parallel_size
     if etp is not None and etp > 1:
@@ -47,13 +48,12 @@ def check_expert_config(config: Any, owner: str) -> None:
             "expert tensor parallelism, expected 1 (use expert_model_parallel_size to spread "
             "experts over ranks)"
         )
-    for option in ("fp8", "fp4"):
-        value = getattr(config, option, None)
-        if value:
-            raise ValueError(
-                f"{owner}: {option} is {value!r}; groupgrad experts compute in the parameters' "
-                f"dtype (bf16, fp16 or fp32), expected {option}=None"
-            )
+    fp4 = getattr(config, "fp4", None)
+    if fp4:
+        raise ValueError(
+            f"{owner}: fp4 is {fp4!r}; groupgrad experts compute in the parameters' dtype "
+            "(bf16, fp16 or fp32) or in FP8 (the fused experts), expected fp4=None"
+        )
 
 
 def check_expert_groups(pg_collection: Any, owner: str) -> None:

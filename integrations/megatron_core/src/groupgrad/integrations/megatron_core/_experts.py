@@ -34,6 +34,11 @@ from groupgrad.integrations.megatron_core._config import (
     check_spec_experts,
     process_groups,
 )
+from groupgrad.integrations.megatron_core._fp8 import (
+    FUSED_FP8,
+    fused_experts_fp8_recipe,
+    runs_in_bf16,
+)
 from groupgrad.integrations.megatron_core._hooks import WgradHooks
 from groupgrad.integrations.megatron_core._params import expert_device, setup_expert_parameters
 from groupgrad.modules import GroupedMLP
@@ -64,6 +69,18 @@ class GroupgradFusedExperts(MegatronModule):
     expert parallelism. :meth:`sharded_state_dict` writes the checkpoint
     layout of ``SequentialMLP`` and ``TEGroupedMLP`` (interchangeable).
 
+    FP8: ``config.fp8="e4m3"`` with ``config.fp8_recipe="blockwise"`` runs
+    the ``GroupedMLP`` with ``fp8_recipe="blockwise"`` (``hidden_size`` and
+    ``moe_ffn_hidden_size`` multiples of 128), except in the layers
+    ``first_last_layers_bf16`` keeps in bf16 (:meth:`set_layer_number`).
+    The FP8 weights are cached for one optimizer step the way Megatron
+    drives Transformer Engine's modules: the attribute
+    ``is_first_microbatch``, set ``True`` by Megatron's schedule
+    (``MegatronModule.set_is_first_microbatch()`` at the first micro-batch of
+    every ``forward_backward_func`` call), makes the next forward quantize
+    and cache; the forward then sets it ``False`` and later micro-batches
+    reuse the cache (``disable_parameter_transpose_cache``: never cached).
+
     Args:
         num_local_experts: ``E``.
         config: Megatron's ``TransformerConfig`` (``hidden_size``,
@@ -77,7 +94,10 @@ class GroupgradFusedExperts(MegatronModule):
             but SwiGLU (``gated_linear_unit`` with ``F.silu``, no clamp, no GLU
             offset or interleaving), biases (Megatron scales fc2's bias by the
             router probability, the fused op does not), a latent projection,
-            expert tensor parallelism, FP8/FP4.
+            expert tensor parallelism, FP4, and any FP8 setting but
+            ``fp8="e4m3"`` with ``fp8_recipe="blockwise"`` (``fp8="hybrid"``,
+            other recipes, ``fp8_param``, ``fp8_wgrad=False``, 0.19's
+            ``quant_recipe``).
     """
 
     def __init__(
@@ -95,6 +115,7 @@ class GroupgradFusedExperts(MegatronModule):
                 "their own layers)"
             )
         check_expert_config(config, owner)
+        fp8_recipe = fused_experts_fp8_recipe(config, owner)
         check_spec_experts(type(self), config, owner)
         check_fused_config(config, owner)
         super().__init__(config=config)
@@ -110,7 +131,11 @@ class GroupgradFusedExperts(MegatronModule):
             device=expert_device(config),
             accumulate_into_main_grad=config.gradient_accumulation_fusion,
             delay_wgrad_compute=config.delay_wgrad_compute,
+            fp8_recipe=fp8_recipe,
         )
+        self.fp8_recipe = fp8_recipe
+        self.layer_number: int | None = None
+        self.is_first_microbatch = True  # Megatron's schedule sets it; see the class docstring
         for layer, init_method, partition_dim in (
             (self.grouped_mlp.fc1, config.init_method, 0),
             (self.grouped_mlp.fc2, config.output_layer_init_method, 1),
@@ -134,6 +159,44 @@ class GroupgradFusedExperts(MegatronModule):
             *self.grouped_mlp.fc2.current_parameters()[0],
         ]
 
+    def set_layer_number(self, layer_number: int) -> None:
+        """Learn the transformer layer's global number (1-based): FP8 off where Megatron keeps bf16.
+
+        Megatron calls ``set_layer_number`` on the MoE layer, which does not
+        pass it on to its experts; the MoE layer of this package's specs
+        (``GroupgradMoELayer``) does. With ``first_last_layers_bf16`` the
+        first ``num_layers_at_start_in_bf16`` and last
+        ``num_layers_at_end_in_bf16`` layers run in the parameters' dtype.
+        """
+        self.layer_number = layer_number
+        if self.fp8_recipe is None:
+            return
+        recipe = None if runs_in_bf16(self.config, layer_number) else self.fp8_recipe
+        for module in (self.grouped_mlp, self.grouped_mlp.fc1, self.grouped_mlp.fc2):
+            module.fp8_recipe = recipe
+
+    def _cache_flag(self) -> bool | None:
+        """The ``is_first_microbatch`` this forward passes to the ``GroupedMLP``; clears the attribute.
+
+        Raises:
+            RuntimeError: FP8 with ``first_last_layers_bf16`` but no layer
+                number: whether this layer runs FP8 is unknown.
+        """
+        flag, self.is_first_microbatch = self.is_first_microbatch, False
+        if self.fp8_recipe is None:
+            return None
+        if self.config.first_last_layers_bf16 and self.layer_number is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: first_last_layers_bf16 is True with {FUSED_FP8} but "
+                "the experts were never told their layer number; build the MoE layer from this "
+                "package's specs (get_moe_module_groupgrad_spec, get_gpt_layer_groupgrad_spec), "
+                "whose MoE layer passes set_layer_number() on, or call "
+                "experts.set_layer_number(layer_number)"
+            )
+        if getattr(self.config, "disable_parameter_transpose_cache", False):
+            return None
+        return bool(flag)
+
     def forward(
         self, permuted_local_hidden_states: Tensor, tokens_per_expert: Any, permuted_probs: Tensor
     ) -> tuple[Tensor, None]:
@@ -150,6 +213,7 @@ class GroupgradFusedExperts(MegatronModule):
             ``(y, None)``: ``y`` ``(T, H)``; experts have no bias.
         """
         x_TH, probs_T = permuted_local_hidden_states, permuted_probs
+        cache = self._cache_flag()
         if self.config.moe_apply_probs_on_input:  # Megatron's option: scale x, not the output
             if self.config.moe_router_topk != 1:
                 raise ValueError(
@@ -157,8 +221,8 @@ class GroupgradFusedExperts(MegatronModule):
                     f"{self.config.moe_router_topk}"
                 )
             x_TH = (probs_T.unsqueeze(-1) * x_TH).to(x_TH.dtype)
-            return self.grouped_mlp(x_TH, tokens_per_expert, None), None
-        return self.grouped_mlp(x_TH, tokens_per_expert, probs_T), None
+            return self.grouped_mlp(x_TH, tokens_per_expert, None, cache), None
+        return self.grouped_mlp(x_TH, tokens_per_expert, probs_T, cache), None
 
     def backward_dw(self) -> None:
         """Run the deferred fc2 and fc1 weight-gradient GEMMs, then Megatron DDP's wgrad hooks.

@@ -34,6 +34,7 @@ from groupgrad.integrations.megatron_core._config import (
     check_spec_experts,
     process_groups,
 )
+from groupgrad.integrations.megatron_core._fp8 import refuse_unfused_fp8
 from groupgrad.integrations.megatron_core._hooks import WgradHooks
 from groupgrad.integrations.megatron_core._params import expert_device, setup_expert_parameters
 from groupgrad.modules import GroupedLinear
@@ -94,7 +95,8 @@ class GroupgradGroupedLinear(GroupedLinear):
     Raises:
         ValueError: ``is_expert`` is not ``True``, ``parallel_mode`` is not
             ``"column"``/``"row"``, or an unsupported setting (expert tensor
-            parallelism, FP8/FP4), each named with its value.
+            parallelism, FP4, FP8: the fused experts are groupgrad's FP8
+            route), each named with its value.
     """
 
     default_parallel_mode: str | None = None
@@ -128,6 +130,7 @@ class GroupgradGroupedLinear(GroupedLinear):
                 f"{owner}: parallel_mode is {parallel_mode!r}, expected 'column' or 'row'"
             )
         check_expert_config(config, owner)
+        refuse_unfused_fp8(config, owner)
         check_spec_experts(type(self), config, owner)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)

@@ -16,12 +16,14 @@ from typing import Any
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from groupgrad.integrations.megatron_core._compat import (
     TEGroupedMLP,
     experts_entry,
     grouped_mlp_submodules,
     provider_experts_entry,
+    with_moe_layer,
 )
 from groupgrad.integrations.megatron_core._config import SPEC_NUM_EXPERTS
 from groupgrad.integrations.megatron_core._experts import GroupgradFusedExperts
@@ -31,11 +33,28 @@ from groupgrad.integrations.megatron_core._linear import (
 )
 
 __all__ = [
+    "GroupgradMoELayer",
     "GroupgradSpecProvider",
     "get_gpt_layer_groupgrad_spec",
     "get_groupgrad_experts_spec",
     "get_moe_module_groupgrad_spec",
 ]
+
+
+class GroupgradMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` that passes its layer number on to its experts.
+
+    Megatron's ``TransformerLayer`` calls ``mlp.set_layer_number()``; the
+    MoE layer gives it to its router only. The fused experts need it for
+    ``first_last_layers_bf16`` (FP8 off in those layers).
+    """
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's ``set_layer_number``, then the experts' (when they have one)."""
+        super().set_layer_number(layer_number)
+        set_experts_layer = getattr(self.experts, "set_layer_number", None)
+        if set_experts_layer is not None:
+            set_experts_layer(layer_number)
 
 
 def _experts_class_and_submodules(fused: bool, num_experts: int | None = None) -> tuple[type, Any]:
@@ -124,7 +143,8 @@ def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> An
     """Megatron's MoE layer spec (``MoELayer``, router, shared experts) with groupgrad experts.
 
     Built by Megatron's ``get_moe_module_spec_for_backend`` with a
-    :class:`GroupgradSpecProvider`.
+    :class:`GroupgradSpecProvider`, on :class:`GroupgradMoELayer` (Megatron's
+    ``MoELayer`` that tells the experts their layer number).
 
     Args:
         num_experts: The model's number of experts (``num_moe_experts``);
@@ -135,11 +155,12 @@ def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> An
         What a transformer layer's ``mlp`` takes: a ``ModuleSpec`` on
         megatron-core 0.16, an MoE-layer builder on 0.19.
     """
-    return get_moe_module_spec_for_backend(
+    spec = get_moe_module_spec_for_backend(
         backend=GroupgradSpecProvider(fused=fused, num_experts=_check_num_experts(num_experts)),
         num_experts=num_experts,
         moe_grouped_gemm=True,
     )
+    return with_moe_layer(spec, GroupgradMoELayer)
 
 
 def get_gpt_layer_groupgrad_spec(

@@ -1,0 +1,108 @@
+"""Megatron's FP8 settings, read for groupgrad experts: what runs ``fp8_recipe="blockwise"``, what is refused.
+
+Megatron's ``TransformerConfig`` (0.16 and 0.19 alike) says FP8 with
+``fp8`` (``None``, ``"e4m3"`` or ``"hybrid"``; ``--fp8-format``),
+``fp8_recipe`` (``"delayed"`` by default, ``"tensorwise"``, ``"mxfp8"``,
+``"blockwise"``, ``"custom"``; a ``str`` enum), ``fp8_param``
+(``--fp8-param-gather``: FP8 parameters), ``fp8_wgrad`` (``False``: wgrads
+in high precision) and ``first_last_layers_bf16`` with
+``num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16``. 0.19 adds
+``quant_recipe`` (a per-module precision file for Transformer Engine).
+
+groupgrad's FP8 route is the fused experts: ``fp8="e4m3"`` with
+``fp8_recipe="blockwise"`` runs their ``GroupedMLP`` with
+``fp8_recipe="blockwise"``; everything else FP8 is a ``ValueError`` at
+construction naming the setting, its value and what is supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FUSED_FP8", "fused_experts_fp8_recipe", "refuse_unfused_fp8", "runs_in_bf16"]
+
+FUSED_FP8 = "fp8='e4m3' with fp8_recipe='blockwise'"
+"""The one FP8 configuration groupgrad experts run, as its error messages name it."""
+
+
+def _shown(value: Any) -> str:
+    return repr(getattr(value, "value", value))  # Megatron's Fp8Recipe is a str enum
+
+
+def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
+    """The ``fp8_recipe`` of the fused experts' ``GroupedMLP`` for this config.
+
+    Returns:
+        ``"blockwise"`` for ``fp8="e4m3"`` with ``fp8_recipe="blockwise"``;
+        ``None`` (the parameters' dtype) without ``fp8``.
+
+    Raises:
+        ValueError: ``fp8="hybrid"``, another ``fp8_recipe``, ``fp8_param``,
+            ``fp8_wgrad=False`` or a ``quant_recipe`` (0.19), named with the value.
+    """
+    fp8 = config.fp8
+    expected = f"groupgrad's fused experts support {FUSED_FP8} (or fp8=None)"
+    if getattr(config, "fp8_param", False):
+        raise ValueError(
+            f"{owner}: fp8_param is True (--fp8-param-gather); {expected} with fp8_param=False: "
+            "the expert weights stay bf16/fp32 parameters and are quantized at the forward"
+        )
+    if fp8 is None:
+        return None
+    if getattr(fp8, "value", fp8) != "e4m3":
+        raise ValueError(f"{owner}: fp8 is {_shown(fp8)}; {expected}")
+    recipe = config.fp8_recipe
+    if getattr(recipe, "value", recipe) != "blockwise":
+        raise ValueError(
+            f"{owner}: fp8_recipe is {_shown(recipe)} with fp8='e4m3'; {expected} (1x128 "
+            "activation and 128x128 weight blocks, fp32 scales)"
+        )
+    if not getattr(config, "fp8_wgrad", True):
+        raise ValueError(
+            f"{owner}: fp8_wgrad is False; {expected}, whose weight gradients are FP8 GEMMs "
+            "into fp32, expected fp8_wgrad=True"
+        )
+    if getattr(config, "quant_recipe", None) is not None:
+        raise ValueError(
+            f"{owner}: quant_recipe is {config.quant_recipe!r}; {expected}, expected "
+            "quant_recipe=None"
+        )
+    return "blockwise"
+
+
+def refuse_unfused_fp8(config: Any, owner: str) -> None:
+    """Refuse FP8 for the grouped-linear experts (Megatron's ``TEGroupedMLP`` with groupgrad linears).
+
+    Megatron's own ``TEGroupedMLP`` runs FP8 only through Transformer
+    Engine; groupgrad's FP8 route is the fused experts.
+
+    Raises:
+        ValueError: ``config.fp8`` is set.
+    """
+    if config.fp8 is not None:
+        raise ValueError(
+            f"{owner}: fp8 is {_shown(config.fp8)}; the grouped-linear experts (fused=False, "
+            "Megatron's TEGroupedMLP layer, which runs FP8 only through Transformer Engine) "
+            f"compute in the parameters' dtype. groupgrad's FP8 route is the fused experts: "
+            f"build the spec with fused=True (GroupgradFusedExperts) and {FUSED_FP8}"
+        )
+
+
+def runs_in_bf16(config: Any, layer_number: int) -> bool:
+    """Whether Megatron keeps this layer out of FP8 (``first_last_layers_bf16``).
+
+    Args:
+        layer_number: The transformer layer's global number, 1-based, as
+            Megatron's ``TransformerLayer.layer_number``.
+
+    Megatron's rule (``fp8_utils.is_first_last_bf16_layer``): the first
+    ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16``
+    of ``num_layers`` layers.
+    """
+    if not config.first_last_layers_bf16:
+        return False
+    index = layer_number - 1
+    return (
+        index < config.num_layers_at_start_in_bf16
+        or index >= config.num_layers - config.num_layers_at_end_in_bf16
+    )

@@ -1,0 +1,110 @@
+"""FP8 in Megatron-Core: the config mapping and its errors, first/last layers in bf16, the cache epoch.
+
+In-process: which ``TransformerConfig`` FP8 settings the fused experts run
+(``fp8="e4m3"`` + ``fp8_recipe="blockwise"``) and which are refused at
+construction, naming the setting; the grouped-linear experts refuse FP8
+naming the fused backend; ``first_last_layers_bf16`` follows Megatron's rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional as F
+
+from groupgrad.integrations.megatron_core import (
+    GroupgradColumnParallelGroupedLinear,
+    GroupgradFusedExperts,
+    GroupgradRowParallelGroupedLinear,
+)
+from groupgrad.integrations.megatron_core._fp8 import runs_in_bf16
+
+
+def _config(**fp8: Any) -> Any:
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=128,
+        ffn_hidden_size=128,
+        num_attention_heads=2,
+        num_moe_experts=2,
+        moe_ffn_hidden_size=128,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
+    for name, value in fp8.items():  # Megatron's own FP8 checks need Transformer Engine
+        setattr(config, name, value)
+    return config
+
+
+# ---------------------------------------------------------------- the config mapping
+
+
+@pytest.mark.parametrize(
+    ("fp8", "message"),
+    [
+        ({"fp8": "hybrid", "fp8_recipe": "blockwise"}, r"fp8 is 'hybrid'; "),
+        ({"fp8": "e4m3", "fp8_recipe": "delayed"}, r"fp8_recipe is 'delayed' with fp8='e4m3'; "),
+        ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, r"fp8_recipe is 'tensorwise' with fp8"),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, r"fp8_recipe is 'mxfp8' with fp8='e4m3'; "),
+        (
+            {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True},
+            r"fp8_param is True \(--fp8-param-gather\); ",
+        ),
+        ({"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_wgrad": False}, r"fp8_wgrad is False; "),
+    ],
+)
+def test_fused_experts_refuse_other_fp8_settings(fp8: dict[str, Any], message: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"GroupgradFusedExperts: {message}.*support fp8='e4m3' with fp8_recipe='blockwise'",
+    ):
+        GroupgradFusedExperts(2, _config(**fp8))
+
+
+def test_fused_experts_name_the_recipe_enum_by_its_value() -> None:
+    from megatron.core.enums import Fp8Recipe
+
+    with pytest.raises(ValueError, match=r"fp8_recipe is 'delayed' with fp8='e4m3'"):
+        GroupgradFusedExperts(2, _config(fp8="e4m3", fp8_recipe=Fp8Recipe.delayed))
+
+
+@pytest.mark.parametrize(
+    "cls", [GroupgradColumnParallelGroupedLinear, GroupgradRowParallelGroupedLinear]
+)
+@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
+def test_grouped_linear_experts_refuse_fp8_naming_the_fused_backend(cls: type, fp8: str) -> None:
+    config = _config(fp8=fp8, fp8_recipe="blockwise")
+    with pytest.raises(
+        ValueError,
+        match=rf"fp8 is '{fp8}'; the grouped-linear experts \(fused=False.*FP8 route is the "
+        r"fused experts: build the spec with fused=True",
+    ):
+        cls(
+            2,
+            128,
+            256,
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            skip_bias_add=False,
+        )
+
+
+def test_first_last_layers_bf16_follows_megatrons_rule() -> None:
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    for start, end in [(1, 1), (2, 0), (0, 3)]:
+        config = _config(
+            first_last_layers_bf16=True,
+            num_layers_at_start_in_bf16=start,
+            num_layers_at_end_in_bf16=end,
+        )
+        ours = [runs_in_bf16(config, n) for n in range(1, 5)]
+        assert ours == [is_first_last_bf16_layer(config, n - 1) for n in range(1, 5)]
+        assert ours == [n <= start or n > 4 - end for n in range(1, 5)]
+    assert not any(runs_in_bf16(_config(), n) for n in range(1, 5))

@@ -16,6 +16,7 @@ ranks in fp32 and in bf16, against an fp64 reduction; ``--plot`` (default
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -29,14 +30,29 @@ class MoELayer(nn.Module):
     """Router + top-k + grouped experts (SwiGLU MLPs) on token rows grouped by expert."""
 
     def __init__(
-        self, hidden: int, ffn: int, experts: int, top_k: int, *, fused: bool, dtype, device
+        self,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
+        *,
+        fused: bool,
+        dtype,
+        device,
+        fp8_recipe: str | None = None,
     ) -> None:
         super().__init__()
         self.experts, self.top_k, self.ffn = experts, top_k, ffn
         self.router = nn.Linear(hidden, experts, bias=False, device=device)
         if fused:
             self.mlp = GroupedMLP(
-                experts, hidden, ffn, dtype=dtype, device=device, accumulate_into_main_grad=True
+                experts,
+                hidden,
+                ffn,
+                dtype=dtype,
+                device=device,
+                accumulate_into_main_grad=True,
+                fp8_recipe=fp8_recipe,
             )
         else:
             self.mlp = None
@@ -45,6 +61,7 @@ class MoELayer(nn.Module):
                 "dtype": dtype,
                 "device": device,
                 "accumulate_into_main_grad": True,
+                "fp8_recipe": fp8_recipe,
             }
             self.fc1 = GroupedLinear(experts, hidden, 2 * ffn, **common)
             self.fc2 = GroupedLinear(experts, ffn, hidden, **common)
@@ -54,7 +71,7 @@ class MoELayer(nn.Module):
         owners = [self.mlp.fc1, self.mlp.fc2] if self.mlp is not None else [self.fc1, self.fc2]
         return [getattr(owner, name) for owner in owners for name in owner.weight_names]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None) -> Tensor:
         tokens, hidden = x.shape
         probs, chosen = F.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -64,11 +81,11 @@ class MoELayer(nn.Module):
         rows = x.repeat_interleave(self.top_k, dim=0)[order].to(self.fc_dtype)
         row_probs = probs.reshape(-1)[order]
         if self.mlp is not None:
-            out = self.mlp(rows, splits, row_probs.to(self.fc_dtype))
+            out = self.mlp(rows, splits, row_probs.to(self.fc_dtype), is_first_microbatch)
         else:
-            h = self.fc1(rows, splits)
+            h = self.fc1(rows, splits, is_first_microbatch)
             act = F.silu(h[:, : self.ffn]) * h[:, self.ffn :] * row_probs[:, None].to(h.dtype)
-            out = self.fc2(act, splits)
+            out = self.fc2(act, splits, is_first_microbatch)
         combined = torch.zeros(tokens * self.top_k, hidden, dtype=torch.float32, device=x.device)
         combined[order] = out.float()
         return combined.view(tokens, self.top_k, hidden).sum(1)
@@ -120,8 +137,8 @@ def accumulate_step(
     weights' ``main_grad`` buffers (fp32), which the optimizer then reads.
     """
     loss_value = 0.0
-    for x in batches:
-        loss = F.mse_loss(layer(x), teacher(x).detach())
+    for index, x in enumerate(batches):  # FP8 weights: quantized at the first, then reused
+        loss = F.mse_loss(layer(x, is_first_microbatch=index == 0), teacher(x).detach())
         (loss / len(batches)).backward()
         loss_value += loss.item() / len(batches)
     return loss_value, [w.main_grad for w in layer.expert_weights()]
@@ -148,13 +165,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps",
         type=_at_least_one,
         default=400,
-        help="optimizer steps to train (each of 2 micro-batches)",
+        help="optimizer steps to train (each of 2 micro-batches; with --fp8 on the CPU, whose "
+        "FP8 reference kernels are slow, 40 unless given)",
     )
     parser.add_argument(
         "--experts",
         choices=["linear", "mlp"],
         default="linear",
         help="expert layers: two GroupedLinear with SwiGLU between them, or one fused GroupedMLP",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="run the experts' GEMMs in blockwise FP8 (fp8_recipe='blockwise'; CUTLASS on an "
+        "H100/H200, the kernels' reference on the CPU) with hidden and ffn sizes of 128",
     )
     parser.add_argument(
         "--device",
@@ -172,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(needs matplotlib; an empty string writes none)",
     )
     args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args.steps_given = any(a == "--steps" or a.startswith("--steps=") for a in given)
     try:
         args.device = torch.device(args.device)
     except RuntimeError:
@@ -200,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = args.device
     hidden, ffn, experts, top_k, tokens = 64, 96, 8, 2, 128
+    recipe = "blockwise" if args.fp8 else None
+    if args.fp8:  # FP8 blocks: sizes multiples of 128
+        hidden, ffn = 128, 128
     torch.manual_seed(0)
     fused = args.experts == "mlp"
     teacher = MoELayer(
@@ -207,7 +236,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     for w in teacher.expert_weights():
         w.requires_grad_(False)
-    layer = MoELayer(hidden, ffn, experts, top_k, fused=fused, dtype=torch.bfloat16, device=device)
+    layer = MoELayer(
+        hidden,
+        ffn,
+        experts,
+        top_k,
+        fused=fused,
+        dtype=torch.bfloat16,
+        device=device,
+        fp8_recipe=recipe,
+    )
     layer.router.load_state_dict(teacher.router.state_dict())
     layer.router.requires_grad_(False)  # same routing as the teacher: the experts learn
     weights = layer.expert_weights()
@@ -218,6 +256,19 @@ def main(argv: list[str] | None = None) -> None:
         f"groupgrad MoE demo on {device}: {experts} experts ({args.experts}), top-{top_k}, "
         f"hidden {hidden}, ffn {ffn}; bf16 experts, fp32 main_grad, 2 micro-batches per step"
     )
+    if args.fp8 and device.type == "cpu" and not args.steps_given:
+        args.steps = 40
+    if args.fp8:
+        where = (
+            "CUTLASS FP8 GEMMs"
+            if device.type == "cuda"
+            else "the kernels' reference on the CPU (dequantize, multiply in fp32): FP8's "
+            "numerics, not its speed"
+        )
+        print(
+            f"FP8: blockwise recipe (e4m3, 1x128 / 128x128 / 128-token blocks) on {where}; "
+            f"{args.steps} steps"
+        )
     gen = torch.Generator(device="cpu").manual_seed(1)
     start, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):

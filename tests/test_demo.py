@@ -143,6 +143,20 @@ def test_demo_trains_and_reports_where_gradients_went(
     assert float(errors.group(1)) < 1e-5 < float(errors.group(2))
 
 
+@pytest.mark.parametrize("experts", ["linear", "mlp"])
+def test_fp8_demo_trains_on_the_reference_and_says_so(experts: str) -> None:
+    out = _run(
+        "--device", "cpu", "--experts", experts, "--fp8", "--steps", "3", "--print-every", "1",
+        "--plot", "",
+    ).stdout  # fmt: skip
+    assert "FP8: blockwise recipe" in out, out
+    assert "the kernels' reference on the CPU" in out, out
+    fell = re.search(r"loss went from ([0-9.]+) to ([0-9.]+) in 3 steps", out)
+    assert fell is not None, out
+    assert float(fell.group(2)) < float(fell.group(1)), out
+    assert "16/16 had grad_added_to_main_grad set" in out, out
+
+
 def test_help_describes_every_option_with_its_default() -> None:
     help_text = " ".join(_run("--help").stdout.split())
     for option, default in [

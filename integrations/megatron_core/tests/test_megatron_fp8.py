@@ -4,10 +4,16 @@ In-process: which ``TransformerConfig`` FP8 settings the fused experts run
 (``fp8="e4m3"`` + ``fp8_recipe="blockwise"``) and which are refused at
 construction, naming the setting; the grouped-linear experts refuse FP8
 naming the fused backend; ``first_last_layers_bf16`` follows Megatron's rule.
+One gloo rank (``fp8_worker.py``): Megatron's ``DistributedOptimizer``
+writes the new bf16 weights through its buffers (no version bump, so only
+Megatron's ``is_first_microbatch`` flag can tell the experts), and the first
+micro-batch after each ``step()`` must use the new weights quantized
+afresh; the ``first_last_layers_bf16`` layers' experts run bf16.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +27,10 @@ from groupgrad.integrations.megatron_core import (
     GroupgradRowParallelGroupedLinear,
 )
 from groupgrad.integrations.megatron_core._fp8 import runs_in_bf16
+from groupgrad_testsupport import Launches
+
+WORKER = Path(__file__).with_name("fp8_worker.py")
+SCENARIOS = [{"name": "step", "kind": "step"}, {"name": "bf16-layers", "kind": "bf16_layers"}]
 
 
 def _config(**fp8: Any) -> Any:
@@ -108,3 +118,33 @@ def test_first_last_layers_bf16_follows_megatrons_rule() -> None:
         assert ours == [is_first_last_bf16_layer(config, n - 1) for n in range(1, 5)]
         assert ours == [n <= start or n > 4 - end for n in range(1, 5)]
     assert not any(runs_in_bf16(_config(), n) for n in range(1, 5))
+
+
+# ---------------------------------------------------------------- one gloo rank
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    return Launches(tmp_path_factory, WORKER, {1: SCENARIOS}, timeout_s=300)
+
+
+def test_first_microbatch_after_each_optimizer_step_requantizes(runs: Launches) -> None:
+    # Catches: the experts ignoring Megatron's is_first_microbatch (a stale FP8 weight after
+    # DistributedOptimizer.step(), which writes the weights without moving their version).
+    (result,) = runs(1)["step"]
+    assert result["steps_ok"] == [True, True]
+    assert result["flags"] == [True, False, True, False]  # cached within a step, then refreshed
+    assert result["weights_moved"], "the optimizer step left the expert weights unchanged"
+    assert not result["versions_moved"], "the version guard alone would have seen this step"
+    for i, (y, fresh) in enumerate(zip(result["y"], result["fresh"], strict=True)):
+        assert torch.equal(y, fresh), f"forward {i}: not its step's weights, quantized afresh"
+    stale = result["step2_with_step1_weights"]
+    assert not torch.equal(result["y"][2], stale), "the test cannot tell stale weights from new"
+
+
+def test_first_and_last_layers_run_bf16(runs: Launches) -> None:
+    (result,) = runs(1)["bf16-layers"]
+    for number, recipe in [(1, "None"), (2, "blockwise"), (3, "None")]:
+        other = "blockwise" if recipe == "None" else "None"
+        assert torch.equal(result[f"layer{number}"], result[f"layer{number}-{recipe}"]), number
+        assert not torch.equal(result[f"layer{number}"], result[f"layer{number}-{other}"]), number

@@ -596,4 +596,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "is_distributed_weight(params[0])",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
+    Mutant(
+        "megatron-fp8-flag-ignored",
+        "Megatron's fused experts ignore the is_first_microbatch attribute Megatron's schedule sets "
+        "(always reuse the FP8 weight cache): after DistributedOptimizer.step(), which moves no "
+        "version counter, the next forward reads the old weights",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_experts.py",
+        "        return bool(flag)",
+        "        return False",
+        ("integrations/megatron_core/tests/test_megatron_fp8.py",),
+    ),
 )

@@ -95,7 +95,7 @@ def _layer(config: Any, layer_number: int) -> Any:
 
     from groupgrad.integrations.megatron_core import get_moe_module_groupgrad_spec
 
-    layer = build_module(get_moe_module_groupgrad_spec(EXPERTS), config=config)
+    layer = build_module(get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True), config=config)
     layer.set_layer_number(layer_number)  # what Megatron's TransformerLayer does
     return layer
 

@@ -62,8 +62,21 @@ def _module_and_submodules(entry: Any) -> tuple[type, Any]:
 
 def _moe_experts(moe_spec: Any) -> tuple[type, Any]:
     module, submodules = _module_and_submodules(moe_spec)
-    assert issubclass(module, MoELayer)  # GroupgradMoELayer: passes the layer number on
+    assert issubclass(module, MoELayer)
     return _module_and_submodules(submodules.experts)
+
+
+@pytest.mark.parametrize("layer_numbers", [False, True])
+def test_the_moe_layer_is_megatrons_own_unless_layer_numbers_are_asked_for(
+    layer_numbers: bool,
+) -> None:
+    """Megatron 0.16's TransformerLayer hands its pg_collection only to MoELayer itself."""
+    module, _ = _module_and_submodules(
+        megatron_core.get_moe_module_groupgrad_spec(4, layer_numbers=layer_numbers)
+    )
+    assert module is (megatron_core.GroupgradMoELayer if layer_numbers else MoELayer)
+    gpt = megatron_core.get_gpt_layer_groupgrad_spec(4, layer_numbers=layer_numbers)
+    assert _module_and_submodules(gpt.submodules.mlp)[0] is module
 
 
 # ---------------------------------------------------------------- versions

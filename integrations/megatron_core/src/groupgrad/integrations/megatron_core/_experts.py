@@ -163,8 +163,8 @@ class GroupgradFusedExperts(MegatronModule):
         """Learn the transformer layer's global number (1-based): FP8 off where Megatron keeps bf16.
 
         Megatron calls ``set_layer_number`` on the MoE layer, which does not
-        pass it on to its experts; the MoE layer of this package's specs
-        (``GroupgradMoELayer``) does. With ``first_last_layers_bf16`` the
+        pass it on to its experts; ``GroupgradMoELayer`` (this package's specs
+        with ``layer_numbers=True``) does. With ``first_last_layers_bf16`` the
         first ``num_layers_at_start_in_bf16`` and last
         ``num_layers_at_end_in_bf16`` layers run in the parameters' dtype.
         """
@@ -188,10 +188,10 @@ class GroupgradFusedExperts(MegatronModule):
         if self.config.first_last_layers_bf16 and self.layer_number is None:
             raise RuntimeError(
                 f"{type(self).__name__}: first_last_layers_bf16 is True with {FUSED_FP8} but "
-                "the experts were never told their layer number; build the MoE layer from this "
-                "package's specs (get_moe_module_groupgrad_spec, get_gpt_layer_groupgrad_spec), "
-                "whose MoE layer passes set_layer_number() on, or call "
-                "experts.set_layer_number(layer_number)"
+                "the experts were never told their layer number; build the MoE layer with "
+                "get_moe_module_groupgrad_spec(..., layer_numbers=True) or "
+                "get_gpt_layer_groupgrad_spec(..., layer_numbers=True), whose MoE layer passes "
+                "set_layer_number() on, or call experts.set_layer_number(layer_number)"
             )
         if getattr(self.config, "disable_parameter_transpose_cache", False):
             return None

@@ -139,17 +139,26 @@ def _check_num_experts(num_experts: object) -> int:
     return num_experts
 
 
-def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> Any:
+def get_moe_module_groupgrad_spec(
+    num_experts: int, *, fused: bool = True, layer_numbers: bool = False
+) -> Any:
     """Megatron's MoE layer spec (``MoELayer``, router, shared experts) with groupgrad experts.
 
     Built by Megatron's ``get_moe_module_spec_for_backend`` with a
-    :class:`GroupgradSpecProvider`, on :class:`GroupgradMoELayer` (Megatron's
-    ``MoELayer`` that tells the experts their layer number).
+    :class:`GroupgradSpecProvider`, on Megatron's own ``MoELayer`` — or, with
+    ``layer_numbers=True``, on :class:`GroupgradMoELayer`, which tells the
+    experts their layer number: FP8 with ``first_last_layers_bf16`` needs it.
+    On megatron-core 0.16 ``TransformerLayer`` hands its ``pg_collection``
+    only to Megatron's exact ``MoELayer`` class, so a ``GroupgradMoELayer``
+    runs on Megatron's global process groups (a warning says "Unknown MLP
+    type"): leave ``layer_numbers`` off where a model is built with other
+    process groups.
 
     Args:
         num_experts: The model's number of experts (``num_moe_experts``);
             building the layer from a config with another number raises.
         fused: Which groupgrad experts (see :func:`get_groupgrad_experts_spec`).
+        layer_numbers: Build the layer as :class:`GroupgradMoELayer`.
 
     Returns:
         What a transformer layer's ``mlp`` takes: a ``ModuleSpec`` on
@@ -160,7 +169,7 @@ def get_moe_module_groupgrad_spec(num_experts: int, *, fused: bool = True) -> An
         num_experts=num_experts,
         moe_grouped_gemm=True,
     )
-    return with_moe_layer(spec, GroupgradMoELayer)
+    return with_moe_layer(spec, GroupgradMoELayer) if layer_numbers else spec
 
 
 def get_gpt_layer_groupgrad_spec(
@@ -169,6 +178,7 @@ def get_gpt_layer_groupgrad_spec(
     fused: bool = True,
     qk_layernorm: bool = False,
     normalization: str | None = None,
+    layer_numbers: bool = False,
 ) -> Any:
     """A GPT transformer-layer spec of Megatron-Core's local modules with groupgrad MoE experts.
 
@@ -183,6 +193,8 @@ def get_gpt_layer_groupgrad_spec(
         qk_layernorm: As in ``get_gpt_layer_local_spec``.
         normalization: As in ``get_gpt_layer_local_spec`` (``"RMSNorm"`` or
             ``None`` for LayerNorm).
+        layer_numbers: The MoE layer as :class:`GroupgradMoELayer` (FP8 with
+            ``first_last_layers_bf16``; see :func:`get_moe_module_groupgrad_spec`).
 
     Returns:
         A ``ModuleSpec`` of Megatron's ``TransformerLayer``.
@@ -193,5 +205,7 @@ def get_gpt_layer_groupgrad_spec(
         qk_layernorm=qk_layernorm,
         normalization=normalization,
     )
-    spec.submodules.mlp = get_moe_module_groupgrad_spec(num_experts, fused=fused)
+    spec.submodules.mlp = get_moe_module_groupgrad_spec(
+        num_experts, fused=fused, layer_numbers=layer_numbers
+    )
     return spec

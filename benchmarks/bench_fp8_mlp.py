@@ -90,22 +90,10 @@ def make_step(
 
 def _as_fp8(bf16: GroupedMLP, case: bench_mlp.Case, device: torch.device) -> GroupedMLP:
     """An FP8 GroupedMLP with ``bf16``'s weights and its own zeroed fp32 ``main_grad``."""
-    mlp = GroupedMLP(
-        case.E,
-        case.H,
-        case.F,
-        dtype=torch.bfloat16,
-        device=device,
-        single_grouped_weight=True,
-        accumulate_into_main_grad=True,
-        fp8_recipe="blockwise",
-    )
+    mlp = bench_mlp.make_mlp(case, device, fp8_recipe="blockwise")
     with torch.no_grad():
         mlp.fc1.weight.copy_(bf16.fc1.weight)
         mlp.fc2.weight.copy_(bf16.fc2.weight)
-    for w in mlp.parameters():
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
-        w.grad_added_to_main_grad = False
     return mlp
 
 

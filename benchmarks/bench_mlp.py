@@ -159,7 +159,12 @@ def make_case(E: int, H: int, F_: int, T: int, split_kind: str, device: torch.de
     )
 
 
-def make_mlp(case: Case, device: torch.device, single_grouped_weight: bool = True) -> GroupedMLP:
+def make_mlp(
+    case: Case,
+    device: torch.device,
+    single_grouped_weight: bool = True,
+    fp8_recipe: str | None = None,
+) -> GroupedMLP:
     mlp = GroupedMLP(
         case.E,
         case.H,
@@ -168,6 +173,7 @@ def make_mlp(case: Case, device: torch.device, single_grouped_weight: bool = Tru
         device=device,
         single_grouped_weight=single_grouped_weight,
         accumulate_into_main_grad=True,
+        fp8_recipe=fp8_recipe,
     )
     for w in mlp.parameters():
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)

@@ -14,7 +14,17 @@ rotated between calls):
   fc2 fused), ``gradient_accumulation_fusion`` on: wgrads straight into
   ``main_grad`` from the GEMM epilogue;
 * ``groupgrad``: Megatron's ``TEGroupedMLP`` with groupgrad grouped linears in
-  its fc1 / fc2 slots, ``gradient_accumulation_fusion`` on.
+  its fc1 / fc2 slots, ``gradient_accumulation_fusion`` on;
+* ``groupgrad_fused_fp8``: the fused experts with ``config.fp8="e4m3"``,
+  ``config.fp8_recipe="blockwise"`` (blockwise FP8 GEMMs, wgrads into the
+  fp32 ``main_grad``), every step quantizing the weights afresh — the first
+  micro-batch after an optimizer step (Megatron's schedule sets the experts'
+  ``is_first_microbatch``), i.e. one micro-batch per step;
+* ``groupgrad_fused_fp8_cached``: the same layer, its weights served from the
+  FP8 cache (``is_first_microbatch=False``: the later micro-batches of a step).
+
+The FP8 backends run only where ``H`` and ``F`` are multiples of 128
+(blockwise FP8's blocks); elsewhere the row says why in ``fp8_skipped``.
 
 Timed per backend, in interleaved rounds (CUDA events, warm-up, median):
 ``layer`` — one training step of the MoE layer (zero the grad buffers,
@@ -23,7 +33,14 @@ of the experts module alone on the tokens the dispatcher produced. Reported:
 the ratios ``sequential / groupgrad_fused`` and ``sequential / groupgrad``
 (measured in the same run), TFLOP/s of the experts (``18·T·H·F`` FLOPs per
 step over the routed tokens ``T``), and the largest relative difference of
-each backend's layer output and input gradient against ``sequential``.
+each backend's layer output and input gradient against ``sequential``. For
+FP8: ``fp8_vs_bf16_fused`` (bf16 ``groupgrad_fused``'s time over each FP8
+backend's, ``layer`` and ``experts``), and for every backend
+``outside_experts_share`` = (``layer`` − ``experts``) / ``layer``: the share
+of the step spent outside the experts' forward + backward (router,
+permutation, dispatch, combine, DDP's buffer zeroing and sync) — the
+non-GEMM part of the layer beyond the experts' own SwiGLU and quantization
+kernels. Tables and plot: ``megatron_moe_report.py``.
 
 Usage (H200, megatron-core 0.19)::
 
@@ -31,7 +48,8 @@ Usage (H200, megatron-core 0.19)::
 
 ``--smoke``: tiny shapes on the CPU (the test-only CUDA shim of
 ``integrations/megatron_core/tests/cpu_shim.py``; ``perf_counter`` timings,
-not meaningful) — what the CPU test runs. ``--out DIR`` writes
+not meaningful; FP8 through groupgrad's reference kernels, in the first shape
+only) — what the CPU test runs. ``--out DIR`` writes
 ``megatron_moe_<gpu>.json`` and ``.png``.
 
 Legend: ``E`` experts, ``H`` hidden size, ``F`` expert ffn hidden size,
@@ -56,11 +74,15 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kernels_timing as kt  # interleaved CUDA-event timing shared with the other benchmarks
+import megatron_moe_report as report
 import results_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "integrations" / "megatron_core" / "tests" / "cpu_shim.py"
-BACKENDS = ("sequential", "groupgrad_fused", "groupgrad")
+FP8 = "groupgrad_fused_fp8"
+FP8_CACHED = "groupgrad_fused_fp8_cached"  # FP8's layer, weights from its FP8 cache
+BACKENDS = ("sequential", "groupgrad_fused", "groupgrad", FP8)  # one layer each
+FP8_BLOCK = 128
 N_SETS = 2
 
 
@@ -81,7 +103,7 @@ SHAPES = [
     Shape("E128 (Qwen3-30B-A3B-like)", E=128, H=2048, F=768, k=8, S=4096),
 ]
 SMOKE_SHAPES = [
-    Shape("E4 smoke", E=4, H=16, F=8, k=2, S=12),
+    Shape("E4 smoke", E=4, H=128, F=128, k=2, S=12),  # FP8 on the reference kernels
     Shape("E16 smoke", E=16, H=8, F=4, k=4, S=8),
 ]
 
@@ -107,11 +129,20 @@ def setup(device: torch.device) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
+def fp8_skipped(shape: Shape) -> str | None:
+    """Why the FP8 backends skip ``shape`` (``None``: they run it)."""
+    if shape.H % FP8_BLOCK or shape.F % FP8_BLOCK:
+        return (
+            f"FP8 skipped: H={shape.H}, F={shape.F}; blockwise FP8 needs multiples of {FP8_BLOCK}"
+        )
+    return None
+
+
 def make_config(shape: Shape, backend: str, device: torch.device) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=1,
         hidden_size=shape.H,
         ffn_hidden_size=shape.F,
@@ -130,6 +161,11 @@ def make_config(shape: Shape, backend: str, device: torch.device) -> Any:
         use_cpu_initialization=device.type == "cpu",
         gradient_accumulation_fusion=backend != "sequential",
     )
+    if backend == FP8:
+        # Set after construction: TransformerConfig's own checks demand Transformer Engine for
+        # any MoE config with fp8; the fused experts read both fields when they are built.
+        config.fp8, config.fp8_recipe = "e4m3", "blockwise"
+    return config
 
 
 def build_layer(shape: Shape, backend: str, device: torch.device) -> Any:
@@ -142,7 +178,7 @@ def build_layer(shape: Shape, backend: str, device: torch.device) -> Any:
     if backend == "sequential":
         spec = get_moe_module_spec(use_te=False, num_experts=shape.E, moe_grouped_gemm=False)
     else:
-        spec = get_moe_module_groupgrad_spec(shape.E, fused=backend == "groupgrad_fused")
+        spec = get_moe_module_groupgrad_spec(shape.E, fused=backend != "groupgrad")
     if isinstance(spec, ModuleSpec):  # megatron-core 0.16
         return build_module(spec, config=config).to(device)
     return spec(config=config, pg_collection=None).to(device)  # 0.19: a builder
@@ -164,18 +200,29 @@ def copy_from_sequential(sequential: Any, layer: Any) -> None:
 
 @dataclasses.dataclass
 class Runner:
-    """One backend's layer in Megatron DDP, with its timed steps."""
+    """One backend's layer in Megatron DDP, with its timed steps.
+
+    ``first_microbatch`` (FP8 only) is set as the experts' ``is_first_microbatch``
+    before each forward, as Megatron's schedule does: ``True`` quantizes the
+    weights afresh, ``False`` serves them from the FP8 cache.
+    """
 
     layer: Any
     ddp: Any
     inputs: list[tuple[torch.Tensor, torch.Tensor]]
     expert_inputs: list[tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]]
+    first_microbatch: bool | None = None
+
+    def _mark_microbatch(self) -> None:
+        if self.first_microbatch is not None:
+            self.layer.experts.is_first_microbatch = self.first_microbatch
 
     def layer_step(self, i: int) -> torch.Tensor:
         """One training step of the MoE layer: zero grads, forward, backward, gradient sync."""
         x, dy = self.inputs[i]
         self.ddp.zero_grad_buffer()
         x.grad = None
+        self._mark_microbatch()
         out, _ = self.ddp(x)
         out.backward(dy)
         self.ddp.finish_grad_sync()
@@ -184,6 +231,7 @@ class Runner:
     def experts_step(self, i: int) -> torch.Tensor:
         """Forward + backward of the experts module alone on dispatched tokens."""
         x, tokens_per_expert, probs, dy = self.expert_inputs[i]
+        self._mark_microbatch()
         out, _ = self.layer.experts(x, tokens_per_expert, probs)
         out.backward(dy)
         return out
@@ -201,11 +249,13 @@ def dispatched(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Te
 
 
 def make_runners(shape: Shape, device: torch.device) -> dict[str, Runner]:
+    """Every backend's runner (without FP8 where :func:`fp8_skipped`), sharing weights and inputs."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     torch.manual_seed(0)
-    layers = {b: build_layer(shape, b, device) for b in BACKENDS}
-    for backend in BACKENDS[1:]:
+    backends = [b for b in BACKENDS if b != FP8 or fp8_skipped(shape) is None]
+    layers = {b: build_layer(shape, b, device) for b in backends}
+    for backend in backends[1:]:
         copy_from_sequential(layers["sequential"], layers[backend])
     dtype = layers["sequential"].config.params_dtype
     gen = torch.Generator(device=device).manual_seed(1)
@@ -229,6 +279,10 @@ def make_runners(shape: Shape, device: torch.device) -> dict[str, Runner]:
             layer.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer
         )
         runners[backend] = Runner(layer, ddp, inputs, expert_inputs)
+    if FP8 in runners:
+        fresh = runners[FP8]
+        fresh.first_microbatch = True
+        runners[FP8_CACHED] = dataclasses.replace(fresh, first_microbatch=False)
     return runners
 
 
@@ -258,97 +312,33 @@ def bench_shape(shape: Shape, device: torch.device, rounds: int) -> dict:
     routed = int(sum(int(c) for c in runners["sequential"].expert_inputs[0][1]))
     flops = 18 * routed * shape.H * shape.F
     ref_out, ref_dx = outputs["sequential"]
-    return {
+    others = [b for b in runners if b != "sequential"]
+    row = {
         **dataclasses.asdict(shape),
         "routed_tokens": routed,
         "layer_ms": layer_ms,
         "experts_ms": experts_ms,
         "experts_tflops": {b: flops / (ms * 1e9) for b, ms in experts_ms.items()},
-        "speedup_layer": {b: layer_ms["sequential"] / layer_ms[b] for b in BACKENDS[1:]},
-        "speedup_experts": {b: experts_ms["sequential"] / experts_ms[b] for b in BACKENDS[1:]},
+        "speedup_layer": {b: layer_ms["sequential"] / layer_ms[b] for b in others},
+        "speedup_experts": {b: experts_ms["sequential"] / experts_ms[b] for b in others},
+        "outside_experts_share": {b: (layer_ms[b] - experts_ms[b]) / layer_ms[b] for b in runners},
         "rel_diff_vs_sequential": {
             b: {
                 "output": rel_diff(outputs[b][0], ref_out),
                 "input_grad": rel_diff(outputs[b][1], ref_dx),
             }
-            for b in BACKENDS[1:]
+            for b in others
         },
     }
-
-
-def one_line(row: dict) -> str:
-    s = row["speedup_layer"]
-    e = row["speedup_experts"]
-    return (
-        f"{row['name']}: layer step sequential {row['layer_ms']['sequential']:.3f} ms, "
-        f"groupgrad_fused {row['layer_ms']['groupgrad_fused']:.3f} ms ({s['groupgrad_fused']:.2f}x), "
-        f"groupgrad {row['layer_ms']['groupgrad']:.3f} ms ({s['groupgrad']:.2f}x); experts alone "
-        f"{e['groupgrad_fused']:.2f}x / {e['groupgrad']:.2f}x"
-    )
-
-
-def markdown_table(result: dict) -> str:
-    lines = [
-        f"MoE layer step, {result['gpu']}, megatron-core {result['megatron_core']}, torch {result['torch']}",
-        "",
-        "| shape (E, H, F, top-k, tokens) | sequential ms | groupgrad_fused ms (×) | groupgrad ms (×) "
-        "| experts alone: fused × / unfused × | experts TFLOP/s fused / seq |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        t, s, e, tf = (
-            row["layer_ms"],
-            row["speedup_layer"],
-            row["speedup_experts"],
-            row["experts_tflops"],
-        )
-        lines.append(
-            f"| {row['E']}, {row['H']}, {row['F']}, {row['k']}, {row['S']} | {t['sequential']:.3f} | "
-            f"{t['groupgrad_fused']:.3f} ({s['groupgrad_fused']:.2f}×) | {t['groupgrad']:.3f} "
-            f"({s['groupgrad']:.2f}×) | {e['groupgrad_fused']:.2f}× / {e['groupgrad']:.2f}× | "
-            f"{tf['groupgrad_fused']:.0f} / {tf['sequential']:.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(result: dict, path: Path) -> None:
-    """Speed-ups over ``SequentialMLP``: whole layer step and experts alone, per shape."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    rows = result["rows"]
-    labels = [r["name"] for r in rows]
-    xs = range(len(rows))
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.5 * len(rows), 4.2))
-    width = 0.38
-    for ax, key, title in zip(
-        axes, ("speedup_layer", "speedup_experts"), ("MoE layer step", "experts alone"), strict=True
-    ):
-        ax.bar(
-            [x - width / 2 for x in xs],
-            [r[key]["groupgrad_fused"] for r in rows],
-            width,
-            label="groupgrad fused",
-        )
-        ax.bar(
-            [x + width / 2 for x in xs],
-            [r[key]["groupgrad"] for r in rows],
-            width,
-            label="groupgrad grouped linears",
-        )
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_title(f"{title}: speed-up vs SequentialMLP")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.legend(fontsize=8)
-    fig.suptitle(
-        f"Megatron-Core MoE layer, {result['gpu']}, megatron-core {result['megatron_core']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    skipped = fp8_skipped(shape)
+    if skipped is not None:
+        return {**row, "fp8_skipped": skipped}
+    bf16 = "groupgrad_fused"
+    row["fp8_vs_bf16_fused"] = {
+        b: {"layer": layer_ms[bf16] / layer_ms[b], "experts": experts_ms[bf16] / experts_ms[b]}
+        for b in (FP8, FP8_CACHED)
+    }
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         row = bench_shape(shape, device, rounds)
         rows.append(row)
-        print(one_line(row), flush=True)
+        print(report.one_line(row), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result = {
@@ -390,11 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         "n_sets": N_SETS,
         "rows": rows,
     }
-    print(markdown_table(result))
+    print(report.markdown_table(result))
     dist.destroy_process_group()
     if args.out is not None:
         stem = results_files.gpu_stem("megatron_moe_", result["gpu"])
-        if not results_files.write_results(args.out, stem, result, plot):
+        if not results_files.write_results(args.out, stem, result, report.plot):
             return 3
     return 0
 

@@ -7,6 +7,11 @@ bf16 weights, forward + backward of the experts module of a real
 ``model.set_experts_implementation(name)`` between:
 
 * ``groupgrad`` (this repository, ``groupgrad.integrations.transformers``);
+* ``groupgrad_fp8``: the same experts with blockwise FP8 GEMMs
+  (``fp8_recipe="blockwise"``: weights quantized in every forward, wgrads
+  into the fp32 ``.grad`` where ``grad_dtype`` is fp32); only where ``H`` and
+  ``F`` are multiples of 128 (else the row says why in ``fp8_skipped``);
+  ``--skip-fp8`` leaves it out;
 * ``groupgrad_unrouted``: groupgrad's previous route for these experts
   (gather, ``grouped_mlp``, combine as three steps; defined here), to show
   what the one routed op changes;
@@ -20,7 +25,8 @@ fp32 wgrad from the GEMM epilogue; the others compute it in bf16 and
 autograd upcasts it). Reported: median ms of forward+backward (CUDA events,
 warm-up, interleaved rounds, two rotated input sets), TFLOP/s
 (``18·S·H·F`` FLOPs), peak memory of one step, ratios against groupgrad
-measured in the same run, and groupgrad's error against grouped_mm.
+measured in the same run (for ``groupgrad_fp8``: FP8's time over bf16's),
+and groupgrad's and groupgrad_fp8's errors against grouped_mm.
 
 Routing (fixed seed 0, the same for every implementation): expert popularity
 ``p = softmax(z)``, ``z ~ N(0, σ²)`` per expert (log-normal shares; σ = 1
@@ -87,10 +93,12 @@ import hf_moe_report as report
 import kernels_timing as kt  # the peak-memory measurement shared with bench_mlp.py
 import results_files
 
-import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad")
+import groupgrad.integrations.transformers  # noqa: F401  (registers "groupgrad", "groupgrad_fp8")
 from groupgrad.modules import grouped_mlp
 
-IMPLEMENTATIONS = ("groupgrad", "groupgrad_unrouted", "grouped_mm", "eager")
+FP8 = "groupgrad_fp8"
+IMPLEMENTATIONS = ("groupgrad", FP8, "groupgrad_unrouted", "grouped_mm", "eager")
+FP8_BLOCK = 128
 
 
 def unrouted_experts_forward(
@@ -157,7 +165,16 @@ class Shape:
 
 
 QWEN3_30B_A3B = Shape(E=128, H=2048, F=768, k=8, T=16384, heads=32, kv_heads=4, head_dim=128)
-SMOKE = Shape(E=8, H=64, F=32, k=2, T=128, heads=4, kv_heads=2, head_dim=16)
+SMOKE = Shape(E=8, H=128, F=128, k=2, T=128, heads=4, kv_heads=2, head_dim=16)  # FP8: ×128
+
+
+def fp8_skipped(shape: Shape) -> str | None:
+    """Why ``groupgrad_fp8`` skips ``shape`` (``None``: it runs)."""
+    if shape.H % FP8_BLOCK or shape.F % FP8_BLOCK:
+        return (
+            f"FP8 skipped: H={shape.H}, F={shape.F}; blockwise FP8 needs multiples of {FP8_BLOCK}"
+        )
+    return None
 
 
 def qwen3_moe(shape: Shape, device: torch.device, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
@@ -315,9 +332,18 @@ def bench_experts(
         clear_grads(experts)
         return out
 
-    variants = {f"{impl}/{grad}": step for impl in IMPLEMENTATIONS for grad in GRAD_DTYPES}
+    left_out = set()
     if args.skip_eager or not with_eager:
-        variants = {k: v for k, v in variants.items() if not k.startswith("eager")}
+        left_out.add("eager")
+    fp8_note = "FP8 skipped: --skip-fp8" if args.skip_fp8 else fp8_skipped(shape)
+    if fp8_note is not None:
+        left_out.add(FP8)
+    variants = {
+        f"{impl}/{grad}": step
+        for impl in IMPLEMENTATIONS
+        if impl not in left_out
+        for grad in GRAD_DTYPES
+    }
 
     def prepare(name: str) -> None:
         impl, grad = name.split("/")
@@ -329,13 +355,13 @@ def bench_experts(
     for name, fn in variants.items():
         prepare(name)
         peaks[name] = peak_bytes(fn, device)
-    errors = cross_check(model, experts, hidden[0], routes[0], dys[0])
+    errors = cross_check(model, experts, hidden[0], routes[0], dys[0], fp8_note is None)
     ratios = {
         name: times[name] / times[f"groupgrad/{name.split('/')[1]}"]
         for name in times
         if name.split("/")[0] != "groupgrad"
     }
-    return {
+    row = {
         "shape": asdict(shape),
         "sigma": sigma,
         "checkpointing": checkpointed,
@@ -344,14 +370,24 @@ def bench_experts(
         "tflops": {name: shape.flops / (ms * 1e-3) / 1e12 for name, ms in times.items()},
         "peak_bytes": peaks,
         "ratio_vs_groupgrad": ratios,
-        "rel_err_groupgrad_vs_grouped_mm": errors,
+        "rel_err_groupgrad_vs_grouped_mm": errors["groupgrad"],
     }
+    if fp8_note is not None:
+        return {**row, "fp8_skipped": fp8_note}
+    return {**row, "rel_err_groupgrad_fp8_vs_grouped_mm": errors[FP8]}
 
 
-def cross_check(model: nn.Module, experts: nn.Module, x: Tensor, route: tuple, dy: Tensor) -> dict:
-    """groupgrad against grouped_mm on one input set: output and wgrads (fp32 grad_dtype)."""
+def cross_check(
+    model: nn.Module, experts: nn.Module, x: Tensor, route: tuple, dy: Tensor, fp8: bool
+) -> dict:
+    """groupgrad (and groupgrad_fp8) against grouped_mm on one input set: output and wgrads.
+
+    Returns:
+        Per groupgrad implementation, the relative error (norm) of the
+        output and each weight gradient (fp32 ``grad_dtype``).
+    """
     results = {}
-    for impl in ("groupgrad", "grouped_mm"):
+    for impl in ("groupgrad", *((FP8,) if fp8 else ()), "grouped_mm"):
         model.set_experts_implementation(impl)
         set_grad_dtype(experts, torch.float32)
         out = experts(x, route[0], route[1].to(torch.bfloat16))
@@ -361,8 +397,11 @@ def cross_check(model: nn.Module, experts: nn.Module, x: Tensor, route: tuple, d
         }
         clear_grads(experts)
     set_grad_dtype(experts, None)
-    ours, theirs = results["groupgrad"], results["grouped_mm"]
-    return {key: rel_err(ours[key], theirs[key]) for key in ours}
+    theirs = results.pop("grouped_mm")
+    return {
+        impl: {key: rel_err(ours[key], theirs[key]) for key in ours}
+        for impl, ours in results.items()
+    }
 
 
 # ------------------------------------------------------------------ FSDP2
@@ -530,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument("--skip-eager", action="store_true", help="leave out the eager loop")
+    parser.add_argument("--skip-fp8", action="store_true", help="leave out groupgrad_fp8")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (2 if args.smoke else 10)
 

@@ -1,13 +1,17 @@
 """Tables and plots for the Hugging Face MoE benchmark (``bench_hf_moe.py``).
 
 Ratios are the other implementation's time over groupgrad's (above 1 means
-groupgrad is faster), each against groupgrad with the same gradient dtype.
+groupgrad is faster), each against groupgrad with the same gradient dtype;
+for ``groupgrad_fp8`` that is FP8's time over bf16's (below 1: FP8 faster).
+Rows without FP8 (``fp8_skipped``) say why.
 """
 
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+
+FP8 = "groupgrad_fp8"
 
 
 def _mib(value: int | None) -> str:
@@ -29,6 +33,14 @@ def row_line(row: dict) -> str:
             f"{grad}: {row['times_ms'][ours]:.3f} ms ({row['ratio_vs_groupgrad'][theirs]:.2f}x), "
             f"peak {_mib(row['peak_bytes'][ours])} vs {_mib(row['peak_bytes'][theirs])} MiB"
         )
+        fp8 = f"{FP8}/{grad}"
+        if fp8 in row["times_ms"]:
+            parts[-1] += (
+                f", FP8 {row['times_ms'][fp8]:.3f} ms (speed-up "
+                f"{1 / row['ratio_vs_groupgrad'][fp8]:.2f}x over bf16 groupgrad), peak {_mib(row['peak_bytes'][fp8])} MiB"
+            )
+    if "fp8_skipped" in row:
+        parts.append(row["fp8_skipped"])
     return "; ".join(parts)
 
 
@@ -74,10 +86,35 @@ def experts_table(result: dict) -> str:
         f"groupgrad vs grouped_mm (fp32 grad_dtype), largest relative error (norm) of the output "
         f"and every weight gradient over the rows: {worst:.1e}",
     ]
+    lines += _fp8_lines(result["rows"])
     if result.get("fallbacks"):
         lines += ["", "Fallbacks during the run (not the fast path):"]
         lines += [f"- {message}" for message in result["fallbacks"]]
     return "\n".join(lines)
+
+
+def _fp8_lines(rows: list[dict]) -> list[str]:
+    """FP8 against bf16 groupgrad over the rows: speed-up range, worst error, skipped rows."""
+    fp8_rows = [r for r in rows if "rel_err_groupgrad_fp8_vs_grouped_mm" in r]
+    lines = []
+    if fp8_rows:
+        speedups = [
+            1 / r["ratio_vs_groupgrad"][f"{FP8}/{grad}"]
+            for r in fp8_rows
+            for grad in ("bf16_grad", "fp32_grad")
+            if f"{FP8}/{grad}" in r["ratio_vs_groupgrad"]
+        ]
+        worst = max(max(r["rel_err_groupgrad_fp8_vs_grouped_mm"].values()) for r in fp8_rows)
+        lines += [
+            "",
+            f"{FP8} (fp8_recipe='blockwise'), speed-up over bf16 groupgrad with the same .grad "
+            f"dtype (bf16 time / FP8 time): {min(speedups):.2f}–{max(speedups):.2f}× over "
+            f"{len(speedups)} cells; its "
+            f"largest relative error (norm) vs grouped_mm (output and weight gradients, fp32 "
+            f"grad_dtype): {worst:.1e}",
+        ]
+    skipped = sorted({r["fp8_skipped"] for r in rows if "fp8_skipped" in r})
+    return lines + (["", *skipped] if skipped else [])
 
 
 def fsdp_table(result: dict) -> str:
@@ -105,7 +142,7 @@ def fsdp_table(result: dict) -> str:
 
 
 def plot_experts(result: dict, path: Path) -> None:
-    """Per row: groupgrad's time and peak memory over grouped_mm's, bf16 and fp32 ``.grad``."""
+    """Per row: groupgrad's (and groupgrad_fp8's) time and peak over grouped_mm's, per ``.grad`` dtype."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,19 +154,27 @@ def plot_experts(result: dict, path: Path) -> None:
         for r in rows
     ]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.38
-    for offset, grad in zip((-width / 2, width / 2), ("bf16_grad", "fp32_grad"), strict=True):
-        xs = [i + offset for i in range(len(rows))]
-        speed = [r["ratio_vs_groupgrad"][f"grouped_mm/{grad}"] for r in rows]
-        peak = [
-            (r["peak_bytes"][f"groupgrad/{grad}"] or 0)
-            / (r["peak_bytes"][f"grouped_mm/{grad}"] or 1)
+    series = [(impl, grad) for impl in ("groupgrad", FP8) for grad in ("bf16_grad", "fp32_grad")]
+    width = 0.8 / len(series)
+    nan = float("nan")  # FP8 not run in that row: no bar
+    for i, (impl, grad) in enumerate(series):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(rows))]
+        name, base = f"{impl}/{grad}", f"grouped_mm/{grad}"
+        speed = [
+            r["times_ms"][base] / r["times_ms"][name] if name in r["times_ms"] else nan
             for r in rows
         ]
-        axes[0].bar(xs, speed, width, label=grad.replace("_", " "))
-        axes[1].bar(xs, peak, width, label=grad.replace("_", " "))
-    axes[0].set_title("speed-up over grouped_mm (its time / groupgrad's)")
-    axes[1].set_title("peak memory, groupgrad / grouped_mm (below 1: less)")
+        peak = [
+            (r["peak_bytes"][name] or 0) / (r["peak_bytes"][base] or 1)
+            if name in r["peak_bytes"]
+            else nan
+            for r in rows
+        ]
+        label = f"{impl}, {grad.replace('_', ' ')}"
+        axes[0].bar(xs, speed, width, label=label)
+        axes[1].bar(xs, peak, width, label=label)
+    axes[0].set_title("speed-up over grouped_mm (its time / ours)")
+    axes[1].set_title("peak memory, ours / grouped_mm (below 1: less)")
     for ax in axes:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(rows)))

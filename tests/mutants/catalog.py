@@ -42,6 +42,7 @@ _GROUP = "packages/modules/src/groupgrad/modules/_group.py"
 _WGRAD = "packages/modules/src/groupgrad/modules/_wgrad.py"
 _PLAN = "packages/protocol/src/groupgrad/protocol/_plan.py"
 _ATTRS = "packages/protocol/src/groupgrad/protocol/_attrs.py"
+_ROUTE = "packages/protocol/src/groupgrad/protocol/_route.py"
 _BUFFERS = "packages/protocol/src/groupgrad/protocol/_buffers.py"
 _DISTRIBUTED = "packages/protocol/src/groupgrad/protocol/_distributed.py"
 _REFERENCE = "kernels/src/groupgrad/kernels/_reference.py"
@@ -204,9 +205,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad-dtype-ignored",
         "the autograd route computes the wgrad in the parameter's dtype, ignoring grad_dtype",
         _PLAN,
-        "    dtype = _autograd_dtype(members)",
+        "    dtype = autograd_dtype(members) if uniform is None else uniform[0]",
         "    dtype = members[0].dtype",
         (MODULES,),
+    ),
+    Mutant(
+        "uniform-group-unchecked",
+        "the one-pass reading of a plain group takes the leader's grad_dtype and trainability "
+        "for every member (a frozen or fp32-grad member among bf16 ones goes unseen)",
+        _ROUTE,
+        "        and facts.count(first) == len(facts)\n",
+        "",
+        (PROTOCOL, MODULES),
     ),
     Mutant(
         "autocast-ignored",
@@ -529,20 +539,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-mlp-fc2-wgrad-a-quantized-from-fp8",
         "fc2's wgrad operand a is quantized from a's dequantized (1, 128) form, not from the "
         "recomputed bf16 a",
-        "packages/modules/src/groupgrad/modules/_mlp_forms.py",
-        '        return self.fc2.quantize_tokens(a_TF, splits, "the SwiGLU output")',
-        '        rows = self.fc2.quantize_rows(a_TF, "a").dequantize().to(a_TF.dtype)\n'
-        '        return self.fc2.quantize_tokens(rows, splits, "the SwiGLU output")',
-        (f"{MODULES}/test_mlp_matrix.py",),
+        "kernels/src/groupgrad/kernels/_swiglu_fp8.py",
+        "    a = segments_ref(a_TF, *offsets)[:2] if a_tokens else _nothing(da)",
+        "    a_TF = _dequantize_rows(*rows_ref(a_TF), a_TF.dtype)\n"
+        "    a = segments_ref(a_TF, *offsets)[:2] if a_tokens else _nothing(da)",
+        (f"{KERNELS}/test_swiglu_fp8.py", f"{MODULES}/test_mlp_matrix.py"),
     ),
     Mutant(
         "fp8-mlp-forward-swiglu-reads-bf16-h",
         "the forward's SwiGLU reads the bf16 h while backward's reads the kept FP8 h: the "
         "recomputed a (fc2's wgrad operand, dprobs, dh) is not the forward's",
+        "kernels/src/groupgrad/kernels/_swiglu_fp8.py",
+        "    a_TF = swiglu_probs_ref(_dequantize_rows(h_data, h_scales, h.dtype), probs)",
+        "    a_TF = swiglu_probs_ref(h, probs)",
+        (f"{KERNELS}/test_swiglu_fp8.py", f"{MODULES}/test_mlp_matrix.py"),
+    ),
+    Mutant(
+        "fp8-mlp-bias-backward-dh-quantized-twice",
+        "with biases (the unfused FP8 backward) fc1's wgrad reads dh quantized from its "
+        "dequantized (1, 128) form, not from dh",
         "packages/modules/src/groupgrad/modules/_mlp_forms.py",
-        "        return self.swiglu_input(kept), kept",
-        "        return h_T2F, kept",
-        (f"{MODULES}/test_mlp_matrix.py", f"{MODULES}/test_fp8_mlp.py"),
+        '        dh_dgrad, dh_wgrad = self.grad(dh_T2F, splits, "fc1", rows=dx, tokens=fc1_trains)',
+        '        dh_dgrad, dh_wgrad = self.grad(dh_T2F, splits, "fc1", rows=dx, tokens=fc1_trains)\n'
+        "        if fc1_trains and dh_dgrad is not None:\n"
+        "            dh_wgrad = self.fc1.quantize_tokens(\n"
+        '                dh_dgrad.dequantize().to(dh_T2F.dtype), splits, "dh")',
+        (f"{MODULES}/test_mlp_matrix.py",),
     ),
     Mutant(
         "fp8-mlp-fc2-cache-never-refreshed",

@@ -38,6 +38,12 @@ from groupgrad.kernels._swiglu import (
     swiglu_probs_backward_ref,
     swiglu_probs_ref,
 )
+from groupgrad.kernels._swiglu_fp8 import (
+    swiglu_probs_backward_fp8,
+    swiglu_probs_backward_fp8_ref,
+    swiglu_probs_fp8,
+    swiglu_probs_fp8_ref,
+)
 
 __all__ = [
     "Fp8Blocks",
@@ -53,6 +59,10 @@ __all__ = [
     "quantize_fp8_ref",
     "swiglu_probs",
     "swiglu_probs_backward",
+    "swiglu_probs_backward_fp8",
+    "swiglu_probs_backward_fp8_ref",
     "swiglu_probs_backward_ref",
+    "swiglu_probs_fp8",
+    "swiglu_probs_fp8_ref",
     "swiglu_probs_ref",
 ]

@@ -19,7 +19,7 @@ from torch import Tensor
 from groupgrad.kernels import _fp8_ops
 from groupgrad.kernels._fp8_ops import token_map
 
-__all__ = ["Fp8Blocks", "quantize_fp8", "quantize_fp8_ref"]
+__all__ = ["Fp8Blocks", "check_splits", "quantize_fp8", "quantize_fp8_ref", "segment_offsets"]
 
 ROWS, WEIGHTS, SEGMENTS = (1, 128), (128, 128), (128, 1)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -217,7 +217,7 @@ def _check_counts(counts: list[int], T: int) -> None:
         raise ValueError(f"splits sums to {sum(counts)} but t has {T} rows")
 
 
-def _check_splits(splits: object, T: int, device: torch.device) -> int:
+def check_splits(splits: object, T: int, device: torch.device) -> int:
     """The number of experts; a device tensor's values are never read (no host sync)."""
     if isinstance(splits, Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
@@ -242,7 +242,7 @@ def _check_splits(splits: object, T: int, device: torch.device) -> int:
     return len(splits)
 
 
-def _offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def segment_offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """``(row, seg, block)`` offsets, ``(E + 1,)`` int64 on ``device``: each expert's first
     row of ``t``, data column (16-aligned) and scale row. Device splits: device math only."""
     if isinstance(splits, Tensor):
@@ -317,8 +317,8 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
 
 
 def _tokens(x: Tensor, splits: Splits, with_rows: bool, impl: _Impl) -> dict[Block, Fp8Blocks]:
-    T, E = x.shape[0], _check_splits(splits, x.shape[0], x.device)
-    row, seg, block = _offsets(splits, x.device)
+    T, E = x.shape[0], check_splits(splits, x.shape[0], x.device)
+    row, seg, block = segment_offsets(splits, x.device)
     num_blocks = -(-T // 128) + E
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     data, scales, row_data, row_scales = impl.segments(

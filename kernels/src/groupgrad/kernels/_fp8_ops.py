@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["rows_op", "segments_op", "token_map", "weights_op"]
+__all__ = ["rows_op", "say_once", "segments_op", "token_map", "weights_op"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def load_triton_kernels() -> tuple[ModuleType | None, str | None]:
 
 
 @functools.cache
-def _say_once(message: str) -> None:
+def say_once(message: str) -> None:
     logger.warning(message)
 
 
@@ -212,7 +212,7 @@ def _triton_for(x: Tensor) -> ModuleType | None:
     if kernels is not None and torch.cuda.get_device_capability(x.device) < (8, 9):
         kernels, reason = None, f"{x.device} has no FP8 conversions (sm_89 or later needed)"
     if kernels is None:
-        _say_once(f"FP8 quantization runs on the PyTorch reference on CUDA: {reason}")
+        say_once(f"FP8 quantization runs on the PyTorch reference on CUDA: {reason}")
     return kernels
 
 

@@ -208,7 +208,7 @@ def _swiglu_probs_backward_cuda(
 # ---------------------------------------------------------------- public entry points
 
 
-def _check(h_T2F: Tensor, probs_T: Tensor | None) -> None:
+def check_swiglu_args(h_T2F: Tensor, probs_T: Tensor | None) -> None:
     """The public ops' arguments: ``h`` a ``(T, 2F)`` bf16/fp16/fp32 tensor, ``probs`` ``(T,)``
     floating on ``h``'s device (fp64 is for the ``*_ref`` twins, the test oracles)."""
     if not isinstance(h_T2F, Tensor) or h_T2F.dtype not in INPUT_DTYPES:
@@ -220,17 +220,20 @@ def _check(h_T2F: Tensor, probs_T: Tensor | None) -> None:
         raise ValueError(
             f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F): gate and up halves side by side"
         )
+    check_probs(probs_T, h_T2F.shape[0], h_T2F.device)
+
+
+def check_probs(probs_T: Tensor | None, T: int, device: torch.device) -> None:
+    """``probs``: ``None``, or a floating ``(T,)`` tensor on ``device`` (``h``'s)."""
     if probs_T is None:
         return
     if not isinstance(probs_T, Tensor) or not probs_T.dtype.is_floating_point:
         what = probs_T.dtype if isinstance(probs_T, Tensor) else type(probs_T).__name__
         raise TypeError(f"probs has dtype {what}, expected a floating-point tensor")
-    if tuple(probs_T.shape) != (h_T2F.shape[0],):
-        raise ValueError(
-            f"probs has shape {tuple(probs_T.shape)}, expected (T,) = ({h_T2F.shape[0]},)"
-        )
-    if probs_T.device != h_T2F.device:
-        raise ValueError(f"probs is on {probs_T.device}, expected h's device {h_T2F.device}")
+    if tuple(probs_T.shape) != (T,):
+        raise ValueError(f"probs has shape {tuple(probs_T.shape)}, expected (T,) = ({T},)")
+    if probs_T.device != device:
+        raise ValueError(f"probs is on {probs_T.device}, expected h's device {device}")
 
 
 def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
@@ -259,7 +262,7 @@ def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
         TypeError: ``h`` is not bf16, fp16 or fp32, or ``probs`` is not
             floating-point (fp64 and other dtypes are for the ``*_ref`` twin).
     """
-    _check(h_T2F, probs_T)
+    check_swiglu_args(h_T2F, probs_T)
     h, probs = h_T2F.contiguous(), None if probs_T is None else probs_T.contiguous()
     if _direct_ok(h, probs):
         kernel = _swiglu_probs_cuda if h.is_cuda else swiglu_probs_ref
@@ -296,7 +299,7 @@ def swiglu_probs_backward(
         TypeError: ``h`` is not bf16, fp16 or fp32, or ``da`` or ``probs``
             is not floating-point.
     """
-    _check(h_T2F, probs_T)
+    check_swiglu_args(h_T2F, probs_T)
     expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
     if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
         what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__

@@ -56,7 +56,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import Fp8Blocks, swiglu_probs, swiglu_probs_backward
+from groupgrad.kernels import Fp8Blocks
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
 from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
@@ -126,13 +126,10 @@ class GroupedMLPFunction(torch.autograd.Function):
             if layout.num_biases:
                 expert_T = expert_index(splits, num_groups, T, x_TH.device)
                 h_T2F = add_bias(h_T2F, stack_bias(b1, layout.fc1.packed), expert_T)
-            h_T2F, h_kept = forms.fc1_output(h_T2F)
+            a_TF, h_kept = forms.swiglu(h_T2F, probs_T)
+            del h_T2F
 
-            a_TF = swiglu_probs(h_T2F, probs_T)
-
-            y_TH, ctx.fc2, _ = layer_fprop(
-                forms.fc2_input(a_TF), splits, layout.fc2, w2, cast_dtype, fp8=forms.fc2
-            )
+            y_TH, ctx.fc2, _ = layer_fprop(a_TF, splits, layout.fc2, w2, cast_dtype, fp8=forms.fc2)
             del a_TF  # recomputed by backward's SwiGLU pass
             if expert_T is not None:
                 y_TH = add_bias(y_TH, stack_bias(b2, layout.fc2.packed), expert_T)
@@ -174,13 +171,11 @@ def _mlp_backward(
     dy_dgrad = cast(Tensor | Fp8Blocks, dy_dgrad)  # rows=True: always there
     da_TF = layer_dgrad(dy_dgrad, splits, layout.fc2, w2, ctx.cast_dtype, fp8=forms.fc2)
     del dy_dgrad
-    dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, forms.swiglu_input(h_kept), probs_T)
+    dh_dgrad, dh_wgrad, dprobs_T, a_wgrad, dh_T2F = forms.swiglu_backward(
+        da_TF, h_kept, probs_T, splits, dx=ctx.needs_input_grad[0],
+        fc1_trains=fc1.target.trainable(), fc2_trains=fc2_trains, biases=layout.num_biases > 0,
+    )  # fmt: skip
     del da_TF, h_kept
-    a_wgrad = forms.fc2_wgrad_input(a_TF, splits, needed=fc2_trains)
-    del a_TF
-    dh_dgrad, dh_wgrad = forms.grad(
-        dh_T2F, splits, "fc1", rows=ctx.needs_input_grad[0], tokens=fc1.target.trainable()
-    )
     # fc1's wgrad needs only dh and x: both wgrads (and their main_grad checks) run now
     grads = hand_over(
         [fc2, fc1],

@@ -34,20 +34,52 @@ backward's reads, so the backward recomputes the forward's ``a`` bit for bit
 and the gradients are those of the values the forward computed (``h``'s
 quantization counted as part of the forward, like the GEMM operands'). The
 weights are quantized per GEMM, or served by each layer's cache.
+
+The SwiGLU and the quantizations around it run fused, one kernel each way
+(:func:`~groupgrad.kernels.swiglu_probs_fp8`: ``h``'s and ``a``'s ``(1, 128)``
+forms from one read of ``h``; :func:`~groupgrad.kernels.swiglu_probs_backward_fp8`:
+``dh``'s two forms and ``a``'s ``(128, 1)`` form from one read of ``da`` and
+the kept ``h``). Layers with biases run the backward unfused (dequantize,
+SwiGLU, quantize), because their bias gradients sum the unquantized ``dh``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple, cast
 
 from torch import Tensor
 
-from groupgrad.kernels import Fp8Blocks
+from groupgrad.kernels import (
+    Fp8Blocks,
+    swiglu_probs,
+    swiglu_probs_backward,
+    swiglu_probs_backward_fp8,
+    swiglu_probs_fp8,
+)
 from groupgrad.modules._fp8_recipe import Fp8Blockwise
 from groupgrad.modules._group import Splits
 from groupgrad.modules._operands import Operand
 
-__all__ = ["MLPForms"]
+__all__ = ["MLPForms", "SwigluGrads"]
+
+
+class SwigluGrads(NamedTuple):
+    """What the SwiGLU's backward hands on (each ``Operand`` a tensor in bf16, else an FP8 form).
+
+    Attributes:
+        dh_dgrad: ``dh`` for fc1's dgrad (``None``: not asked).
+        dh_wgrad: ``dh`` for fc1's wgrad.
+        dprobs: ``probs``' gradient (``None`` without ``probs``).
+        a_wgrad: ``a`` (recomputed) for fc2's wgrad.
+        dh_unquantized: the FP8 path's unquantized ``dh`` where biases need it, else ``None``.
+    """
+
+    dh_dgrad: Tensor | Fp8Blocks | None
+    dh_wgrad: Operand
+    dprobs: Tensor | None
+    a_wgrad: Operand
+    dh_unquantized: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -68,30 +100,46 @@ class MLPForms:
             return x_TH, x_TH
         return self.fc1.quantize_input(x_TH, splits)
 
-    def fc1_output(self, h_T2F: Tensor) -> tuple[Tensor, Operand]:
-        """``h`` as the SwiGLU reads it, and ``h`` as backward keeps it."""
+    def swiglu(self, h_T2F: Tensor, probs_T: Tensor | None) -> tuple[Tensor | Fp8Blocks, Operand]:
+        """``a`` for fc2's fprop and ``h`` as backward keeps it (FP8: one fused pass)."""
         if self.fc1 is None:
-            return h_T2F, h_T2F
-        kept = self.fc1.quantize_rows(h_T2F, "fc1's output")
-        return self.swiglu_input(kept), kept
+            return swiglu_probs(h_T2F, probs_T), h_T2F
+        h_kept, a_rows = swiglu_probs_fp8(h_T2F, probs_T)
+        return a_rows, h_kept
 
-    def swiglu_input(self, h_kept: Operand) -> Tensor:
-        """The ``h`` the SwiGLU reads, from the ``h`` kept: the same tensor in forward and backward."""
-        if isinstance(h_kept, Tensor):
-            return h_kept
-        return h_kept.dequantize().to(h_kept.dtype)  # type: ignore[union-attr]
+    def swiglu_backward(
+        self, da_TF: Tensor, h_kept: Operand, probs_T: Tensor | None, splits: Splits, *,
+        dx: bool, fc1_trains: bool, fc2_trains: bool, biases: bool,
+    ) -> SwigluGrads:  # fmt: skip
+        """The SwiGLU's backward and the operands it feeds: fc1's dgrad and wgrad, fc2's wgrad.
 
-    def fc2_input(self, a_TF: Tensor) -> Tensor | Fp8Blocks:
-        """``a`` for fc2's fprop."""
-        if self.fc2 is None:
-            return a_TF
-        return self.fc2.quantize_rows(a_TF, "the SwiGLU output")
-
-    def fc2_wgrad_input(self, a_TF: Tensor, splits: Splits, *, needed: bool) -> Operand:
-        """``a`` for fc2's wgrad, from the ``a`` backward's SwiGLU recomputed (not needed: ``a``)."""
-        if self.fc2 is None or not needed:
-            return a_TF
-        return self.fc2.quantize_tokens(a_TF, splits, "the SwiGLU output")
+        Args:
+            da_TF: fc2's dgrad.
+            h_kept: ``h`` as forward kept it.
+            probs_T: The forward's ``probs``.
+            splits: The forward's ``splits``.
+            dx: Whether fc1's dgrad runs.
+            fc1_trains: Whether fc1's wgrad runs (else its slot gets ``dh``, unread).
+            fc2_trains: Whether fc2's wgrad runs (else its slot gets ``a``, unread).
+            biases: Whether the layers have biases, whose gradients sum the
+                unquantized ``dh`` (FP8 then runs the unfused chain, which keeps it).
+        """
+        if self.fc1 is None or self.fc2 is None:
+            dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_kept, probs_T)
+            return SwigluGrads(dh_T2F, dh_T2F, dprobs_T, a_TF, None)
+        if not biases:
+            dh_rows, dh_tokens, dprobs_T, a_tokens = swiglu_probs_backward_fp8(
+                da_TF, cast(Fp8Blocks, h_kept), probs_T, splits=splits,
+                dh_rows=dx, dh_tokens=fc1_trains, a_tokens=fc2_trains,
+            )  # fmt: skip
+            return SwigluGrads(dh_rows, dh_tokens or da_TF, dprobs_T, a_tokens or da_TF, None)
+        h_T2F = cast(Fp8Blocks, h_kept).dequantize().to(h_kept.dtype)  # type: ignore[union-attr]
+        dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_T2F, probs_T)
+        dh_dgrad, dh_wgrad = self.grad(dh_T2F, splits, "fc1", rows=dx, tokens=fc1_trains)
+        a_wgrad: Operand = a_TF
+        if fc2_trains:
+            a_wgrad = self.fc2.quantize_tokens(a_TF, splits, "the SwiGLU output")
+        return SwigluGrads(dh_dgrad, dh_wgrad, dprobs_T, a_wgrad, dh_T2F)
 
     def grad(
         self, dy_TN: Tensor, splits: Splits, layer: str, *, rows: bool, tokens: bool
@@ -113,6 +161,8 @@ class MLPForms:
         dgrad, wgrad = fp8.quantize_grad(dy_TN, splits, rows=rows, tokens=tokens, what=what)
         return dgrad, dy_TN if wgrad is None else wgrad
 
-    def bias_dys(self, dy_TH: Tensor, dh_T2F: Tensor) -> list[Tensor] | None:
+    def bias_dys(self, dy_TH: Tensor, dh_T2F: Tensor | None) -> list[Tensor] | None:
         """The unquantized output gradients the bias gradients sum (``None``: the wgrad operands)."""
-        return None if self.fc1 is None else [dy_TH, dh_T2F]
+        if self.fc1 is None or dh_T2F is None:
+            return None
+        return [dy_TH, dh_T2F]

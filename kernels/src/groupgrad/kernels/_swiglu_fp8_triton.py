@@ -1,0 +1,283 @@
+"""Triton kernels of the FP8 SwiGLU (the math and layouts: ``_swiglu_fp8``, ``_fp8``).
+
+Imported only by the CUDA kernels of the ``groupgrad::swiglu_probs*_fp8``
+custom ops (and by GPU tests): importing ``groupgrad.kernels`` never imports
+Triton. The scale rule and the e4m3 rounding are the quantizers' own
+(``_fp8_triton``); the SwiGLU expressions are ``_swiglu_triton``'s.
+
+Legend: ``T`` tokens, ``F`` ffn_hidden_size, ``j`` a 128-column block of
+``a`` (gate block ``j`` and up block ``F/128 + j`` of ``h``), ``E``
+experts, ``NB`` scale rows and ``Tp`` padded tokens of the ``(128, 1)`` form.
+
+* Forward: a program owns ``BLOCK_T`` rows × block ``j``: it reads ``g`` and
+  ``u`` (bf16) once, writes their ``(1, 128)`` blocks and scales, and the
+  ``(1, 128)`` block of ``a`` computed from their dequantized values. Bytes
+  per token: ``4F`` read, ``3F`` (plus scales) written.
+* Backward: a program owns one 128-token block ``b`` of one expert (found
+  from ``block_offsets``, as the ``(128, 1)`` quantizer does) × block ``j``,
+  in two passes over ``SUB_T``-token slices. Pass 1 computes ``dg``, ``du``
+  and ``a``, writes ``dh``'s ``(1, 128)`` blocks (a row's 128 columns are all
+  in the slice) and ``dprobs``' partial sum over the block's columns, and
+  keeps each column's running ``max |·|``. The column scales are then known;
+  pass 2 recomputes the slices (their inputs now in L1/L2) and writes the
+  ``(128, 1)`` forms token-contiguous. ``dprobs`` is the sum of the ``F/128``
+  partial sums, in a fixed order (no atomics). Programs past the last expert
+  zero their scale rows and, between them, the data's tail columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from groupgrad.kernels._fp8_triton import _abs_bits, _e4m3, _scale_rule
+
+__all__ = ["backward_triton", "forward_triton"]
+
+E4M3 = torch.float8_e4m3fn
+FORWARD_ROWS = 32  # rows per forward program
+SUB_T = 32  # tokens per backward slice
+
+
+@triton.jit
+def _quantize_rows(x, data_ptr, scales_ptr, offsets, scale_offsets, ok):  # type: ignore[no-untyped-def]
+    """Write ``x``'s ``(1, 128)`` blocks (``x``: ``[rows, 128]``) and scales; return them dequantized."""
+    scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=1))
+    q = _e4m3(x, inverse[:, None], finite[:, None])
+    tl.store(data_ptr + offsets, q, mask=ok[:, None])
+    tl.store(scales_ptr + scale_offsets, scale, mask=ok)
+    return q.to(tl.float32) * scale[:, None]
+
+
+@triton.jit
+def _dequantized(data_ptr, scales_ptr, offsets, scale_offsets, ok, ROUND_TO: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A ``(1, 128)`` block's values, rounded to the source dtype, in fp32."""
+    q = tl.load(data_ptr + offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + scale_offsets, mask=ok, other=0.0)
+    return (q * scale[:, None]).to(ROUND_TO).to(tl.float32)
+
+
+@triton.jit
+def _forward_kernel(  # type: ignore[no-untyped-def]
+    h_ptr, probs_ptr, h_data_ptr, h_scales_ptr, a_data_ptr, a_scales_ptr, T, F,
+    HAS_PROBS: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.program_id(1).to(tl.int64)
+    ok = rows < T
+    g_offsets = rows[:, None] * (2 * F) + (j * 128 + tl.arange(0, 128))[None, :]
+    dtype = h_ptr.dtype.element_ty
+    g = tl.load(h_ptr + g_offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + g_offsets + F, mask=ok[:, None], other=0.0).to(tl.float32)
+    g_scales, u_scales = j * T + rows, (F // 128 + j) * T + rows
+    # the SwiGLU reads the blocks as the backward will: dequantized, rounded to h's dtype
+    g = _quantize_rows(g, h_data_ptr, h_scales_ptr, g_offsets, g_scales, ok)
+    u = _quantize_rows(u, h_data_ptr, h_scales_ptr, g_offsets + F, u_scales, ok)
+    g, u = g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
+    act = g * tl.sigmoid(g) * u
+    if HAS_PROBS:
+        act = act * tl.load(probs_ptr + rows, mask=ok, other=0.0).to(tl.float32)[:, None]
+    act = act.to(dtype).to(tl.float32)
+    a_offsets = rows[:, None] * F + (j * 128 + tl.arange(0, 128))[None, :]
+    _quantize_rows(act, a_data_ptr, a_scales_ptr, a_offsets, j * T + rows, ok)
+
+
+@triton.jit
+def _swiglu_grads(  # type: ignore[no-untyped-def]
+    da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, rows, ok, j, T, F, HAS_PROBS: tl.constexpr
+):
+    """``(dg, du, a, dprobs_part)`` of a ``[rows, 128]`` slice, rounded as the reference rounds."""
+    dtype = da_ptr.dtype.element_ty
+    g_offsets = rows[:, None] * (2 * F) + (j * 128 + tl.arange(0, 128))[None, :]
+    g = _dequantized(h_data_ptr, h_scales_ptr, g_offsets, j * T + rows, ok, dtype)
+    u = _dequantized(h_data_ptr, h_scales_ptr, g_offsets + F, (F // 128 + j) * T + rows, ok, dtype)
+    a_offsets = rows[:, None] * F + (j * 128 + tl.arange(0, 128))[None, :]
+    da = tl.load(da_ptr + a_offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    part = tl.zeros_like(tl.sum(act, axis=1))
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        part = tl.sum(da * act, axis=1)
+        act = act * p[:, None]
+        da = da * p[:, None]
+    dg = da * u * sig * (1.0 + g * (1.0 - sig))
+    du = da * silu
+    rounded = (dg.to(dtype).to(tl.float32), du.to(dtype).to(tl.float32))
+    return rounded[0], rounded[1], act.to(dtype).to(tl.float32), part
+
+
+@triton.jit
+def _column_scales(amax_bits, scales_ptr, offsets):  # type: ignore[no-untyped-def]
+    scale, inverse, finite = _scale_rule(amax_bits)
+    tl.store(scales_ptr + offsets, scale)
+    return inverse, finite
+
+
+@triton.jit
+def _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_tokens):  # type: ignore[no-untyped-def]
+    """``x`` (``[tokens, 128]``) quantized by column into the token-contiguous ``(C, Tp)`` data."""
+    q = _e4m3(x, inverse[None, :], finite[None, :])
+    offsets = channels[None, :] * padded_tokens + columns[:, None]
+    tl.store(data_ptr + offsets, q, mask=keep[:, None])
+
+
+@triton.jit
+def _zero_tail(data_ptr, channels, start, padded_tokens, step):  # type: ignore[no-untyped-def]
+    stop = start * 0 + padded_tokens
+    zeros = tl.zeros([128, 128], tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    for first in range(start, stop, step):
+        columns = first + tl.arange(0, 128)
+        offsets = channels[:, None] * padded_tokens + columns[None, :]
+        tl.store(data_ptr + offsets, zeros, mask=(columns < stop)[None, :])
+
+
+@triton.jit
+def _backward_kernel(  # type: ignore[no-untyped-def]
+    da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, row_offsets_ptr, seg_offsets_ptr,
+    block_offsets_ptr, dh_data_ptr, dh_scales_ptr, dht_data_ptr, dht_scales_ptr,
+    at_data_ptr, at_scales_ptr, partial_ptr, T, F, E, padded_tokens, num_blocks,
+    HAS_PROBS: tl.constexpr, DH_ROWS: tl.constexpr, DH_TOKENS: tl.constexpr,
+    A_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr, SLICE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    within = tl.arange(0, 128).to(tl.int64)
+    g_channels, a_channels = j * 128 + within, j * 128 + within
+    u_channels = F + g_channels
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=num_blocks)
+    e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
+    if e < E:
+        row_start = tl.load(row_offsets_ptr + e)
+        rows_e = tl.load(row_offsets_ptr + e + 1) - row_start
+        column_start = tl.load(seg_offsets_ptr + e)
+        first = (b - tl.load(block_offsets_ptr + e)) * 128
+        amax_g = tl.zeros([128], tl.int32)
+        amax_u = tl.zeros([128], tl.int32)
+        amax_a = tl.zeros([128], tl.int32)
+        for s in range(0, 128, SLICE):  # pass 1: row forms, dprobs, column maxima
+            local = first + s + tl.arange(0, SLICE)
+            ok = local < rows_e
+            rows = row_start + local
+            dg, du, act, part = _swiglu_grads(
+                da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, rows, ok, j, T, F, HAS_PROBS
+            )
+            if DH_ROWS:
+                offsets = rows[:, None] * (2 * F) + g_channels[None, :]
+                _quantize_rows(dg, dh_data_ptr, dh_scales_ptr, offsets, j * T + rows, ok)
+                u_scales = (F // 128 + j) * T + rows
+                _quantize_rows(du, dh_data_ptr, dh_scales_ptr, offsets + F, u_scales, ok)
+            if HAS_PROBS:
+                tl.store(partial_ptr + j * T + rows, part, mask=ok)
+            amax_g = tl.maximum(amax_g, tl.max(_abs_bits(dg), axis=0))
+            amax_u = tl.maximum(amax_u, tl.max(_abs_bits(du), axis=0))
+            amax_a = tl.maximum(amax_a, tl.max(_abs_bits(act), axis=0))
+        if DH_TOKENS or A_TOKENS:  # pass 2: the (128, 1) forms
+            dh_row = b * (2 * F)
+            inv_g, fin_g = _column_scales(amax_g, dht_scales_ptr, dh_row + g_channels)
+            inv_u, fin_u = _column_scales(amax_u, dht_scales_ptr, dh_row + u_channels)
+            inv_a, fin_a = _column_scales(amax_a, at_scales_ptr, b * F + a_channels)
+            padded_e = (rows_e + 15) // 16 * 16
+            for s in range(0, 128, SLICE):
+                local = first + s + tl.arange(0, SLICE)
+                ok = local < rows_e
+                keep = local < padded_e  # zeros up to the expert's 16-token padding
+                columns = column_start + local
+                dg, du, act, part = _swiglu_grads(
+                    da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, row_start + local, ok, j, T, F,
+                    HAS_PROBS,
+                )  # fmt: skip
+                if DH_TOKENS:
+                    _store_tokens(dg, inv_g, fin_g, dht_data_ptr, g_channels, columns, keep,
+                                  padded_tokens)  # fmt: skip
+                    _store_tokens(du, inv_u, fin_u, dht_data_ptr, u_channels, columns, keep,
+                                  padded_tokens)  # fmt: skip
+                if A_TOKENS:
+                    _store_tokens(act, inv_a, fin_a, at_data_ptr, a_channels, columns, keep,
+                                  padded_tokens)  # fmt: skip
+    else:
+        zeros = tl.zeros([128], tl.float32)
+        used_blocks = tl.load(block_offsets_ptr + E)
+        tail_start = tl.load(seg_offsets_ptr + E)
+        # the unused programs (at least one: NB >= used blocks + 1) share the tail columns
+        start = tail_start + (b - used_blocks) * 128
+        step = (num_blocks - used_blocks) * 128
+        if DH_TOKENS:
+            tl.store(dht_scales_ptr + b * (2 * F) + g_channels, zeros)
+            tl.store(dht_scales_ptr + b * (2 * F) + u_channels, zeros)
+            _zero_tail(dht_data_ptr, g_channels, start, padded_tokens, step)
+            _zero_tail(dht_data_ptr, u_channels, start, padded_tokens, step)
+        if A_TOKENS:
+            tl.store(at_scales_ptr + b * F + a_channels, zeros)
+            _zero_tail(at_data_ptr, a_channels, start, padded_tokens, step)
+
+
+def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Launch on ``t``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def forward_triton(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Triton twin of ``_swiglu_fp8.forward_ref`` on a contiguous ``(T, 2F)`` ``h``."""
+    T, C = h.shape
+    F = C // 2
+    new = h.new_empty
+    h_data, h_scales = new(T, C, dtype=E4M3), new(C // 128, T, dtype=torch.float32)
+    a_data, a_scales = new(T, F, dtype=E4M3), new(F // 128, T, dtype=torch.float32)
+    if T and F:
+        with _on_device(h):
+            _forward_kernel[(triton.cdiv(T, FORWARD_ROWS), F // 128)](
+                h, h if probs is None else probs, h_data, h_scales, a_data, a_scales, T, F,
+                HAS_PROBS=probs is not None, BLOCK_T=FORWARD_ROWS, num_warps=4,
+            )  # fmt: skip
+    return h_data, h_scales, a_data, a_scales
+
+
+def backward_triton(
+    da: Tensor, h_data: Tensor, h_scales: Tensor, probs: Tensor | None,
+    row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor,
+    num_blocks: int, padded_tokens: int, dh_rows: bool, dh_tokens: bool, a_tokens: bool,
+) -> list[Tensor]:  # fmt: skip
+    """Triton twin of ``_swiglu_fp8.backward_ref``: one kernel, then ``dprobs``' fixed-order sum."""
+    T, F = da.shape
+    E = row_offsets.shape[0] - 1
+    new, F32 = da.new_empty, torch.float32
+
+    def nothing() -> list[Tensor]:  # a form not asked for (an op's outputs never alias)
+        return [new(0, dtype=E4M3), new(0, dtype=F32)]
+
+    dh = [new(T, 2 * F, dtype=E4M3), new(2 * F // 128, T, dtype=F32)] if dh_rows else nothing()
+    dht = (
+        [new(2 * F, padded_tokens, dtype=E4M3), new(num_blocks, 2 * F, dtype=F32)]
+        if dh_tokens
+        else nothing()
+    )
+    at = (
+        [new(F, padded_tokens, dtype=E4M3), new(num_blocks, F, dtype=F32)]
+        if a_tokens
+        else nothing()
+    )
+    partial = new(F // 128, T, dtype=F32) if probs is not None else new(0, dtype=F32)
+    if num_blocks and F:
+        with _on_device(da):
+            _backward_kernel[(num_blocks, F // 128)](
+                da, h_data, h_scales, da if probs is None else probs,
+                row_offsets, seg_offsets, block_offsets, *dh, *dht, *at, partial,
+                T, F, E, padded_tokens, num_blocks,
+                HAS_PROBS=probs is not None, DH_ROWS=dh_rows, DH_TOKENS=dh_tokens,
+                A_TOKENS=a_tokens, BLOCK_E=triton.next_power_of_2(max(E, 1)), SLICE=SUB_T,
+                num_warps=8,
+            )  # fmt: skip
+    if probs is None:
+        dprobs = new(0, dtype=F32)
+    elif T and F:
+        dprobs = partial.sum(dim=0).to(probs.dtype)
+    else:
+        dprobs = torch.zeros_like(probs)
+    return [*dh, *dht, *at, dprobs]

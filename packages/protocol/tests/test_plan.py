@@ -79,6 +79,34 @@ def test_autograd_route_returns_fresh_buffers_in_the_parameter_dtype() -> None:
     assert all(o is b for o, b in zip(out, plan.buffers, strict=True))
 
 
+@pytest.mark.parametrize("odd", ["none", "frozen", "fp32 grad", "non-leaf", "attribute", "shape"])
+def test_the_autograd_route_reads_every_member_of_a_large_group(odd: str) -> None:
+    """The one-pass reading of a uniform group still sees one odd member among 128."""
+    params: list[torch.Tensor] = _params(count=128, dtype=torch.bfloat16)
+    if odd == "frozen":
+        params[77].requires_grad_(False)
+    elif odd == "fp32 grad":
+        params[77].grad_dtype = torch.float32  # type: ignore[attr-defined]
+    elif odd == "non-leaf":
+        params[77] = params[77] * 1
+    elif odd == "attribute":
+        params[77].overwrite_main_grad = True  # type: ignore[attr-defined]
+    elif odd == "shape":
+        params[77] = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"'weights\[77\]' has shape \(3, 4\), but the wgrad"):
+            _plan(params, into_main_grad=False)
+        return
+    plan = _plan(params, into_main_grad=False)
+    assert plan.route is WgradRoute.AUTOGRAD
+    assert plan.dtype is (torch.float32 if odd == "fp32 grad" else torch.bfloat16)
+    assert plan.packed is not None
+    assert plan.gemm_out is plan.packed
+    assert plan.packed.shape == (128, 4, 3)
+    out = plan.finish()
+    assert [o is None for o in out] == [odd == "frozen" and i == 77 for i in range(128)]
+    assert all(o is b for o, b in zip(out, plan.buffers, strict=True) if o is not None)
+
+
 def test_a_plain_parameter_of_another_shape_is_rejected() -> None:
     with pytest.raises(
         ValueError,

@@ -57,14 +57,12 @@ from groupgrad.protocol._hooks import (
 )
 from groupgrad.protocol._plan import (
     WeightGradPlan,
-    WgradRoute,
     autograd_dummies,
-    autograd_grad_dtype,
     defer_weight_grads,
     plan_weight_grads,
     receives_dummy,
-    wgrad_route,
 )
+from groupgrad.protocol._route import WgradRoute, autograd_grad_dtype, wgrad_route
 
 __all__ = [
     "MAIN_GRAD_DTYPES",

@@ -9,6 +9,7 @@ its followers may be plain tensors.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,12 +126,10 @@ def as_weight_list(weights: WeightGroup, name: str = "weights") -> list[torch.Te
     members = list(weights)
     if not members:
         raise ValueError(f"{name} is empty; expected at least one weight")
-    for index, member in enumerate(members):
-        if not isinstance(member, torch.Tensor):
-            raise TypeError(
-                f"{name}[{index}] is a {type(member).__name__}, expected a torch.Tensor"
-            )
-    return members
+    if all(map(isinstance, members, itertools.repeat(torch.Tensor))):  # one pass, no Python loop
+        return members
+    index, member = next((i, m) for i, m in enumerate(members) if not isinstance(m, torch.Tensor))
+    raise TypeError(f"{name}[{index}] is a {type(member).__name__}, expected a torch.Tensor")
 
 
 def _leader_method(leader: torch.Tensor, method: str) -> Any:

@@ -15,7 +15,6 @@ to :func:`accumulate_grads_like_autograd`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,89 +25,29 @@ from groupgrad.protocol._attrs import (
     dummy_wgrad,
     fetch_main_grad,
     grad_dtype_of,
-    is_fsdp_param,
     mark_grad_added,
     overwrites_main_grad,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import member_grad_buffers, packed_grad_buffer
-from groupgrad.protocol._distributed import (
-    WeightGroup,
-    as_weight_list,
-    finalize_members,
-    is_distributed_weight,
-)
+from groupgrad.protocol._distributed import WeightGroup, as_weight_list, finalize_members
 from groupgrad.protocol._hooks import hold_post_accumulate_grad_hooks
+from groupgrad.protocol._route import (
+    WgradRoute,
+    autograd_dtype,
+    check_shape,
+    member_labels,
+    route_of,
+    uniform_plain_facts,
+)
 
 __all__ = [
     "WeightGradPlan",
-    "WgradRoute",
     "autograd_dummies",
-    "autograd_grad_dtype",
     "defer_weight_grads",
     "plan_weight_grads",
     "receives_dummy",
-    "wgrad_route",
 ]
-
-
-class WgradRoute(enum.Enum):
-    """Where a group's weight gradient goes."""
-
-    AUTOGRAD = "autograd"
-    """Returned to autograd in the parameter's ``grad_dtype``; autograd accumulates ``.grad``."""
-
-    MAIN_GRAD = "main_grad"
-    """Written by the GEMM straight into each parameter's ``main_grad``."""
-
-    DISTRIBUTED = "distributed"
-    """Written into ``weight_grad_buffers``; the leader's ``finalize_group_grads`` owns the rest."""
-
-
-def _labels(count: int, names: Sequence[str] | None) -> list[str]:
-    if names is None:
-        return [f"weights[{i}]" for i in range(count)]
-    if len(names) != count:
-        raise ValueError(f"names has {len(names)} entries but the group has {count} weights")
-    return list(names)
-
-
-def wgrad_route(
-    weights: WeightGroup, *, wgrad_into_main_grad: bool, names: Sequence[str] | None = None
-) -> WgradRoute:
-    """Decide where the group's weight gradient goes, without touching any buffer.
-
-    A group whose leader is a ``DistributedWeight`` is distributed even when
-    the layer writes into ``main_grad``.
-
-    Args:
-        weights: The group's parameters, leader first.
-        wgrad_into_main_grad: Whether the layer was asked to write into
-            ``main_grad`` (its ``accumulate_into_main_grad`` option).
-        names: Parameter names for error messages.
-
-    Raises:
-        RuntimeError: A parameter is both a Megatron-FSDP parameter and a
-            ``DistributedWeight``: two owners would reduce its gradient.
-    """
-    members = as_weight_list(weights)
-    return _route(members, _labels(len(members), names), wgrad_into_main_grad)
-
-
-def _route(
-    members: list[torch.Tensor], labels: list[str], wgrad_into_main_grad: bool
-) -> WgradRoute:
-    """:func:`wgrad_route` for a normalized group with its labels."""
-    for label, member in zip(labels, members, strict=True):
-        if is_fsdp_param(member) and is_distributed_weight(member):
-            raise RuntimeError(
-                f"parameter {label!r} is both a Megatron-FSDP parameter (__fsdp_param__) and a "
-                "DistributedWeight; a parameter can have only one owner of its gradient "
-                "reduction"
-            )
-    if is_distributed_weight(members[0]):
-        return WgradRoute.DISTRIBUTED
-    return WgradRoute.MAIN_GRAD if wgrad_into_main_grad else WgradRoute.AUTOGRAD
 
 
 @dataclass
@@ -153,7 +92,7 @@ class WeightGradPlan:
         if not self.trainable:
             self.trainable = tuple(bool(p.requires_grad) for p in self.weights)
         if not self.names:
-            self.names = tuple(_labels(len(self.weights), None))
+            self.names = member_labels(len(self.weights), None)
 
     def finish(self) -> list[torch.Tensor | None]:
         """Complete the plan once the GEMM has written :attr:`buffers`; call exactly once.
@@ -187,6 +126,8 @@ class WeightGradPlan:
             return [None] * len(self.weights)
         else:
             return _hand_over_main_grad(self.weights)
+        if False not in self.trainable:
+            return answers
         return [a if keep else None for a, keep in zip(answers, self.trainable, strict=True)]
 
     @property
@@ -245,7 +186,7 @@ def receives_dummy(
     there); reads attributes only, so a tracer can follow it.
     """
     members = as_weight_list(weights)
-    route = _route(members, _labels(len(members), names), wgrad_into_main_grad)
+    route = route_of(members, member_labels(len(members), names), wgrad_into_main_grad)
     return [route is WgradRoute.MAIN_GRAD and _gets_dummy(param) for param in members]
 
 
@@ -279,23 +220,14 @@ def autograd_dummies(weights: WeightGroup) -> list[torch.Tensor | None]:
     return handed
 
 
-def _check_shape(members: list[torch.Tensor], shape: tuple[int, ...], labels: list[str]) -> None:
-    for label, param in zip(labels, members, strict=True):
-        if tuple(param.shape) != shape:
-            raise ValueError(
-                f"parameter {label!r} has shape {tuple(param.shape)}, but the wgrad GEMM "
-                f"produces {shape}"
-            )
-
-
 def _main_grad_plan(
     members: list[torch.Tensor],
     shape: tuple[int, ...],
     device: torch.device,
-    labels: list[str],
+    labels: tuple[str, ...],
     deferred: bool,
 ) -> WeightGradPlan:
-    _check_shape(members, shape, labels)
+    check_shape(members, shape, labels)
     trainable = [bool(param.requires_grad) for param in members]
     live = [i for i, keep in enumerate(trainable) if keep]
     if not live:
@@ -330,27 +262,8 @@ def _main_grad_plan(
         accumulate=not overwrite[0],
         deferred=deferred,
         trainable=tuple(trainable),
-        names=tuple(labels),
+        names=labels,
     )
-
-
-def autograd_grad_dtype(weights: WeightGroup) -> torch.dtype:
-    """The dtype a plain group's wgrad GEMM writes for autograd: its members' ``grad_dtype``.
-
-    The widest :func:`~groupgrad.protocol.grad_dtype_of` among the members that
-    require grad (all of them when none does): autograd casts each gradient
-    to its parameter's ``grad_dtype`` anyway, so a mixed group rounds once,
-    from the widest.
-    """
-    return _autograd_dtype(as_weight_list(weights))
-
-
-def _autograd_dtype(members: list[torch.Tensor]) -> torch.dtype:
-    live = [p for p in members if p.requires_grad] or members
-    dtype = grad_dtype_of(live[0])
-    for param in live[1:]:
-        dtype = torch.promote_types(dtype, grad_dtype_of(param))
-    return dtype
 
 
 def plan_weight_grads(
@@ -404,23 +317,35 @@ def plan_weight_grads(
     without a GEMM).
     """
     members = as_weight_list(weights)
-    labels = _labels(len(members), names)
+    labels = member_labels(len(members), names)
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
-    route = _route(members, labels, wgrad_into_main_grad)
-    if route is WgradRoute.MAIN_GRAD:
-        return _main_grad_plan(members, shape, device, labels, deferred)
-    if route is WgradRoute.DISTRIBUTED:
-        buffers = member_grad_buffers(members, shape, compute_dtype, device)
-        first = buffers[0]
-        dtype = first.dtype if isinstance(first, torch.Tensor) else compute_dtype  # GEMM names it
-        return WeightGradPlan(route, members, buffers, dtype, False, deferred, names=tuple(labels))
-    _check_shape(members, shape, labels)
-    dtype = _autograd_dtype(members)
+    # the common autograd-route group in one pass: plain, trainable, one shape and grad dtype
+    uniform = None if wgrad_into_main_grad else uniform_plain_facts(members)
+    if uniform is None or uniform[1] != shape:
+        route = route_of(members, labels, wgrad_into_main_grad)
+        if route is WgradRoute.MAIN_GRAD:
+            return _main_grad_plan(members, shape, device, labels, deferred)
+        if route is WgradRoute.DISTRIBUTED:
+            buffers = member_grad_buffers(members, shape, compute_dtype, device)
+            first = buffers[0]
+            dtype = (
+                first.dtype if isinstance(first, torch.Tensor) else compute_dtype
+            )  # GEMM names it
+            return WeightGradPlan(route, members, buffers, dtype, False, deferred, names=labels)
+        check_shape(members, shape, labels)
+    dtype = autograd_dtype(members) if uniform is None else uniform[0]
     packed = packed_grad_buffer(len(members), shape, dtype, device)
-    buffers = list(packed.unbind(0))
     return WeightGradPlan(
-        route, members, buffers, dtype, False, deferred, packed=packed, names=tuple(labels)
+        WgradRoute.AUTOGRAD,
+        members,
+        list(packed.unbind(0)),
+        dtype,
+        False,
+        deferred,
+        trainable=() if uniform is None else (True,) * len(members),
+        packed=packed,
+        names=labels,
     )
 
 
@@ -439,7 +364,7 @@ def defer_weight_grads(
     on the landed gradient.
     """
     members = as_weight_list(weights)
-    route = _route(members, _labels(len(members), names), wgrad_into_main_grad)
+    route = route_of(members, member_labels(len(members), names), wgrad_into_main_grad)
     hold_post_accumulate_grad_hooks(p for p in members if p.requires_grad)
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)

@@ -83,7 +83,7 @@ class Config:
     tokens: int = 16384  # per step
     steps: int = 300
     seeds: int = 3
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup: int = 20
     aux_coef: float = 0.01
     fanout: int = 16
@@ -129,9 +129,9 @@ class MarkovSource:
     def sample(self, sequences: int, length: int, seed: int) -> Tensor:
         """``(sequences, length)`` int64 tokens from ``seed`` (on the device)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
-        ranks = torch.multinomial(
-            self.rank_probs.float(), sequences * length, replacement=True, generator=g
-        ).view(sequences, length)
+        cdf = self.rank_probs.float().cumsum(0)
+        uniform = torch.rand(sequences, length, generator=g, device=self.device)
+        ranks = torch.searchsorted(cdf, uniform).clamp_(max=self.fanout - 1)
         tokens = torch.empty(sequences, length, dtype=torch.int64, device=self.device)
         tokens[:, 0] = torch.randint(0, self.vocab, (sequences,), generator=g, device=self.device)
         prev = tokens[:, 0]
@@ -241,7 +241,8 @@ def train(
 ) -> tuple[dict, MoELM]:
     """Train one model; the run's record (losses, final loss, seconds) and the model."""
     device = data.device
-    model = MoELM(cfg, RECIPES[recipe]).to(device)
+    with device:
+        model = MoELM(cfg, RECIPES[recipe])
     model.load_state_dict(init)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -334,16 +335,22 @@ def run(cfg: Config, device: torch.device, out: Path | None, stem: str, result: 
     for seed in range(cfg.seeds):
         data = source.sample(cfg.steps * cfg.batch, cfg.seq + 1, seed=seed)
         torch.manual_seed(seed)
-        init = {k: v.detach().clone() for k, v in MoELM(cfg, None).to(device).state_dict().items()}
+        with device:
+            untrained = MoELM(cfg, None)
+        init = {k: v.detach().clone() for k, v in untrained.state_dict().items()}
+        eval_init = eval_loss(untrained, held_out, cfg.batch)
+        del untrained
         for recipe in RECIPES:
             label = f"{recipe} seed {seed}"
             record, model = train(cfg, recipe, seed, data, init, label)
             record["eval_loss"] = eval_loss(model, held_out, cfg.batch)
+            record["eval_loss_init"] = eval_init
             result["runs"].append(record)
             print(
-                f"run {label}: final loss {record['final_loss']:.4f}, eval "
-                f"{record['eval_loss']:.4f}, {record['seconds']:.1f} s "
-                f"(first step {record['first_step_seconds']:.1f} s)",
+                f"run {label}: final loss {record['final_loss']:.4f}, held-out "
+                f"{eval_init:.4f} -> {record['eval_loss']:.4f}, {record['seconds']:.1f} s "
+                f"(first step {record['first_step_seconds']:.1f} s, then "
+                f"{record['ms_per_step_after_10'] or float('nan'):.1f} ms/step)",
                 flush=True,
             )
             if "wgrad_error" not in result:

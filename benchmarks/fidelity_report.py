@@ -27,6 +27,7 @@ def summarize(result: dict) -> dict:
         entry["seeds"].append(run["seed"])
         entry["final"].append(run["final_loss"])
         entry["eval"].append(run.get("eval_loss"))
+        entry.setdefault("eval_init", []).append(run.get("eval_loss_init"))
     for entry in recipes.values():
         entry["mean"] = sum(entry["final"]) / len(entry["final"])
         entry["spread"] = max(entry["final"]) - min(entry["final"])
@@ -108,16 +109,20 @@ def markdown(result: dict) -> str:
         f"V = {cfg['vocab']}; {cfg['tokens']} tokens per step ({cfg['seq']}-token sequences), "
         f"{cfg['steps']} steps, AdamW lr {cfg['lr']}; loss starts at ln V = "
         f"{result['loss_start']:.3f}, the source's entropy is {result['loss_floor']:.3f}. "
-        f"Final loss: mean of the last {cfg['final_window']} steps.",
+        f"Final loss: mean of the last {min(cfg['final_window'], cfg['steps'])} steps.",
         "",
-        "| recipe | final loss per seed | mean | spread (max − min) | eval loss per seed | "
+        "| recipe | final loss per seed | mean | spread (max − min) | held-out loss per seed "
+        "(untrained → trained) | "
         "s per run |",
         "|---|---|---|---|---|---|",
     ]
     for recipe, entry in summary["recipes"].items():
         runs = [r for r in result["runs"] if r["recipe"] == recipe]
         finals = ", ".join(f"{v:.4f}" for v in entry["final"])
-        evals = ", ".join("–" if v is None else f"{v:.4f}" for v in entry["eval"])
+        evals = ", ".join(
+            "–" if v is None else (f"{v:.4f}" if i is None else f"{i:.3f} → {v:.4f}")
+            for v, i in zip(entry["eval"], entry.get("eval_init", entry["eval"]), strict=True)
+        )
         secs = ", ".join(f"{r['seconds']:.1f}" for r in runs)
         lines.append(
             f"| {recipe} | {finals} | {entry['mean']:.4f} | {entry['spread']:.4f} | {evals} | "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 RELATIVE_BOUND, SPREAD_FACTOR = 0.015, 2.0
 COLORS = {"bf16": "tab:blue", "fp8": "tab:orange"}
+SEED_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:gray")
 
 
 def summarize(result: dict) -> dict:
@@ -167,19 +168,21 @@ def plot(result: dict, path: Path) -> None:
     for run in runs:
         steps = range(1, len(run["losses"]) + 1)
         label = f"{run['recipe']} seed {run['seed']}"
-        curves.plot(steps, run["losses"], color=COLORS.get(run["recipe"]), lw=0.8, alpha=0.7,
-                    label=label)  # fmt: skip
+        style = "--" if run["recipe"] == "fp8" else "-"
+        curves.plot(steps, run["losses"], style, color=COLORS.get(run["recipe"]), lw=0.8,
+                    alpha=0.8, label=label)  # fmt: skip
     curves.axhline(result["loss_floor"], color="gray", ls=":", lw=1, label="source entropy")
     curves.set_xlabel("step")
     curves.set_ylabel("training cross-entropy (nats)")
-    curves.set_title("loss curves, bf16 vs FP8 experts")
+    curves.set_title("loss curves, bf16 (solid) vs FP8 experts (dashed)")
     curves.legend(fontsize=7)
     by_key = {(r["recipe"], r["seed"]): r["losses"] for r in runs}
     for (recipe, seed), losses in by_key.items():
         if recipe != "fp8" or ("bf16", seed) not in by_key:
             continue
         delta = [a - b for a, b in zip(losses, by_key[("bf16", seed)], strict=True)]
-        diff.plot(range(1, len(delta) + 1), _smooth(delta, 10), lw=1, label=f"seed {seed}")
+        diff.plot(range(1, len(delta) + 1), _smooth(delta, 10), lw=1, label=f"seed {seed}",
+                  color=SEED_COLORS[seed % len(SEED_COLORS)])  # fmt: skip
     summary = result.get("summary") or summarize(result)
     if "bound" in summary:
         for sign in (1, -1):

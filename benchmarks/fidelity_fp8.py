@@ -32,6 +32,15 @@ so a run cut short keeps what it finished; each run prints one line with its
 seconds. Any fallback to the reference kernels on CUDA is printed, recorded
 and makes the exit status 2.
 
+Cost at the defaults (4 blocks, H = F = 1024, 8 experts, V = 4096, 16,384
+tokens per step, 300 steps, 3 seeds × 2 recipes): 4.7 TFLOP per step, 8.5
+PFLOP in all; estimated (not yet measured) 15–40 ms per step on an H200, so
+1–3 minutes for the six runs plus the first FP8 step's Triton compiles and
+the checks, after the CUTLASS build (1.5–3 minutes on a fresh machine, done
+by ``bench_mlp``'s environment step as in every benchmark here). Each run's
+line prints its ms per step; ``--steps``, ``--seeds``, ``--tokens``,
+``--hidden``, ``--ffn``, ``--layers`` shrink or grow it.
+
 Usage (H200): ``python benchmarks/fidelity_fp8.py --out benchmarks/results``;
 smoke (CPU, reference kernels, < 60 s): ``python benchmarks/fidelity_fp8.py
 --smoke --device cpu --out /tmp/fidelity``.

@@ -350,7 +350,10 @@ def test_source_files_stay_small(package: Path) -> None:
 KERNELS_SRC = ROOT / "kernels" / "src" / "groupgrad" / "kernels"
 # 30 before the FP8 GEMMs; they added 11: their operand rules (_rules_fp8), their
 # kernels and custom ops (_fp8_gemm), and the validator's split into calls and rules.
-MAX_KERNELS_EDGES = 41
+# The fused FP8 SwiGLU (_swiglu_fp8, _swiglu_fp8_triton) added 5; the FP8 operand rules
+# moving into _validate and the kernel plan into _support (build's table of compiled
+# dtypes moving into build, so build imports no sibling) took 4 away.
+MAX_KERNELS_EDGES = 42
 
 
 def _module_graph(folder: Path, package: str) -> dict[str, set[str]]:
@@ -397,7 +400,7 @@ def test_the_graph_reader_finds_each_import_form_and_each_loop() -> None:
 
 
 def test_kernels_private_import_graph_stays_small_and_points_down() -> None:
-    """The kernels' host path: at most 41 imports between its modules, none back up a floor."""
+    """The kernels' host path: at most 42 imports between its modules, none back up a floor."""
     graph = _module_graph(KERNELS_SRC, "groupgrad.kernels")
     assert {"_group", "_validate", "_api"} <= set(graph), "the reader lost the kernels' modules"
     assert "_group" in graph["_validate"], "the reader misses `from groupgrad.kernels._x import`"

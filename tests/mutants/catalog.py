@@ -51,7 +51,6 @@ _RULES = "kernels/src/groupgrad/kernels/_rules.py"
 _KERNEL_GROUP = "kernels/src/groupgrad/kernels/_group.py"
 _SUPPORT = "kernels/src/groupgrad/kernels/_support.py"
 _BUILD = "kernels/src/groupgrad/kernels/build.py"
-_PLAN_KERNELS = "kernels/src/groupgrad/kernels/_plan.py"
 _TD = "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed"
 _COMPILED = "packages/modules/src/groupgrad/modules/_compiled.py"
 _COMPILE_TESTS = f"{MODULES}/test_compile.py"
@@ -401,7 +400,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "plan-swizzle-unchecked",
         "a plan takes any swizzle (the extension's own check crashes the process)",
-        _PLAN_KERNELS,
+        _SUPPORT,
         "        if type(swizzle) is not int or swizzle not in (1, 2, 4, 8):",
         "        if False:",
         (f"{KERNELS}/test_build.py",),
@@ -482,7 +481,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fp8-wgrad-splits-unchecked",
         "an FP8 wgrad takes splits other than the ones its operands' blocks were cut by",
-        "kernels/src/groupgrad/kernels/_rules_fp8.py",
+        "kernels/src/groupgrad/kernels/_validate.py",
         "        if own_counts != splits_E.tolist():",
         "        if False:",
         (f"{KERNELS}/test_fp8_gemm.py",),

@@ -4,7 +4,7 @@ Internal to ``groupgrad.kernels``: the CUDA kernels of the custom ops
 (``_ops``) receive validated operands that the support check
 (``_support``) accepted, ask :func:`unavailable_reason` for the device, and
 call :func:`fprop`, :func:`dgrad` or :func:`wgrad` here, which choose a kernel
-(``_plan``) and launch it. Nothing in this module compiles or initialises
+(``_support.plan_for``) and launch it. Nothing in this module compiles or initialises
 CUDA at import.
 
 Legend: ``T`` tokens, ``E`` groups (experts), ``K`` in_features, ``N`` out_features.
@@ -35,7 +35,7 @@ from typing import cast
 import torch
 
 from groupgrad.kernels._group import group_size, use_native_reader
-from groupgrad.kernels._plan import Plan, plan_for
+from groupgrad.kernels._support import Plan, plan_for
 from groupgrad.kernels.build import (
     BUILD_TIME_HINT,
     CUDA_EXTRA_INSTALL,
@@ -213,7 +213,7 @@ def default_plan(
     b: torch.Tensor | Group,
     out: torch.Tensor | Group,
 ) -> Plan:
-    """:func:`~groupgrad.kernels._plan.plan_for` of a call in op form (operands as in ``_support``)."""
+    """:func:`~groupgrad.kernels._support.plan_for` of a call in op form (operands as there)."""
     if op == "wgrad":
         dw_group, x_TK = cast(Group, out), cast(torch.Tensor, b)
         E, N, K = group_size(dw_group), a.size(1), x_TK.size(1)

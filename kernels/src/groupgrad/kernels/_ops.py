@@ -10,7 +10,8 @@ CPU or the operands' device.
 
 **The CUDA kernels** (``*_on_device``): a call runs on CUTLASS when the
 support check (``_support.unsupported_reason``: dtypes, sizes, layout,
-alignment) accepts its operands, the backend module
+alignment; imported with the first CUDA call, like ``build`` whose table
+of compiled variants it reads) accepts its operands, the backend module
 ``groupgrad.kernels._cutlass`` imports (on the first CUDA call, never at
 package import), and the backend can run on the operands' device
 (``unavailable_reason(device)``: sm_90, a toolchain to build it). Otherwise
@@ -53,7 +54,7 @@ from typing import Literal, ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _group, _reference, _support
+from groupgrad.kernels import _group, _reference
 from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, any_requires_grad
 
 _P = ParamSpec("_P")
@@ -150,14 +151,14 @@ def zero_gradient(out: Sequence[Tensor], accumulate: bool) -> None:
 
 
 def cutlass_or_reason(
-    op: _support.Op,
+    op: Literal["fprop", "dgrad", "wgrad"],
     a: Tensor,
     b: Tensor | Sequence[Tensor],
     out: Tensor | Sequence[Tensor],
     listed: ListedFacts | None = None,
 ) -> tuple[ModuleType | None, str | None]:
     """``(backend, None)`` when CUTLASS runs this validated call, else ``(None, reason)``."""
-    reason = _support.unsupported_reason(op, a, b, out, listed=listed)
+    reason = support_check().unsupported_reason(op, a, b, out, listed=listed)
     if reason is not None:
         return None, reason
     cutlass, reason = load_cutlass()
@@ -184,9 +185,17 @@ def fp8_cutlass_or_reason(
     reason = (
         cutlass.unavailable_reason(operands[0][1].device)
         or cutlass.fp8_unsupported_reason(op, out_dtype)
-        or _support.fp8_unsupported_reason(operands, out, listed)
+        or support_check().fp8_unsupported_reason(operands, out, listed)
     )
     return (cutlass, None) if reason is None else (None, reason)
+
+
+@functools.cache
+def support_check() -> ModuleType:
+    """The support check's module, imported on the first CUDA call (it imports ``build``)."""
+    from groupgrad.kernels import _support
+
+    return _support
 
 
 @functools.cache

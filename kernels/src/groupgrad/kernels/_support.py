@@ -1,27 +1,36 @@
-"""Which validated calls the CUTLASS kernels can take: the one support check.
+"""What the compiled CUTLASS kernels make of a validated call: whether they take it, and with which.
 
-The kernels are compiled for bf16 and fp16 inputs with outputs in the input
-dtype (wgrad: also fp32; :data:`COMPILED_DTYPES`, which ``build`` compiles
-from), and read and write every matrix through TMA, which
-needs 16-byte aligned base addresses and row strides: ``K`` and ``N`` are
-multiples of 8 (16 bytes of bf16/fp16). Dense operands and a packed group
-must be contiguous; the members of a listed group may have padded rows (a row
-stride of a multiple of 16 bytes), each at its own address.
+Two questions over tensor metadata and ``build``'s table of variants, both
+asked on the CUDA path only (this module comes with the backend, on the
+first CUDA call, never at import: ``build`` is not imported then):
 
-:func:`unsupported_reason` reads tensor metadata only (never the values,
-never CUDA) and runs once per CUDA call, before the backend is loaded; that
-the backend can run on the operands' device (sm_90, a toolchain) is the
-backend's own question (``_cutlass.unavailable_reason``).
+* **The one support check**, :func:`unsupported_reason`. The kernels are
+  compiled for bf16 and fp16 inputs with outputs in the input dtype (wgrad:
+  also fp32; ``build.COMPILED_DTYPES``, the table the variants are compiled
+  from), and read and write every matrix through TMA, which needs 16-byte
+  aligned base addresses and row strides: ``K`` and ``N`` are multiples of 8
+  (16 bytes of bf16/fp16). Dense operands and a packed group must be
+  contiguous; the members of a listed group may have padded rows (a row
+  stride of a multiple of 16 bytes), each at its own address. It reads tensor
+  metadata only (never the values, never CUDA) and runs once per CUDA call,
+  before the backend is loaded; that the backend can run on the operands'
+  device (sm_90, a toolchain) is the backend's own question
+  (``_cutlass.unavailable_reason``).
+* **Which compiled kernel runs a call**: :class:`Plan` and :func:`plan_for`
+  (public through ``groupgrad.kernels.tuning``; the heuristic and the
+  measurements behind it are in ``kernels/NOTES.md``).
 
 Operands per op, as the custom ops receive them (``a``, ``b``, ``out``):
 fprop ``(x_TK, w_group, y_TN)``, dgrad ``(dy_TN, w_group, dx_TK)``, wgrad
 ``(dy_TN, x_TK, dw_group)``; a group of ``(N, K)`` matrices is in op form
-(``_group``). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features,
+(``_group``). Legend: ``T`` tokens, ``E`` experts (groups), ``K`` in_features,
 ``N`` out_features.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Literal, cast
 
@@ -29,21 +38,10 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._group import ListedFacts, is_packed
+from groupgrad.kernels.build import COMPILED_DTYPES, COOP_TILE, PONG_TILE, Variant
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
-#: The (input, output) dtypes each op's kernels are compiled for: the one table
-#: (``build`` compiles its variants from it; the support check reads it).
-COMPILED_DTYPES: dict[str, tuple[tuple[torch.dtype, torch.dtype], ...]] = {
-    "fprop": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
-    "dgrad": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
-    "wgrad": (
-        (torch.bfloat16, torch.bfloat16),
-        (torch.bfloat16, torch.float32),
-        (torch.float16, torch.float16),
-        (torch.float16, torch.float32),
-    ),
-}
 CUTLASS_DTYPES = tuple(dict.fromkeys(din for pairs in COMPILED_DTYPES.values() for din, _ in pairs))
 ALIGNMENT_BYTES = 16  # TMA: base addresses and row strides
 SIZE_MULTIPLE = 8  # K and N, in elements: 16 bytes of bf16/fp16
@@ -197,3 +195,83 @@ def fp8_unsupported_reason(
         if reason is not None:
             return reason
     return None if whole else _listed_reason("out", group, device, listed)
+
+
+# --------------------------------------------------------------------------- which kernel
+
+_DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+#: Tokens per group (T / E) from which :func:`plan_for` takes the ping-pong tile.
+LARGE_GROUP_ROWS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which compiled variant runs a call, and the persistent scheduler's raster order.
+
+    Attributes:
+        variant: name of a compiled :class:`~groupgrad.kernels.build.Variant`
+            (``Variant.name``), e.g. ``"fprop_bf16_bf16_coop_128x256x64_c1x1"``.
+        raster_along_n: walk output tiles along ``N`` first (default: along ``M``).
+        max_swizzle: the tile scheduler's swizzle width: 1, 2, 4 or 8.
+    """
+
+    variant: str
+    raster_along_n: bool = False
+    max_swizzle: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.variant, str):
+            raise TypeError(f"variant must be a str, got {type(self.variant).__name__}")
+        if not isinstance(self.raster_along_n, bool):
+            raise TypeError(
+                f"raster_along_n must be a bool, got {type(self.raster_along_n).__name__}"
+            )
+        swizzle = self.max_swizzle
+        if type(swizzle) is not int or swizzle not in (1, 2, 4, 8):
+            raise ValueError(f"max_swizzle is {self.max_swizzle!r}, expected 1, 2, 4 or 8")
+
+
+def plan_for(
+    op: str,
+    dtype_in: torch.dtype,
+    dtype_out: torch.dtype,
+    T: int,
+    E: int,
+    N: int,
+    K: int,
+) -> Plan:
+    """Choose the kernel of one call (the heuristic of ``kernels/NOTES.md``).
+
+    The GEMM of one group is ``M x N' x K'``: fprop ``(T/E) x N x K``, dgrad
+    ``(T/E) x K x N``, wgrad ``N x K x (T/E)`` (ragged dimension on average).
+    Groups of at least :data:`LARGE_GROUP_ROWS` tokens on average take the
+    ping-pong 128x128 tile with a 1x2 cluster, smaller ones the cooperative
+    128x256 tile; dgrad with ``N >= 4 K`` stays cooperative.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        dtype_in: dtype of the inputs, ``torch.bfloat16`` or ``torch.float16``.
+        dtype_out: dtype of the output (wgrad: also ``torch.float32``).
+        T: tokens (rows of ``x`` / ``dy``).
+        E: groups (experts).
+        N: out_features.
+        K: in_features.
+
+    Returns:
+        The :class:`Plan` (default raster order and swizzle).
+    """
+    rows = T / max(E, 1)
+    large = rows >= LARGE_GROUP_ROWS and not (op == "dgrad" and N >= 4 * K)
+    return _plan(op, _DTYPE_TAGS[dtype_in], _DTYPE_TAGS[dtype_out], large)
+
+
+@functools.cache
+def _plan(op: str, dtype_in: str, dtype_out: str, large: bool) -> Plan:
+    # Large groups: ping-pong 128x128 (one warp group's epilogue overlaps the other's
+    # mainloop) with a 1x2 cluster, so no M tile is padded to a cluster pair. Many small
+    # groups: cooperative 128x256 without a cluster. Exception, measured: dgrad with a
+    # reduction (N) much longer than its output rows (K) runs better cooperative
+    # (E=8, K=4096, N=28672, skewed splits).
+    sched, tile, cluster = PONG_TILE if large else COOP_TILE
+    return Plan(Variant(op, dtype_in, dtype_out, sched, tile, cluster).name)

@@ -2,8 +2,12 @@
 
 Every public entry point — kernel and reference twin alike — passes its
 arguments through :func:`grouped_call` (fprop, dgrad) or :func:`wgrad_call`
+(with ``Fp8Blocks`` operands: :func:`fp8_rows_call`, :func:`fp8_wgrad_call`)
 before anything is written, so a rejected call leaves ``out`` untouched, and
-gets back a :class:`GroupedCall` or :class:`WgradCall` in op form. Problems
+gets back a :class:`GroupedCall` or :class:`WgradCall` (or their FP8 forms)
+in op form. The rules every call shares are in ``_rules``; the FP8 operand
+rules (:func:`fp8_operand`, :func:`fp8_splits_agree`) are at the end of this
+module, beside the FP8 calls, their only users. Problems
 raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device,
 layout, token counts, overlap) naming the argument — as the caller named it,
 through ``names`` — its value and what was expected.
@@ -40,8 +44,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _group, _rules, _rules_fp8
-from groupgrad.kernels._fp8 import ROWS, SEGMENTS, WEIGHTS, Fp8Blocks
+from groupgrad.kernels import _group, _rules
+from groupgrad.kernels._fp8 import ROWS, SEGMENT_ALIGN, SEGMENTS, WEIGHTS, Block, Fp8Blocks
 from groupgrad.kernels._group import ListedFacts
 
 
@@ -142,6 +146,11 @@ def wgrad_call(
 
 
 # --- FP8 calls ----------------------------------------------------------------
+#
+# An FP8 call takes Fp8Blocks operands of the blocks its GEMM reads — (1, 128) rows and
+# (128, 128) weights for fprop/dgrad, (128, 1) token segments for wgrad — never mixed with
+# bf16/fp16/fp32 tensors (fp8_operand). Their other arguments (splits, out) follow the
+# same rules as every call (_rules).
 
 
 def is_fp8(a: object, b: object) -> bool:
@@ -190,8 +199,8 @@ def fp8_rows_call(
     """Check an FP8 fprop/dgrad call (``names`` as in :func:`grouped_call`)."""
     a_name = "x" if op == "fprop" else "dy"
     label = _group.labeler("weights", names)
-    a8 = _rules_fp8.fp8_operand(a_name, a, ROWS)
-    w8 = _rules_fp8.fp8_operand(label(None), weights, WEIGHTS)
+    a8 = fp8_operand(a_name, a, ROWS)
+    w8 = fp8_operand(label(None), weights, WEIGHTS)
     _rules.check_device(label(None), w8.data, a_name, a8.data)
     (T, cols), (E, N, K) = a8.shape, w8.shape
     inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
@@ -219,16 +228,138 @@ def fp8_wgrad_call(
     names: object = None,
 ) -> Fp8WgradCall:
     """Check an FP8 wgrad call (arguments as in :func:`wgrad_call`; fp32 by default)."""
-    dy8 = _rules_fp8.fp8_operand("dy", dy, SEGMENTS)
-    x8 = _rules_fp8.fp8_operand("x", x, SEGMENTS)
+    dy8 = fp8_operand("dy", dy, SEGMENTS)
+    x8 = fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )
     for name, operand in (("dy", dy8), ("x", x8)):
-        _rules_fp8.fp8_splits_agree(name, operand, splits_E, splits)
+        fp8_splits_agree(name, operand, splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]
     members, result, listed = _rules.wgrad_out(
         out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names
     )
     return Fp8WgradCall(dy8, x8, splits_E, members, accumulate, result, listed)
+
+
+_FP8_ROLES = {
+    ROWS: "x or dy of fprop/dgrad",
+    WEIGHTS: "the weights of fprop/dgrad",
+    SEGMENTS: "dy and x of wgrad, with splits",
+}
+
+
+def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
+    """An :class:`Fp8Blocks` of ``block`` whose tensors have the layout the FP8 GEMMs read.
+
+    ``quantize_fp8`` builds them so; the detailed checks guard a hand-built
+    one, whose wrong layout would make a kernel read past its tensors.
+    """
+    if not isinstance(value, Fp8Blocks):
+        raise TypeError(
+            f"{name} is a {type(value).__name__}, expected an Fp8Blocks of block {block} "
+            f"({_FP8_ROLES[block]}): FP8 operands do not mix with bf16, fp16 or fp32 tensors; "
+            "quantize both with quantize_fp8"
+        )
+    if value.block != block:
+        raise ValueError(
+            f"{name} is an Fp8Blocks of block {value.block}, expected {block} ({_FP8_ROLES[block]})"
+        )
+    data, scales = value.data, value.scales
+    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise TypeError(
+            f"{name} holds {data.dtype} data and {scales.dtype} scales, expected "
+            "torch.float8_e4m3fn and torch.float32"
+        )
+    for part, (shape, strides) in _fp8_layout(value).items():
+        t = getattr(value, part)
+        if not (  # one combined test per tensor; the message only for a misfit
+            isinstance(t, Tensor)
+            and t.shape == shape
+            and (strides is None or t.stride() == strides or _same_memory(t, strides))
+            and t.device == data.device
+        ):
+            got = (
+                "None" if not isinstance(t, Tensor) else f"{tuple(t.shape)} {t.stride()} {t.device}"
+            )
+            want = f"{shape} with strides {strides}" if strides else f"{shape}"
+            raise ValueError(
+                f"{name}.{part} is {got}, expected {want} on {data.device} for an Fp8Blocks of "
+                f"block {block} and shape {value.shape}; build it with quantize_fp8"
+            )
+    return value
+
+
+def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether ``t`` is laid out as ``strides`` say where it matters: a dimension of size 1
+    has no stride to speak of (a ``(T, 1)`` scale tensor is column- and row-major at once)."""
+    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
+
+
+def _fp8_layout(value: Fp8Blocks) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """``part -> (shape, strides or None)`` of each tensor of ``value`` (see :class:`Fp8Blocks`)."""
+    shape = value.shape
+    if value.block == WEIGHTS:
+        if len(shape) != 3:
+            raise ValueError(
+                f"weights is an Fp8Blocks of shape {shape}, expected (E, N, K): quantize an "
+                "(E, N, K) tensor or a list of E (N, K) weights"
+            )
+        E, N, K = shape
+        _fp8_multiples("weights", shape, (N, K))
+        return {
+            "data": ((E, N, K), (N * K, K, 1)),
+            "data_t": ((E, K, N), (N * K, N, 1)),
+            "scales": ((E, N // 128, K // 128), None),
+        }
+    if len(shape) != 2:
+        raise ValueError(f"an Fp8Blocks of block {value.block} has shape {shape}, expected (T, C)")
+    T, C = shape
+    _fp8_multiples("the activation", shape, (C,))
+    if value.block == ROWS:
+        return {"data": ((T, C), (C, 1)), "scales": ((T, C // 128), (1, T))}
+    offsets = value.row_offsets
+    E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
+    if E < 1:
+        raise ValueError(
+            f"a (128, 1) Fp8Blocks has row_offsets {offsets!r}, expected (E + 1,) offsets"
+        )
+    padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    blocks = -(-T // 128) + E
+    return {
+        "data": ((C, padded), (padded, 1)),
+        "scales": ((blocks, C), (C, 1)),
+        **dict.fromkeys(("row_offsets", "seg_offsets", "block_offsets"), ((E + 1,), None)),
+    }
+
+
+def _fp8_multiples(what: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> None:
+    if any(d % 128 for d in dims):
+        raise ValueError(f"{what} has shape {shape}, expected K and N multiples of 128 for FP8")
+
+
+def fp8_splits_agree(name: str, value: Fp8Blocks, splits_E: Tensor, given: object) -> None:
+    """``value`` was quantized for the experts of ``splits_E``: the same count, and the same
+    token counts where both are on the host (a device tensor is never read).
+
+    ``given`` is the call's ``splits`` as the caller passed it: the very object
+    ``value`` was quantized with agrees without a look.
+    """
+    if value.splits is given:
+        return
+    E = splits_E.shape[0]
+    if value.row_offsets is not None and value.row_offsets.shape[0] - 1 != E:
+        raise ValueError(
+            f"{name} was quantized for {value.row_offsets.shape[0] - 1} experts but splits has "
+            f"{E} entries"
+        )
+    own = value.splits
+    host = not isinstance(own, Tensor) or own.device.type == "cpu"
+    if host and splits_E.device.type == "cpu" and not torch.compiler.is_compiling():
+        own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own or ()]
+        if own_counts != splits_E.tolist():
+            raise ValueError(
+                f"{name} was quantized with splits {own_counts} but splits is "
+                f"{splits_E.tolist()}: its 128-token blocks would straddle experts"
+            )

@@ -28,8 +28,6 @@ from types import ModuleType
 
 import torch
 
-from groupgrad.kernels._support import COMPILED_DTYPES
-
 CSRC_DIR = Path(__file__).parent / "csrc"
 CACHE_ENV = "GROUPGRAD_KERNELS_CACHE"
 #: How to get what a build needs beside nvcc: the CUTLASS headers, pybind11 and ninja.
@@ -112,6 +110,18 @@ def _cpp_bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+#: The (input, output) dtypes each op's kernels are compiled for: the one table
+#: (:data:`VARIANTS` are compiled from it; the support check reads it).
+COMPILED_DTYPES: dict[str, tuple[tuple[torch.dtype, torch.dtype], ...]] = {
+    "fprop": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
+    "dgrad": ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)),
+    "wgrad": (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.float32),
+    ),
+}
 #: The two tile configurations of the default build as (schedule, tile, cluster)
 #: (kernels/NOTES.md, "Variants tried"): cooperative for many small groups,
 #: ping-pong for large ones.

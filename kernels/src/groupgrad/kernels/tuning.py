@@ -54,7 +54,7 @@ from groupgrad.kernels import (
 )
 from groupgrad.kernels._cutlass import build, compiled_variants
 from groupgrad.kernels._group import op_form
-from groupgrad.kernels._plan import LARGE_GROUP_ROWS, Plan, plan_for
+from groupgrad.kernels._support import LARGE_GROUP_ROWS, Plan, plan_for
 from groupgrad.kernels.build import TUNING_VARIANTS, VARIANT_SETS, VARIANTS, Variant
 
 __all__ = [

@@ -9,11 +9,17 @@ last without gradient sync) on data of its own, and returns: every
 micro-batch's output and input gradient, the reduced gradients (gathered
 whole) and the weights after every step, and every reduce-scatter input
 FSDP2 ran, per unit, with the unit's parameter names in FSDP2's order.
+
+FP8 scenarios with ``fp8_cache="stale"`` also pin FSDP2's allocator to its
+worst case (:func:`same_address`): each unit's re-gathered weights land at
+the address the layers' cached FP8 weights were quantized from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
@@ -70,7 +76,65 @@ def shard(
         units.append(f"blocks.{b}")
     shard_fn(model, **options)
     units.append("")
+    if cfg.get("fp8_cache") == "stale":
+        same_address(model)
     return (torch.compile(model) if compiled == "root" else model), units
+
+
+def same_address(model: nn.Module) -> None:
+    """At each forward of a unit, FSDP2 re-gathers its weights where the old ones were.
+
+    An FP8 layer's cached weights are served while their parameters keep
+    their identity, version, shape and ``data_ptr``. Under FSDP2 the first
+    three always hold: the unsharded parameter is the same object at every
+    unshard, the all-gather copies into it under
+    ``_unsafe_preserve_version_counter``, its shape never changes. Only the
+    address can differ, as the allocator decides when the unit is gathered
+    again after its post-backward reshard freed the storage: glibc usually
+    hands out another one (the cache then drops its entry), but now and then
+    the same one, as a caching allocator would more often (then the entry,
+    quantized before the optimizer step, looks current). This forward
+    pre-hook on every unit, after
+    FSDP2's unshard and the integration's own hook, makes every run the
+    second case: an entry that outlived the unit's last forward gets the
+    re-gathered storage's address (only that; version and shape stay as
+    cached). With the integration the caches are empty by then and the hook
+    does nothing; a unit that kept its caches serves weights quantized
+    before the optimizer step at the next ``is_first_microbatch=False``.
+    """
+    names = dict(model.named_modules())
+    units = [name for name, module in names.items() if isinstance(module, FSDPModule)]
+    for unit in units:
+        inner = [u for u in units if u != unit and _inside(u, unit)]
+        layers = [
+            module
+            for name, module in names.items()
+            if hasattr(module, "_fp8_weights")
+            and _inside(name, unit)
+            and not any(_inside(name, u) for u in inner)
+        ]
+        if layers:
+            names[unit].register_forward_pre_hook(functools.partial(_re_gathered_in_place, layers))
+
+
+def _inside(name: str, unit: str) -> bool:
+    return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+def _re_gathered_in_place(layers: Sequence[nn.Module], module: nn.Module, args: Any) -> None:
+    for layer in layers:
+        cache = layer._fp8_weights
+        entry = cache._entry  # groupgrad.modules._fp8_cache: a cached weight and its stamps
+        if entry is None:
+            continue
+        params = [ref() for ref in entry.refs]
+        if any(p is None for p in params):
+            continue
+        stamps = tuple(
+            (p.data_ptr(), version, shape)
+            for p, (_, version, shape) in zip(params, entry.stamps, strict=True)
+        )
+        cache._entry = dataclasses.replace(entry, stamps=stamps)
 
 
 def plain_name(name: str) -> str:

@@ -15,6 +15,12 @@ forward and ``False`` at every later one, across optimizer steps, as a
 TransformerEngine user would by mistake or by habit: FSDP2's weights are
 re-materialized at every forward and must never be served from a cache, so
 they too must equal the replay, which quantizes afresh at every forward.
+Whether a cached FP8 weight would pass the cache's own checks after an
+optimizer step depends only on where the allocator puts the re-gathered
+weights (same parameter object, same version, same shape; the address
+decides), so these scenarios pin it to the same address
+(``fsdp2_worker.same_address``): a unit that kept its layers' caches
+across forwards serves the weights of step 0 at step 1, in every run.
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 An FP8 groupgrad layer caches its quantized weights when the caller passes
 ``is_first_microbatch`` (TransformerEngine's convention), and drops the cache
-when the parameter's identity, ``data_ptr`` or version changes. FSDP2 defeats
-those checks: the unsharded parameter a layer sees is the same object at
-every forward, its storage is freed and re-allocated (often at the same
-address), and the all-gather writes it through FSDP2's own copies; after an
-optimizer step updated the sharded parameter, a cached FP8 weight can still
-look current (``reshard_after_forward=False`` and a bf16 ``param_dtype`` show
-it on CPU). So each time FSDP2 unshards a unit for forward, every FP8 layer
+when the parameter's identity, ``data_ptr`` or version changes. Under FSDP2
+only the address can change: the unsharded parameter a layer sees is the
+same object at every forward, FSDP2 copies the all-gathered weights into it
+without moving its version counter, and its storage, freed when the unit
+reshards after backward (whatever ``reshard_after_forward`` says), is
+allocated again at the next unshard, at an address the allocator picks. When
+it picks the old one, a weight quantized before an optimizer step looks
+current. So each time FSDP2 unshards a unit for forward, every FP8 layer
 of the unit starts with an empty cache: its weights are quantized from the
 freshly gathered parameters, whatever ``is_first_microbatch`` says, and
 backward reuses the forward's quantization only while the cache's own checks

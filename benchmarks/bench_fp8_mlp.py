@@ -17,7 +17,7 @@ Also: peak memory of one step (bytes beyond those allocated before it), the
 relative error of the FP8 step's output and ``main_grad`` against the bf16
 step's, and a per-kernel decomposition of one FP8 and one bf16 step
 (``torch.profiler``: CUDA time per kernel family — FP8 GEMMs, bf16 GEMMs,
-quantization, SwiGLU, other). ``--out DIR`` writes ``fp8_mlp_<gpu>.json``
+quantization, the fused FP8 SwiGLU, SwiGLU, other). ``--out DIR`` writes ``fp8_mlp_<gpu>.json``
 and ``.png``; any fallback to the reference path is printed and makes the
 exit status 2. ``--quick --device cpu`` is a smoke run (reference kernels).
 
@@ -49,6 +49,7 @@ QUICK_CONFIGS = [(4, 256, 256, 512)]
 SPLITS = ("uniform", "heavy")
 VARIANTS = ("bf16", "fp8", "fp8_cached")
 FAMILIES = (  # (family, substrings of a kernel name), first match wins
+    ("swiglu_fp8", ("swiglu_fp8",)),  # the fused FP8 SwiGLU (Triton), before "fp8" and "swiglu"
     ("fp8_gemm", ("fp8", "Fp8", "e4m3", "FP8")),
     ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel")),  # the Triton quantizers
     ("gemm", ("cutlass", "gemm", "Gemm", "nvjet", "sm90")),

@@ -45,7 +45,7 @@ def _poison() -> None:
 def _inputs(T: int, F: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(T, 2 * F, device="cuda", generator=gen)
-    h *= torch.logspace(-3, 3, 2 * F, device="cuda")[torch.randperm(2 * F, device="cuda")]
+    h *= torch.logspace(-2, 1, 2 * F, device="cuda")[torch.randperm(2 * F, device="cuda")]
     da = torch.randn(T, F, device="cuda", generator=gen).to(dtype)
     probs = torch.rand(T, device="cuda", generator=gen)
     return h.to(dtype), da, probs

@@ -39,6 +39,7 @@ __all__ = ["rows_triton", "segments_triton", "weights_triton"]
 
 E4M3 = torch.float8_e4m3fn
 ROWS_PER_PROGRAM = 64
+SEGMENT_WARPS = 4  # measured on the H200: 0.40-0.45x the copy rate, 8 warps 0.29-0.37x
 
 
 @triton.jit
@@ -251,6 +252,6 @@ def segments_triton(
                 num_blocks,
                 WITH_ROWS=with_rows,
                 BLOCK_E=triton.next_power_of_2(max(E, 1)),
-                num_warps=8,
+                num_warps=SEGMENT_WARPS,
             )
     return data, scales, row_data, row_scales

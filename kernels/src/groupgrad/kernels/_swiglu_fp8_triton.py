@@ -39,8 +39,8 @@ from groupgrad.kernels._fp8_triton import _abs_bits, _e4m3, _scale_rule
 __all__ = ["backward_triton", "forward_triton"]
 
 E4M3 = torch.float8_e4m3fn
-FORWARD_ROWS = 32  # rows per forward program
-SUB_T = 32  # tokens per backward slice
+FORWARD_ROWS, FORWARD_WARPS = 32, 4  # rows and warps per forward program
+SUB_T, BACKWARD_WARPS = 32, 4  # tokens per backward slice, warps per backward program
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _dequantized(data_ptr, scales_ptr, offsets, scale_offsets, ok, ROUND_TO: tl.
 
 
 @triton.jit
-def _forward_kernel(  # type: ignore[no-untyped-def]
+def _swiglu_fp8_forward_kernel(  # type: ignore[no-untyped-def]
     h_ptr, probs_ptr, h_data_ptr, h_scales_ptr, a_data_ptr, a_scales_ptr, T, F,
     HAS_PROBS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
@@ -113,9 +113,11 @@ def _swiglu_grads(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _column_scales(amax_bits, scales_ptr, offsets):  # type: ignore[no-untyped-def]
+def _column_scales(amax_bits, scales_ptr, offsets, WRITE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The ``(128, 1)`` scales of 128 columns (written where the form is asked for)."""
     scale, inverse, finite = _scale_rule(amax_bits)
-    tl.store(scales_ptr + offsets, scale)
+    if WRITE:
+        tl.store(scales_ptr + offsets, scale)
     return inverse, finite
 
 
@@ -138,7 +140,7 @@ def _zero_tail(data_ptr, channels, start, padded_tokens, step):  # type: ignore[
 
 
 @triton.jit
-def _backward_kernel(  # type: ignore[no-untyped-def]
+def _swiglu_fp8_backward_kernel(  # type: ignore[no-untyped-def]
     da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, row_offsets_ptr, seg_offsets_ptr,
     block_offsets_ptr, dh_data_ptr, dh_scales_ptr, dht_data_ptr, dht_scales_ptr,
     at_data_ptr, at_scales_ptr, partial_ptr, T, F, E, padded_tokens, num_blocks,
@@ -156,7 +158,7 @@ def _backward_kernel(  # type: ignore[no-untyped-def]
     if e < E:
         row_start = tl.load(row_offsets_ptr + e)
         rows_e = tl.load(row_offsets_ptr + e + 1) - row_start
-        column_start = tl.load(seg_offsets_ptr + e)
+        column_start = tl.multiple_of(tl.load(seg_offsets_ptr + e), 16)
         first = (b - tl.load(block_offsets_ptr + e)) * 128
         amax_g = tl.zeros([128], tl.int32)
         amax_u = tl.zeros([128], tl.int32)
@@ -179,10 +181,13 @@ def _backward_kernel(  # type: ignore[no-untyped-def]
             amax_u = tl.maximum(amax_u, tl.max(_abs_bits(du), axis=0))
             amax_a = tl.maximum(amax_a, tl.max(_abs_bits(act), axis=0))
         if DH_TOKENS or A_TOKENS:  # pass 2: the (128, 1) forms
-            dh_row = b * (2 * F)
-            inv_g, fin_g = _column_scales(amax_g, dht_scales_ptr, dh_row + g_channels)
-            inv_u, fin_u = _column_scales(amax_u, dht_scales_ptr, dh_row + u_channels)
-            inv_a, fin_a = _column_scales(amax_a, at_scales_ptr, b * F + a_channels)
+            inv_g, fin_g = _column_scales(
+                amax_g, dht_scales_ptr, b * (2 * F) + g_channels, DH_TOKENS
+            )
+            inv_u, fin_u = _column_scales(
+                amax_u, dht_scales_ptr, b * (2 * F) + u_channels, DH_TOKENS
+            )
+            inv_a, fin_a = _column_scales(amax_a, at_scales_ptr, b * F + a_channels, A_TOKENS)
             padded_e = (rows_e + 15) // 16 * 16
             for s in range(0, 128, SLICE):
                 local = first + s + tl.arange(0, SLICE)
@@ -232,9 +237,9 @@ def forward_triton(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Ten
     a_data, a_scales = new(T, F, dtype=E4M3), new(F // 128, T, dtype=torch.float32)
     if T and F:
         with _on_device(h):
-            _forward_kernel[(triton.cdiv(T, FORWARD_ROWS), F // 128)](
+            _swiglu_fp8_forward_kernel[(triton.cdiv(T, FORWARD_ROWS), F // 128)](
                 h, h if probs is None else probs, h_data, h_scales, a_data, a_scales, T, F,
-                HAS_PROBS=probs is not None, BLOCK_T=FORWARD_ROWS, num_warps=4,
+                HAS_PROBS=probs is not None, BLOCK_T=FORWARD_ROWS, num_warps=FORWARD_WARPS,
             )  # fmt: skip
     return h_data, h_scales, a_data, a_scales
 
@@ -266,13 +271,13 @@ def backward_triton(
     partial = new(F // 128, T, dtype=F32) if probs is not None else new(0, dtype=F32)
     if num_blocks and F:
         with _on_device(da):
-            _backward_kernel[(num_blocks, F // 128)](
+            _swiglu_fp8_backward_kernel[(num_blocks, F // 128)](
                 da, h_data, h_scales, da if probs is None else probs,
                 row_offsets, seg_offsets, block_offsets, *dh, *dht, *at, partial,
                 T, F, E, padded_tokens, num_blocks,
                 HAS_PROBS=probs is not None, DH_ROWS=dh_rows, DH_TOKENS=dh_tokens,
                 A_TOKENS=a_tokens, BLOCK_E=triton.next_power_of_2(max(E, 1)), SLICE=SUB_T,
-                num_warps=8,
+                num_warps=BACKWARD_WARPS,
             )  # fmt: skip
     if probs is None:
         dprobs = new(0, dtype=F32)

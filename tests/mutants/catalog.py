@@ -213,8 +213,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the one-pass reading of a plain group takes the leader's grad_dtype and trainability "
         "for every member (a frozen or fp32-grad member among bf16 ones goes unseen)",
         _ROUTE,
-        "        and facts.count(first) == len(facts)\n",
-        "",
+        "    if trainable and isinstance(dtype, torch.dtype) and facts.count(first) == len(facts):",
+        "    if trainable and isinstance(dtype, torch.dtype):",
         (PROTOCOL, MODULES),
     ),
     Mutant(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -316,12 +317,12 @@ def plan_weight_grads(
     (:func:`weight_grad_buffers` checks its buffers itself, for callers
     without a GEMM).
     """
-    members = as_weight_list(weights)
+    # the common autograd-route group in one pass: plain, trainable, one shape and grad dtype
+    uniform = None if wgrad_into_main_grad else uniform_plain_facts(weights)
+    members = list(cast(Sequence[torch.Tensor], weights)) if uniform else as_weight_list(weights)
     labels = member_labels(len(members), names)
     device = torch.device(device)
     shape = tuple(int(s) for s in shape)
-    # the common autograd-route group in one pass: plain, trainable, one shape and grad dtype
-    uniform = None if wgrad_into_main_grad else uniform_plain_facts(members)
     if uniform is None or uniform[1] != shape:
         route = route_of(members, labels, wgrad_into_main_grad)
         if route is WgradRoute.MAIN_GRAD:

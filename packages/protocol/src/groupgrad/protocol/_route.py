@@ -7,8 +7,9 @@ output. Both read every member, every call: ``requires_grad``,
 backwards without any trace. The common group (what a per-expert layer on
 the autograd/``grad_dtype`` route holds: plain parameters, all trainable, of
 one shape and one grad dtype, nothing attached) is recognised in one C-level
-pass over the group (:func:`uniform_plain_facts`) instead of a Python loop
-per member; every other group takes the per-member reading, which names a
+pass over the group (:func:`plain_members` for the route,
+:func:`uniform_plain_facts` for the plan) instead of a Python loop per
+member; every other group takes the per-member reading, which names a
 misfit.
 """
 
@@ -18,6 +19,7 @@ import enum
 import functools
 import operator
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -30,6 +32,7 @@ __all__ = [
     "autograd_grad_dtype",
     "check_shape",
     "member_labels",
+    "plain_members",
     "route_of",
     "uniform_plain_facts",
     "wgrad_route",
@@ -63,34 +66,48 @@ def member_labels(count: int, names: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(names)
 
 
-_PLAIN_TYPES = (torch.nn.Parameter, torch.Tensor)
-_FACTS = operator.attrgetter("__class__", "requires_grad", "grad_dtype", "shape")
+_PLAIN_TYPES = frozenset((torch.nn.Parameter, torch.Tensor))
+_FACTS = operator.attrgetter("requires_grad", "grad_dtype", "shape")
 
 
-def uniform_plain_facts(members: list[torch.Tensor]) -> tuple[torch.dtype, torch.Size] | None:
-    """``(grad_dtype, shape)`` of a uniform plain group; ``None`` for any other group.
+def plain_members(weights: object) -> bool:
+    """Whether ``weights`` is a non-empty list or tuple of plain members, read in one pass.
 
-    Uniform plain: every member a ``torch.nn.Parameter`` (or a plain tensor)
-    with no attribute attached (so no ``main_grad`` contract, no
-    ``__fsdp_param__``, no ``DistributedWeight``), requiring grad, with one
-    ``grad_dtype`` and one shape. One ``attrgetter`` pass reads the four facts
-    of every member and one ``count`` compares them, so the answer costs no
-    Python per member; it is read again at every call, like the per-member
-    reading it stands for.
+    Plain: a ``torch.nn.Parameter`` (or a plain tensor) with no attribute
+    attached, so neither a ``DistributedWeight`` nor Megatron-FSDP's, and
+    without any attribute of the ``main_grad`` contract. ``map`` over the
+    group, no Python per member; read again at every call (attributes come and
+    go without a trace). Such a group needs no
+    :func:`~groupgrad.protocol._distributed.as_weight_list` check: every member
+    is a tensor.
     """
+    return (
+        isinstance(weights, list | tuple)
+        and bool(weights)
+        and set(map(type, weights)) <= _PLAIN_TYPES
+        and not any(map(vars, weights))
+    )
+
+
+def uniform_plain_facts(weights: object) -> tuple[torch.dtype, torch.Size] | None:
+    """``(grad_dtype, shape)`` of a uniform plain group; ``None`` for anything else.
+
+    Uniform plain: :func:`plain_members`, every member requiring grad, one
+    ``grad_dtype`` and one shape. One ``attrgetter`` pass reads the three facts
+    of every member and one ``count`` compares them, so the answer costs no
+    Python per member; anything else gets ``None`` and the per-member reading,
+    which names a misfit.
+    """
+    if not plain_members(weights):
+        return None
+    members = cast(Sequence[torch.Tensor], weights)
     try:
         facts = list(map(_FACTS, members))
     except RuntimeError:  # a non-leaf member has no grad_dtype: the per-member reading
         return None
     first = facts[0]
-    kind, trainable, dtype, shape = first
-    if (
-        kind in _PLAIN_TYPES
-        and trainable
-        and isinstance(dtype, torch.dtype)
-        and facts.count(first) == len(facts)
-        and not any(map(vars, members))
-    ):
+    trainable, dtype, shape = first
+    if trainable and isinstance(dtype, torch.dtype) and facts.count(first) == len(facts):
         return dtype, shape
     return None
 
@@ -113,9 +130,10 @@ def wgrad_route(
         RuntimeError: A parameter is both a Megatron-FSDP parameter and a
             ``DistributedWeight``: two owners would reduce its gradient.
     """
-    members = as_weight_list(weights)
-    if uniform_plain_facts(members) is not None:  # no member is distributed or FSDP's
+    if plain_members(weights):  # no member is distributed or FSDP's
+        member_labels(len(cast(Sequence[torch.Tensor], weights)), names)  # names, checked
         return WgradRoute.MAIN_GRAD if wgrad_into_main_grad else WgradRoute.AUTOGRAD
+    members = as_weight_list(weights)
     return route_of(members, member_labels(len(members), names), wgrad_into_main_grad)
 
 

@@ -25,6 +25,16 @@ Prints, per cell, each tree's median over rounds, the spread between rounds
 of one tree (the noise) and the ratio B / A. ``--json`` writes every sample.
 Usage: ``python benchmarks/side_by_side.py --trees NEW_ROOT OLD_ROOT --rounds 2``.
 
+``--cpu`` times the host side of the autograd route on CPU tensors instead
+(no GPU needed): ``E`` = 128 per-expert bf16 parameters whose ``grad_dtype``
+is fp32, small matrices (``N = K = 16``, ``T = 256``) so that the reference
+GEMM does not drown the host work; per cell the CPU time of the calling
+thread (``time.thread_time``, so other processes on the machine count less)
+per call, median of 5 batches of 20: the packed wgrad, the route (plan +
+the same GEMM into ``plan.gemm_out`` + ``finish``), the plan and ``finish``
+alone, and route minus packed from interleaved batches. The "ms" columns
+are then CPU ms per call.
+
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
 ``H`` hidden_size, ``F`` ffn_hidden_size.
 """
@@ -37,6 +47,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +59,7 @@ import kernels_timing as kt
 import groupgrad.kernels
 from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad
 from groupgrad.modules import GroupedMLP
-from groupgrad.protocol import plan_weight_grads
+from groupgrad.protocol import WeightGradPlan, plan_weight_grads
 
 KERNEL_CONFIGS = [(8, 4096, 28672, 16384), (8, 7168, 4096, 32768), (128, 2048, 1536, 32768), (32, 2048, 7168, 65536)]  # fmt: skip
 MLP_CONFIGS = [(8, 4096, 14336, 16384), (32, 7168, 2048, 65536), (128, 2048, 768, 32768)]
@@ -126,6 +137,77 @@ def _mlp_cell(E: int, H: int, F: int, T: int, kind: str, packed: bool) -> Cell:
     return (f"{'mlp' if packed else 'mlp_per_expert'} E={E} H={H} F={F} T={T} {kind}", step)
 
 
+def _cpu_cells(E: int = 128, N: int = 16, K: int = 16, T: int = 256) -> list[Cell]:
+    """The autograd route's host work on CPU tensors (``--cpu``): packed wgrad, route, plan."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, K, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(T, N, generator=gen).to(torch.bfloat16)
+    splits = torch.full((E,), T // E, dtype=torch.int64)
+    dw = torch.empty(E, N, K)
+    params = [torch.nn.Parameter(torch.empty(N, K, dtype=torch.bfloat16)) for _ in range(E)]
+    for p in params:
+        p.grad_dtype = torch.float32
+    names = [f"weight{e}" for e in range(E)]
+
+    def plan() -> WeightGradPlan:
+        return plan_weight_grads(
+            params,
+            shape=(N, K),
+            compute_dtype=torch.bfloat16,
+            device=x.device,
+            wgrad_into_main_grad=False,
+            names=names,
+        )
+
+    def packed(_: int) -> None:
+        grouped_wgrad(dy, x, splits, out=dw)
+
+    def route(_: int) -> None:
+        made = plan()
+        grouped_wgrad(dy, x, splits, out=made.gemm_out, names=made.gemm_names)
+        made.finish()
+
+    def plan_and_finish(_: int) -> None:
+        made = plan()
+        _ = made.gemm_names  # what the route hands the GEMM
+        made.finish()
+
+    tag = f"E={E} K={K} N={N} T={T} cpu"
+    return [
+        (f"wgrad_fp32 packed {tag}", packed),
+        (f"wgrad_autograd_route {tag}", route),
+        (f"plan+finish {tag}", plan_and_finish),
+    ]
+
+
+def _thread_us(fn: Callable[[int], object], calls: int = 20, batches: int = 5) -> float:
+    """CPU time of this thread per call (µs), median of ``batches`` batches of ``calls``."""
+    fn(0)
+    per_call = []
+    for _ in range(batches):
+        start = time.thread_time()
+        for i in range(calls):
+            fn(i)
+        per_call.append((time.thread_time() - start) / calls * 1e6)
+    return statistics.median(per_call)
+
+
+def _cpu_worker() -> list[dict]:
+    """``--cpu``: each cell's CPU µs per call, and route minus packed from interleaved batches."""
+    rows = []
+    cells = _cpu_cells()
+    for name, fn in cells:
+        us = _thread_us(fn)
+        rows.append({"cell": name, "ms": us / 1e3, "host_us": us})
+    (packed_name, packed), (_, route) = cells[0], cells[1]
+    diffs = [_thread_us(route, batches=1) - _thread_us(packed, batches=1) for _ in range(5)]
+    us = statistics.median(diffs)
+    rows.append(
+        {"cell": packed_name.replace("packed", "route minus packed"), "ms": us / 1e3, "host_us": us}
+    )
+    return rows
+
+
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
 
@@ -178,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", default="", help="time only the cells whose name holds this")
+    parser.add_argument("--cpu", action="store_true", help="time the autograd route on the CPU")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.reps, args.only)))
+        print(json.dumps(_cpu_worker() if args.cpu else _worker(args.reps, args.only)))
         return 0
     names = [str(t) for t in args.trees]
     samples: dict[str, list[list[dict]]] = {n: [] for n in names}
@@ -191,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             path = os.pathsep.join(p for p in (_source_path(tree.resolve()), inherited) if p)
             env = {**os.environ, "PYTHONPATH": path}
             command = [sys.executable, __file__, "--worker", "--reps", str(args.reps)]
-            command += ["--only", args.only]
+            command += ["--only", args.only] + (["--cpu"] if args.cpu else [])
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             samples[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             source = next((line for line in done.stderr.splitlines() if " from " in line), "")

@@ -158,11 +158,20 @@ def test_forward_errors_name_the_argument() -> None:
 def test_backward_errors_name_the_argument() -> None:
     h_rows, a_rows = swiglu_probs_fp8(_h(), None)
     da = _randn(T, F, seed=3)
-    with pytest.raises(TypeError, match=r"h is .*\(1, 128\) Fp8Blocks swiglu_probs_fp8 returned"):
+    with pytest.raises(
+        TypeError, match=r"h is a Tensor, expected an Fp8Blocks of block \(1, 128\)"
+    ):
         swiglu_probs_backward_fp8(da, _h(), splits=SPLITS)  # type: ignore[arg-type]
     tokens = quantize_fp8_ref(_h(), block=TOKENS, splits=SPLITS)
-    with pytest.raises(TypeError, match=r"h is an Fp8Blocks with block \(128, 1\)"):
+    with pytest.raises(ValueError, match=r"h is an Fp8Blocks of block \(128, 1\), expected"):
         swiglu_probs_backward_fp8(da, tokens, splits=SPLITS)
+    row_major_scales = Fp8Blocks(
+        h_rows.data, h_rows.scales.contiguous(), block=ROWS, dtype=h_rows.dtype, shape=h_rows.shape
+    )
+    with pytest.raises(ValueError, match=r"h\.scales is .*expected \(300, 4\) with strides"):
+        swiglu_probs_backward_fp8(da, row_major_scales, splits=SPLITS)
+    with pytest.raises(TypeError, match="dh_tokens is 1, expected True or False"):
+        swiglu_probs_backward_fp8(da, h_rows, splits=SPLITS, dh_tokens=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"h has shape \(300, 256\).*expected \(T, 2F\)"):
         swiglu_probs_backward_fp8(da, a_rows, splits=SPLITS)
     with pytest.raises(ValueError, match=r"da has shape \(300, 200\), expected F a multiple"):

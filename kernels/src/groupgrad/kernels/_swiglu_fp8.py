@@ -49,6 +49,7 @@ from groupgrad.kernels._swiglu import (
     swiglu_probs_backward_ref,
     swiglu_probs_ref,
 )
+from groupgrad.kernels._validate import fp8_operand
 
 __all__ = [
     "swiglu_probs_backward_fp8",
@@ -251,9 +252,8 @@ def swiglu_probs_fp8_ref(
 
 
 def _check_kept_h(h: object, T: int, F: int) -> Fp8Blocks:
-    if not isinstance(h, Fp8Blocks) or h.block != ROWS:
-        what = f"an Fp8Blocks with block {h.block}" if isinstance(h, Fp8Blocks) else repr(type(h))
-        raise TypeError(f"h is {what}, expected the (1, 128) Fp8Blocks swiglu_probs_fp8 returned")
+    """The kept ``h``: a ``(1, 128)`` form in the layout the kernels read, ``(T, 2F)``."""
+    h = fp8_operand("h", h, ROWS)  # a hand-built form with another layout is refused by name
     if tuple(h.shape) != (T, 2 * F) or h.dtype not in (
         torch.bfloat16,
         torch.float16,
@@ -264,6 +264,13 @@ def _check_kept_h(h: object, T: int, F: int) -> Fp8Blocks:
             "(da is (T, F)) of bf16, fp16 or fp32"
         )
     return h
+
+
+def _check_flags(**flags: object) -> tuple[bool, bool, bool]:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} is {value!r}, expected True or False")
+    return flags["dh_rows"], flags["dh_tokens"], flags["a_tokens"]  # type: ignore[return-value]
 
 
 def _backward(
@@ -344,13 +351,15 @@ def swiglu_probs_backward_fp8(
         (``None`` without ``probs``).
 
     Raises:
-        TypeError: ``da`` is not a floating ``(T, F)`` tensor, ``h`` not a
-            ``(1, 128)`` :class:`Fp8Blocks`, ``probs`` or ``splits`` of a
-            wrong type.
-        ValueError: shapes that do not match, ``F`` not a multiple of 128,
-            tensors on different devices, ``splits`` not summing to ``T``.
+        TypeError: ``da`` is not a floating ``(T, F)`` tensor, ``h`` not an
+            :class:`Fp8Blocks`, a flag not a bool, ``probs`` or ``splits`` of
+            a wrong type.
+        ValueError: ``h`` not of block ``(1, 128)`` or not in the layout
+            :func:`quantize_fp8` writes, shapes that do not match, ``F`` not
+            a multiple of 128, tensors on different devices, ``splits`` not
+            summing to ``T``.
     """
-    forms = (dh_rows, dh_tokens, a_tokens)
+    forms = _check_flags(dh_rows=dh_rows, dh_tokens=dh_tokens, a_tokens=a_tokens)
     return _backward(da_TF, h, probs_T, splits, forms, backward_op)
 
 
@@ -378,5 +387,5 @@ def swiglu_probs_backward_fp8_ref(
     Returns:
         As :func:`swiglu_probs_backward_fp8` returns.
     """
-    forms = (dh_rows, dh_tokens, a_tokens)
+    forms = _check_flags(dh_rows=dh_rows, dh_tokens=dh_tokens, a_tokens=a_tokens)
     return _backward(da_TF, h, probs_T, splits, forms, backward_ref)

@@ -293,7 +293,10 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
 
 def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     """Whether ``t`` is laid out as ``strides`` say where it matters: a dimension of size 1
-    has no stride to speak of (a ``(T, 1)`` scale tensor is column- and row-major at once)."""
+    has no stride to speak of (a ``(T, 1)`` scale tensor is column- and row-major at once),
+    nor has an empty tensor."""
+    if t.numel() == 0:
+        return True
     return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
 
 

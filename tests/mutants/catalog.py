@@ -554,6 +554,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_swiglu_fp8.py", f"{MODULES}/test_mlp_matrix.py"),
     ),
     Mutant(
+        "swiglu-fp8-kept-h-layout-unchecked",
+        "the FP8 SwiGLU backward takes a hand-built (1, 128) h without checking its layout "
+        "(row-major scales read as column-major ones)",
+        "kernels/src/groupgrad/kernels/_swiglu_fp8.py",
+        '    h = fp8_operand("h", h, ROWS)  # a hand-built form with another layout is refused by name',
+        "    assert isinstance(h, Fp8Blocks)",
+        (f"{KERNELS}/test_swiglu_fp8.py",),
+    ),
+    Mutant(
         "fp8-mlp-bias-backward-dh-quantized-twice",
         "with biases (the unfused FP8 backward) fc1's wgrad reads dh quantized from its "
         "dequantized (1, 128) form, not from dh",

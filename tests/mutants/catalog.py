@@ -218,6 +218,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (PROTOCOL, MODULES),
     ),
     Mutant(
+        "bias-grad-dtype-ignored",
+        "a uniform plain group's autograd dtype (the bias gradients') is the compute dtype, "
+        "not the members' grad_dtype",
+        _ROUTE,
+        "    return autograd_dtype(as_weight_list(weights)) if uniform is None else uniform[0]",
+        "    return autograd_dtype(as_weight_list(weights)) if uniform is None else torch.bfloat16",
+        (MODULES,),
+    ),
+    Mutant(
         "autocast-ignored",
         "torch.autocast ignored: GEMMs run in the parameters' dtype",
         _GROUP,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 
@@ -351,7 +352,7 @@ def labeler(default: str, names: object) -> Labeler:
         if isinstance(names, str | bytes) or not isinstance(names, Sequence):
             raise TypeError(f"names is a {type(names).__name__}, expected a sequence of str")
         given = list(names)
-        if not all(isinstance(n, str) for n in given):
+        if not all(map(isinstance, given, itertools.repeat(str))):
             raise TypeError("names holds an entry that is not a str, expected a sequence of str")
 
     def label(e: int | None) -> str:

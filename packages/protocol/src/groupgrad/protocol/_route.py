@@ -171,7 +171,8 @@ def autograd_grad_dtype(weights: WeightGroup) -> torch.dtype:
     to its parameter's ``grad_dtype`` anyway, so a mixed group rounds once,
     from the widest.
     """
-    return autograd_dtype(as_weight_list(weights))
+    uniform = uniform_plain_facts(weights)  # all trainable, one grad_dtype: that one
+    return autograd_dtype(as_weight_list(weights)) if uniform is None else uniform[0]
 
 
 def autograd_dtype(members: list[torch.Tensor]) -> torch.dtype:

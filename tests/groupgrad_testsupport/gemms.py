@@ -25,6 +25,8 @@ KERNEL_ENTRIES = (
     "grouped_wgrad",
     "swiglu_probs",
     "swiglu_probs_backward",
+    "swiglu_probs_fp8",
+    "swiglu_probs_backward_fp8",
     "quantize_fp8",
 )
 

@@ -298,7 +298,7 @@ def _backward(
     )  # fmt: skip
     dh_rows, dh_tokens, a_tokens = forms
     meta: dict[str, Any] = {"dtype": h.dtype, "splits": splits}
-    offsets = {"row_offsets": row, "seg_offsets": seg, "block_offsets": block}
+    offsets: dict[str, Any] = {"row_offsets": row, "seg_offsets": seg, "block_offsets": block}
     return (
         Fp8Blocks(outs[0], outs[1].t(), block=ROWS, dtype=h.dtype, shape=(T, 2 * F))
         if dh_rows

@@ -44,7 +44,7 @@ SUB_T, BACKWARD_WARPS = 32, 4  # tokens per backward slice, warps per backward p
 
 
 @triton.jit
-def _quantize_rows(x, data_ptr, scales_ptr, offsets, scale_offsets, ok):  # type: ignore[no-untyped-def]
+def _quantize_rows(x, data_ptr, scales_ptr, offsets, scale_offsets, ok):
     """Write ``x``'s ``(1, 128)`` blocks (``x``: ``[rows, 128]``) and scales; return them dequantized."""
     scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=1))
     q = _e4m3(x, inverse[:, None], finite[:, None])
@@ -122,7 +122,7 @@ def _column_scales(amax_bits, scales_ptr, offsets, WRITE: tl.constexpr):  # type
 
 
 @triton.jit
-def _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_tokens):  # type: ignore[no-untyped-def]
+def _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_tokens):
     """``x`` (``[tokens, 128]``) quantized by column into the token-contiguous ``(C, Tp)`` data."""
     q = _e4m3(x, inverse[None, :], finite[None, :])
     offsets = channels[None, :] * padded_tokens + columns[:, None]
@@ -130,7 +130,7 @@ def _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_
 
 
 @triton.jit
-def _zero_tail(data_ptr, channels, start, padded_tokens, step):  # type: ignore[no-untyped-def]
+def _zero_tail(data_ptr, channels, start, padded_tokens, step):
     stop = start * 0 + padded_tokens
     zeros = tl.zeros([128, 128], tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     for first in range(start, stop, step):

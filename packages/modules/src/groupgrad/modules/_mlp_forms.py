@@ -125,7 +125,7 @@ class MLPForms:
                 unquantized ``dh`` (FP8 then runs the unfused chain, which keeps it).
         """
         if self.fc1 is None or self.fc2 is None:
-            dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, h_kept, probs_T)
+            dh_T2F, dprobs_T, a_TF = swiglu_probs_backward(da_TF, cast(Tensor, h_kept), probs_T)
             return SwigluGrads(dh_T2F, dh_T2F, dprobs_T, a_TF, None)
         if not biases:
             dh_rows, dh_tokens, dprobs_T, a_tokens = swiglu_probs_backward_fp8(

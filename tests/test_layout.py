@@ -401,10 +401,30 @@ def test_the_graph_reader_finds_each_import_form_and_each_loop() -> None:
 
 
 def test_kernels_private_import_graph_stays_small_and_points_down() -> None:
-    """The kernels' host path: at most 42 imports between its modules, none back up a floor."""
+    """The kernels' modules: at most MAX_KERNELS_EDGES imports between them, none back up a floor."""
     graph = _module_graph(KERNELS_SRC, "groupgrad.kernels")
     assert {"_group", "_validate", "_api"} <= set(graph), "the reader lost the kernels' modules"
     assert "_group" in graph["_validate"], "the reader misses `from groupgrad.kernels._x import`"
     edges = sum(len(targets) for targets in graph.values())
     assert edges <= MAX_KERNELS_EDGES, f"{edges} imports between the kernels' modules: {graph}"
     assert _upward_imports(graph) == []
+
+
+# The GEMMs' host path proper: the modules issue 24 counts (less __init__ and the FP8,
+# quantization and SwiGLU rooms, which the FP8 issues added beside it).
+HOST_PATH_EXCLUDED = ("__init__", "_swiglu", "_fp8", "_quant")
+MAX_HOST_PATH_MODULES, MAX_HOST_PATH_EDGES = 8, 30
+
+
+def test_the_gemms_host_path_is_eight_modules_and_thirty_imports_at_most() -> None:
+    graph = _module_graph(KERNELS_SRC, "groupgrad.kernels")
+    host = {
+        module: {t for t in targets if not t.startswith(HOST_PATH_EXCLUDED)}
+        for module, targets in graph.items()
+        if not module.startswith(HOST_PATH_EXCLUDED)
+    }
+    private = sorted(m for m in host if m.startswith("_"))
+    assert len(private) <= MAX_HOST_PATH_MODULES, private
+    assert {"_api", "_validate", "_group"} <= set(private), "the reader lost the host path"
+    edges = sum(len(targets) for targets in host.values())
+    assert edges <= MAX_HOST_PATH_EDGES, f"{edges} imports on the host path: {host}"

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -154,8 +156,24 @@ def bench_case(case: bench_mlp.Case, device: torch.device, rounds: int, per_roun
         "rel_err_vs_bf16": _errors(steps, mlps),
     }
     if cuda:
-        row["kernel_ms"] = {v: kernel_ms(steps[v], device) for v in ("bf16", "fp8")}
+        row["kernel_ms"] = {v: kernel_ms(steps[v], device) for v in VARIANTS}
+        row["host_ms"] = {v: host_ms(steps[v], device) for v in VARIANTS}
     return row
+
+
+def host_ms(step: Callable[[int], torch.Tensor], device: torch.device, reps: int = 5) -> float:
+    """Median wall time to issue one step from an idle GPU (no sync inside): the host's share.
+
+    A step whose ``host_ms`` is near its CUDA-event time waits on the host, not the GPU.
+    """
+    times = []
+    for i in range(reps):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step(i % bench_mlp.N_SETS)
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
 
 
 def table(result: dict) -> str:
@@ -186,9 +204,12 @@ def table(result: dict) -> str:
             parts = "; ".join(
                 f"{v}: "
                 + ", ".join(f"{k} {ms:.3f}" for k, ms in sorted(row["kernel_ms"][v].items()))
-                for v in ("bf16", "fp8")
+                for v in row["kernel_ms"]
             )
             lines.append(f"- kernels (ms) {row['case']} {row['split_kind']}: {parts}")
+        if "host_ms" in row:
+            host = ", ".join(f"{v} {ms:.3f}" for v, ms in row["host_ms"].items())
+            lines.append(f"- host ms to issue one step {row['case']} {row['split_kind']}: {host}")
     return "\n".join(lines)
 
 

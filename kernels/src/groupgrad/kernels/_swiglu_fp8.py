@@ -8,8 +8,9 @@ Blocks and layouts: :class:`~groupgrad.kernels.Fp8Blocks`.
 In the blockwise FP8 MLP every tensor between the two GEMMs is read or
 written in an FP8 form. These two ops do the SwiGLU step and the
 quantizations around it in one pass each way, where the unfused chain runs
-five kernels forward (quantize ``h``, dequantize it, SwiGLU, quantize ``a``)
-and five backward::
+four steps forward (quantize ``h``, dequantize it, SwiGLU, quantize ``a``)
+and four backward (dequantize ``h``, SwiGLU backward, quantize ``dh``,
+quantize ``a``), each one or more kernels::
 
     forward   h (bf16)  ->  h (1, 128)  [kept]  and  a (1, 128)  [fc2 fprop]
     backward  da, h (1, 128) [kept]  ->  dh (1, 128) [fc1 dgrad], dh (128, 1)

@@ -140,13 +140,7 @@ def bench_case(case: bench_mlp.Case, device: torch.device, rounds: int, per_roun
     else:
         times = {v: kt.median_ms_cpu(s, bench_mlp.N_SETS, 2, 1) for v, s in steps.items()}
     row = {
-        "case": case.label,
-        "E": case.E,
-        "H": case.H,
-        "F": case.F,
-        "T": case.T,
-        "split_kind": case.split_kind,
-        "splits_min_max": [min(case.splits), max(case.splits)],
+        **case.columns(),
         "times_ms": times,
         "speedup_vs_bf16": {v: times["bf16"] / times[v] for v in VARIANTS},
         "tflops": {v: case.flops / (ms * 1e-3) / 1e12 for v, ms in times.items()},

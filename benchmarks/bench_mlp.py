@@ -135,6 +135,18 @@ class Case:
     def flops(self) -> float:
         return 18.0 * self.T * self.H * self.F
 
+    def columns(self) -> dict:
+        """The case as a result row's leading fields (shared by the MLP benchmarks)."""
+        return {
+            "case": self.label,
+            "E": self.E,
+            "H": self.H,
+            "F": self.F,
+            "T": self.T,
+            "split_kind": self.split_kind,
+            "splits_min_max": [min(self.splits), max(self.splits)],
+        }
+
 
 def make_case(E: int, H: int, F_: int, T: int, split_kind: str, device: torch.device) -> Case:
     splits = kt.splits_for(split_kind, T, E, seed=E)
@@ -255,13 +267,7 @@ def bench_case(case: Case, device: torch.device, reps: int, warmup: int) -> dict
     )
     times["gemm_sum"] = sum(gemms.values())
     return {
-        "case": case.label,
-        "E": case.E,
-        "H": case.H,
-        "F": case.F,
-        "T": case.T,
-        "split_kind": case.split_kind,
-        "splits_min_max": [min(case.splits), max(case.splits)],
+        **case.columns(),
         "flops": case.flops,
         "times_ms": times,
         "gemm_ms": gemms,

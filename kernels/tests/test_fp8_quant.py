@@ -465,7 +465,7 @@ def test_torch_compile_fullgraph_traces_the_quantizer(splits_form: str) -> None:
 
 
 def test_cuda_kernels_fall_back_to_the_reference_once_without_triton(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(_fp8_ops, "load_triton_kernels", lambda: (None, "no triton here"))
+    monkeypatch.setattr(_fp8_ops, "load_triton_kernels", lambda module: (None, "no triton here"))
     _fp8_ops.say_once.cache_clear()
     x = _randn(130, 256, seed=20)
     with caplog.at_level(logging.WARNING, logger=_fp8_ops.__name__):

@@ -24,7 +24,8 @@ from groupgrad.kernels import (
     swiglu_probs_fp8,
     swiglu_probs_fp8_ref,
 )
-from groupgrad.kernels._swiglu_fp8 import _load_triton
+from groupgrad.kernels._fp8_ops import load_triton_kernels
+from groupgrad.kernels._swiglu_fp8 import TRITON_MODULE
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
 
@@ -79,7 +80,7 @@ def _close(got: Fp8Blocks | None, want: Fp8Blocks | None, name: str, exact: bool
 
 
 def test_triton_kernels_import() -> None:
-    kernels, reason = _load_triton()
+    kernels, reason = load_triton_kernels(TRITON_MODULE)
     assert kernels is not None, reason
 
 

@@ -34,7 +34,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["rows_op", "say_once", "segments_op", "token_map", "weights_op"]
+__all__ = [
+    "load_triton_kernels",
+    "rows_op",
+    "say_once",
+    "segments_op",
+    "token_map",
+    "triton_for",
+    "weights_op",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -193,10 +201,10 @@ def _segments_fake(
 
 
 @functools.cache
-def load_triton_kernels() -> tuple[ModuleType | None, str | None]:
-    """Import the Triton kernels once: ``(module, None)`` or ``(None, reason)``."""
+def load_triton_kernels(module: str = TRITON_MODULE) -> tuple[ModuleType | None, str | None]:
+    """Import a module of FP8 Triton kernels once: ``(module, None)`` or ``(None, reason)``."""
     try:
-        return importlib.import_module(TRITON_MODULE), None
+        return importlib.import_module(module), None
     except ImportError as error:
         return None, f"triton cannot be imported ({error})"
 
@@ -206,25 +214,27 @@ def say_once(message: str) -> None:
     logger.warning(message)
 
 
-def _triton_for(x: Tensor) -> ModuleType | None:
-    """The Triton kernels for ``x``'s device, or ``None`` (said once) to run the reference."""
-    kernels, reason = load_triton_kernels()
+def triton_for(
+    x: Tensor, module: str = TRITON_MODULE, what: str = "FP8 quantization"
+) -> ModuleType | None:
+    """``module``'s Triton kernels for ``x``'s device, or ``None`` (said once) to run the reference."""
+    kernels, reason = load_triton_kernels(module)
     if kernels is not None and torch.cuda.get_device_capability(x.device) < (8, 9):
         kernels, reason = None, f"{x.device} has no FP8 conversions (sm_89 or later needed)"
     if kernels is None:
-        say_once(f"FP8 quantization runs on the PyTorch reference on CUDA: {reason}")
+        say_once(f"{what} runs on the PyTorch reference on CUDA: {reason}")
     return kernels
 
 
 @rows_op.register_kernel("cuda")
 def _rows_cuda(x: Tensor) -> tuple[Tensor, Tensor]:
-    kernels = _triton_for(x)
+    kernels = triton_for(x)
     return rows_ref(x) if kernels is None else kernels.rows_triton(x)
 
 
 @weights_op.register_kernel("cuda")
 def _weights_cuda(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    kernels = _triton_for(weights[0])
+    kernels = triton_for(weights[0])
     if kernels is None:
         return weights_ref(weights)
     data, data_t, scales = kernels.weights_triton(weights)
@@ -241,6 +251,6 @@ def _segments_cuda(
     x: Tensor, row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor,
     num_blocks: int, padded_tokens: int, with_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    kernels = _triton_for(x)
+    kernels = triton_for(x)
     run = segments_ref if kernels is None else kernels.segments_triton
     return run(x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows)

@@ -33,8 +33,6 @@ bf16 step apart) and in ``dprobs``' summation order.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -43,7 +41,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._fp8 import ROWS, SEGMENTS, Fp8Blocks, check_splits, segment_offsets
-from groupgrad.kernels._fp8_ops import rows_ref, say_once, segments_ref
+from groupgrad.kernels._fp8_ops import rows_ref, segments_ref, triton_for
 from groupgrad.kernels._swiglu import (
     check_probs,
     check_swiglu_args,
@@ -158,22 +156,8 @@ def _backward_fake(
     return [*rows, *tokens, *a, dprobs]
 
 
-@functools.cache
-def _load_triton() -> tuple[ModuleType | None, str | None]:
-    try:
-        return importlib.import_module(TRITON_MODULE), None
-    except ImportError as error:
-        return None, f"triton cannot be imported ({error})"
-
-
 def _triton_for(t: Tensor) -> ModuleType | None:
-    """The Triton kernels for ``t``'s GPU, or ``None`` (said once) to run the reference."""
-    kernels, reason = _load_triton()
-    if kernels is not None and torch.cuda.get_device_capability(t.device) < (8, 9):
-        kernels, reason = None, f"{t.device} has no FP8 conversions (sm_89 or later needed)"
-    if kernels is None:
-        say_once(f"the FP8 SwiGLU runs on the PyTorch reference on CUDA: {reason}")
-    return kernels
+    return triton_for(t, TRITON_MODULE, "the FP8 SwiGLU")
 
 
 @forward_op.register_kernel("cuda")

@@ -11,6 +11,9 @@ themselves are checked against an fp64 chain of the dequantized operands in
 the modules' tests; what this replay adds is the sharding, the reduction, the
 optimizer steps and a fresh quantization of the weights at every forward.
 
+On a GPU the replay runs on the ranks' device, so its GEMMs are the same
+CUTLASS kernels on the same operands (on the CPU, the reference kernels).
+
 Its weights are quantized at every forward (``is_first_microbatch`` never
 passed), so a rank that reused FP8 weights cached before an optimizer step
 differs from it. bf16 scenarios run the replay's model in bf16 with
@@ -20,27 +23,47 @@ the integration's ``reduce_dtype`` route compute per rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 
-def replay(cfg: Mapping[str, Any], world: int, moe_model: Any) -> dict[str, Any]:
-    """Outputs and input grads per (step, rank, micro), reduced grads and weights per step."""
+def replay(
+    cfg: Mapping[str, Any],
+    world: int,
+    moe_model: Any,
+    device: str = "cpu",
+    restart_from: Sequence[Mapping[str, Tensor]] | None = None,
+) -> dict[str, Any]:
+    """Outputs and input grads per (step, rank, micro), reduced grads and weights per step (CPU).
+
+    ``restart_from``: the ranks' weights after each step; step ``s > 0`` then
+    starts from the ranks' weights after step ``s - 1`` instead of its own.
+    Its FP8 operands are then the ranks' at every step, not only at the first:
+    an fp32 update that differs from the ranks' in one ulp (the replay sums
+    and steps in fp64) can move a weight across an e4m3 rounding boundary,
+    and with it every later step's quantized weight.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (and several times faster on a busy machine)
     try:
-        return _replay(cfg, world, moe_model)
+        return _replay(cfg, world, moe_model, torch.device(device), restart_from)
     finally:
         torch.set_num_threads(threads)
 
 
-def _replay(cfg: Mapping[str, Any], world: int, moe_model: Any) -> dict[str, Any]:
+def _replay(
+    cfg: Mapping[str, Any],
+    world: int,
+    moe_model: Any,
+    device: torch.device,
+    restart_from: Sequence[Mapping[str, Tensor]] | None,
+) -> dict[str, Any]:
     compute = torch.bfloat16 if cfg["bf16"] else torch.float32
-    model = moe_model.build(cfg)
-    master = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    model = moe_model.build(cfg, device)
+    master = {n: p.detach().double().cpu().clone() for n, p in model.named_parameters()}
     model.to(compute)
     params = dict(model.named_parameters())
     for param in params.values():
@@ -51,6 +74,8 @@ def _replay(cfg: Mapping[str, Any], world: int, moe_model: Any) -> dict[str, Any
     grads: list[dict[str, Tensor]] = []
     weights: list[dict[str, Tensor]] = []
     for step in range(cfg["steps"]):
+        if restart_from is not None and step > 0:
+            master = {name: restart_from[step - 1][name].double() for name in master}
         with torch.no_grad():
             for name, param in params.items():  # fp32 master weights, cast as FSDP2 casts them
                 param.copy_(master[name].float().to(compute))
@@ -58,14 +83,14 @@ def _replay(cfg: Mapping[str, Any], world: int, moe_model: Any) -> dict[str, Any
         for rank in range(world):
             for micro in range(cfg["micro_batches"]):
                 data = moe_model.batch(cfg, step, micro, rank)
-                x = data["x"].requires_grad_(True)
-                out = model(x.to(compute), data["idx"])
+                x = data["x"].to(device).requires_grad_(True)
+                out = model(x.to(compute), data["idx"].to(device))
                 moe_model.loss_of(out, data["target"]).backward()
-                outs[step, rank, micro] = out.detach().clone()
-                dxs[step, rank, micro] = x.grad.detach().clone()
+                outs[step, rank, micro] = out.detach().cpu().clone()
+                dxs[step, rank, micro] = x.grad.detach().cpu().clone()
                 for name, param in params.items():
                     if param.grad is not None:
-                        total[name] += param.grad.double()
+                        total[name] += param.grad.double().cpu()
                     param.grad = None
         reduced = {name: value / world for name, value in total.items()}
         grads.append(reduced)

@@ -70,3 +70,32 @@ def assert_bf16_within_twice_sequential(result: dict[str, Any], where: str) -> f
         bound = 2 * max_abs_error(theirs[name], exact) + BF16_RTOL * scale
         worst = max(worst, max_abs_error(ours[name], exact) / bound)
     return worst
+
+
+def assert_fp8_step_requantizes(result: dict[str, Any]) -> None:
+    """``fp8_worker``'s ``step``: the first micro-batch after each optimizer step quantizes afresh.
+
+    Catches the experts ignoring Megatron's ``is_first_microbatch`` (a stale
+    FP8 weight after ``DistributedOptimizer.step()``, which writes the weights
+    without moving their version).
+    """
+    import torch
+
+    assert result["steps_ok"] == [True, True]
+    assert result["flags"] == [True, False, True, False]  # cached within a step, then refreshed
+    assert result["weights_moved"], "the optimizer step left the expert weights unchanged"
+    assert not result["versions_moved"], "the version guard alone would have seen this step"
+    for i, (y, fresh) in enumerate(zip(result["y"], result["fresh"], strict=True)):
+        assert torch.equal(y, fresh), f"forward {i}: not its step's weights, quantized afresh"
+    stale = result["step2_with_step1_weights"]
+    assert not torch.equal(result["y"][2], stale), "the test cannot tell stale weights from new"
+
+
+def assert_first_and_last_layers_bf16(result: dict[str, Any]) -> None:
+    """``fp8_worker``'s ``bf16_layers``: layers 1 and 3 equal a bf16 ``GroupedMLP``, layer 2 an FP8 one."""
+    import torch
+
+    for number, recipe in [(1, "None"), (2, "blockwise"), (3, "None")]:
+        other = "blockwise" if recipe == "None" else "None"
+        assert torch.equal(result[f"layer{number}"], result[f"layer{number}-{recipe}"]), number
+        assert not torch.equal(result[f"layer{number}"], result[f"layer{number}-{other}"]), number

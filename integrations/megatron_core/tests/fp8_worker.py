@@ -1,10 +1,11 @@
-"""One rank of the FP8 scenarios: the fused experts under Megatron's schedule and optimizer, on CPU.
+"""One rank of the FP8 scenarios: the fused experts under Megatron's schedule and optimizer.
 
-Run by ``groupgrad_testsupport.launch`` (gloo, the test-only ``cpu_shim``).
-Megatron's ``DistributedOptimizer`` and its no-pipelining schedule allocate
-a few scalars with ``device="cuda"`` and check ``param.type()`` for
-``torch.cuda.*Tensor``; :func:`_optimizer_on_cpu` maps those to the CPU in
-this process only. Kinds:
+Run by ``groupgrad_testsupport.launch``: on the CPU (gloo, the test-only
+``cpu_shim``; Megatron's ``DistributedOptimizer`` and its no-pipelining
+schedule allocate a few scalars with ``device="cuda"`` and check
+``param.type()`` for ``torch.cuda.*Tensor``, which :func:`_optimizer_on_cpu`
+maps to the CPU in this process only) or on a GPU (NCCL, nothing patched:
+the experts run the CUTLASS FP8 GEMMs and the Triton quantizers). Kinds:
 
 * ``step`` — an MoE layer (``get_moe_module_groupgrad_spec``, bf16,
   ``fp8="e4m3"``, ``fp8_recipe="blockwise"``) under Megatron's DDP and
@@ -90,14 +91,14 @@ def _config(num_layers: int = 1, **fp8: Any) -> Any:
     return config
 
 
-def _layer(config: Any, layer_number: int) -> Any:
+def _layer(config: Any, layer_number: int, device: torch.device) -> Any:
     from megatron.core.transformer.spec_utils import build_module
 
     from groupgrad.integrations.megatron_core import get_moe_module_groupgrad_spec
 
     layer = build_module(get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True), config=config)
     layer.set_layer_number(layer_number)  # what Megatron's TransformerLayer does
-    return layer
+    return layer.to(device)
 
 
 class _Recorder:
@@ -142,14 +143,14 @@ def _rerun(experts: Any, call: dict[str, Any], weights: list[torch.Tensor]) -> t
     return y
 
 
-def run_step(sc: dict[str, Any]) -> dict[str, Any]:
+def run_step(sc: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Two optimizer steps of two micro-batches under Megatron's schedule (see the module docstring)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     config = _config()
-    layer = _layer(config, 1)
+    layer = _layer(config, 1, device)
     experts = layer.experts
     recorder = _Recorder(experts)
     from megatron.core.enums import ModelType
@@ -176,7 +177,7 @@ def run_step(sc: dict[str, Any]) -> dict[str, Any]:
 
     def forward_step(data: Any, model: Any) -> Any:
         x = torch.randn(TOKENS // 2, 2, HIDDEN, generator=generator).bfloat16()
-        y, _ = model(x)
+        y, _ = model(x.to(device))
         return y, lambda out: (out.float().square().mean(), {})
 
     schedule = get_forward_backward_func()
@@ -214,21 +215,23 @@ def run_step(sc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_bf16_layers(sc: dict[str, Any]) -> dict[str, Any]:
+def run_bf16_layers(sc: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Three layers under ``first_last_layers_bf16`` (see the module docstring)."""
     from groupgrad.modules import GroupedMLP
 
     config = _config(num_layers=3, first_last_layers_bf16=True)
     generator = torch.Generator().manual_seed(SEED)
-    x = torch.randn(TOKENS, HIDDEN, generator=generator).bfloat16()
-    probs = torch.rand(TOKENS, generator=generator)
+    x = torch.randn(TOKENS, HIDDEN, generator=generator).bfloat16().to(device)
+    probs = torch.rand(TOKENS, generator=generator).to(device)
     splits = [TOKENS // 2, TOKENS // 2]
     out: dict[str, Any] = {}
     for number in (1, 2, 3):
-        experts = _layer(config, number).experts
+        experts = _layer(config, number, device).experts
         y, _ = experts(x, splits, probs)
         for recipe in (None, "blockwise"):
-            twin = GroupedMLP(EXPERTS, HIDDEN, FFN, dtype=torch.bfloat16, fp8_recipe=recipe)
+            twin = GroupedMLP(
+                EXPERTS, HIDDEN, FFN, dtype=torch.bfloat16, device=device, fp8_recipe=recipe
+            )
             twin.load_state_dict(experts.grouped_mlp.state_dict())
             with torch.no_grad():
                 out[f"layer{number}-{recipe}"] = twin(x, splits, probs)
@@ -241,15 +244,16 @@ RUNNERS = {"step": run_step, "bf16_layers": run_bf16_layers}
 
 def run_scenario(scenario: dict[str, Any], rank: Any) -> dict[str, Any]:
     """One scenario on this rank."""
-    return RUNNERS[scenario["kind"]](scenario)
+    return RUNNERS[scenario["kind"]](scenario, rank.device)
 
 
 def setup(rank: Any) -> None:
-    """The CPU shim and the optimizer's CUDA scalars on the CPU (this process only)."""
-    import cpu_shim  # a sibling: the worker's folder is sys.path[0]
+    """On CPU launches: the CPU shim and the optimizer's CUDA scalars on the CPU (this process only)."""
+    if rank.device.type == "cpu":
+        import cpu_shim  # a sibling: the worker's folder is sys.path[0]
 
-    cpu_shim.install()
-    _optimizer_on_cpu()
+        cpu_shim.install()
+        _optimizer_on_cpu()
 
 
 if __name__ == "__main__":

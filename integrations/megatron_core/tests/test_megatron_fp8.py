@@ -27,9 +27,10 @@ from groupgrad.integrations.megatron_core import (
     GroupgradRowParallelGroupedLinear,
 )
 from groupgrad.integrations.megatron_core._fp8 import runs_in_bf16
-from groupgrad_testsupport import Launches
+from groupgrad_testsupport import Launches, load_sibling
 
 WORKER = Path(__file__).with_name("fp8_worker.py")
+checks = load_sibling(__file__, "checks")
 SCENARIOS = [{"name": "step", "kind": "step"}, {"name": "bf16-layers", "kind": "bf16_layers"}]
 
 
@@ -129,22 +130,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
 
 
 def test_first_microbatch_after_each_optimizer_step_requantizes(runs: Launches) -> None:
-    # Catches: the experts ignoring Megatron's is_first_microbatch (a stale FP8 weight after
-    # DistributedOptimizer.step(), which writes the weights without moving their version).
     (result,) = runs(1)["step"]
-    assert result["steps_ok"] == [True, True]
-    assert result["flags"] == [True, False, True, False]  # cached within a step, then refreshed
-    assert result["weights_moved"], "the optimizer step left the expert weights unchanged"
-    assert not result["versions_moved"], "the version guard alone would have seen this step"
-    for i, (y, fresh) in enumerate(zip(result["y"], result["fresh"], strict=True)):
-        assert torch.equal(y, fresh), f"forward {i}: not its step's weights, quantized afresh"
-    stale = result["step2_with_step1_weights"]
-    assert not torch.equal(result["y"][2], stale), "the test cannot tell stale weights from new"
+    checks.assert_fp8_step_requantizes(result)
 
 
 def test_first_and_last_layers_run_bf16(runs: Launches) -> None:
     (result,) = runs(1)["bf16-layers"]
-    for number, recipe in [(1, "None"), (2, "blockwise"), (3, "None")]:
-        other = "blockwise" if recipe == "None" else "None"
-        assert torch.equal(result[f"layer{number}"], result[f"layer{number}-{recipe}"]), number
-        assert not torch.equal(result[f"layer{number}"], result[f"layer{number}-{other}"]), number
+    checks.assert_first_and_last_layers_bf16(result)

@@ -92,11 +92,15 @@ def _config(num_layers: int = 1, **fp8: Any) -> Any:
 
 
 def _layer(config: Any, layer_number: int, device: torch.device) -> Any:
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from groupgrad.integrations.megatron_core import get_moe_module_groupgrad_spec
 
-    layer = build_module(get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True), config=config)
+    spec = get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True)
+    if isinstance(spec, ModuleSpec):  # megatron-core 0.16
+        layer = build_module(spec, config=config)
+    else:  # 0.19: a builder
+        layer = spec(config=config, pg_collection=None)
     layer.set_layer_number(layer_number)  # what Megatron's TransformerLayer does
     return layer.to(device)
 

@@ -75,12 +75,23 @@ def test_rows_match_the_reference_bit_for_bit(dtype, T, C) -> None:
     _same(quantize_fp8(x, block=(1, 128)), quantize_fp8_ref(x, block=(1, 128)))
 
 
+# A list of separate tensors takes one launch each; views of one allocation evenly spaced, in
+# either order (a flat parameter buffer), one launch in all (reading expert e at e × spacing).
+FORMS = {
+    "packed": lambda w: w,
+    "separate": lambda w: [m.clone() for m in w],
+    "views": lambda w: list(w.unbind(0)),
+    "views reversed": lambda w: list(w.flip(0).contiguous().unbind(0))[::-1],
+    "views every other": lambda w: list(torch.stack([w, torch.zeros_like(w)], dim=1)[:, 0]),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize(("E", "N", "K"), [(1, 128, 128), (3, 384, 256), (8, 1536, 2048)])
-def test_weights_match_the_reference_bit_for_bit(dtype, as_list, E, N, K) -> None:
+def test_weights_match_the_reference_bit_for_bit(dtype, form, E, N, K) -> None:
     w = _inputs(E * N, K, dtype, seed=E + N + K).view(E, N, K)
-    source = [w[e].clone() for e in range(E)] if as_list else w
+    source = FORMS[form](w)
     _poison()
     _same(quantize_fp8(source, block=(128, 128)), quantize_fp8_ref(source, block=(128, 128)))
 

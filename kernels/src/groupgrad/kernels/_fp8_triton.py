@@ -29,6 +29,7 @@ are int64; there are no atomics.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import triton
@@ -81,13 +82,14 @@ def _rows_kernel(x_ptr, data_ptr, scales_ptr, T, C, BLOCK_T: tl.constexpr):  # t
 
 
 @triton.jit
-def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K):
+def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K, expert_stride):
     k_block, n_block, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = (n_block * 128 + tl.arange(0, 128)).to(tl.int64)
     k = (k_block * 128 + tl.arange(0, 128)).to(tl.int64)
     base = e.to(tl.int64) * N * K
     nk = base + n[:, None] * K + k[None, :]
-    x = tl.load(w_ptr + nk).to(tl.float32)
+    # expert e's weight starts expert_stride * e elements after w_ptr's (negative: before it)
+    x = tl.load(w_ptr + (nk - base + e.to(tl.int64) * expert_stride)).to(tl.float32)
     amax_bits = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     scale, inverse, finite = _scale_rule(amax_bits)
     q = _e4m3(x, inverse, finite)
@@ -183,18 +185,24 @@ def rows_triton(x_TC: Tensor) -> tuple[Tensor, Tensor]:
 def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Triton twin of ``_fp8_ops.weights_ref`` on contiguous ``(E_i, N, K)`` tensors.
 
-    One launch per tensor of the list (one in all for an ``(E, N, K)`` weight),
-    each writing its experts' slice of the stacked results.
+    One launch in all for an ``(E, N, K)`` weight, and for a list of one-expert
+    weights evenly spaced in memory (the views of one allocation, such as a
+    framework's flat parameter buffer, in either order); else one launch per
+    tensor of the list, each writing its experts' slice of the stacked results.
     """
     E, (N, K) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
     device = weights[0].device
     data = torch.empty(E, N, K, dtype=E4M3, device=device)
     data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
     scales = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=device)
-    first = 0
+    spacing = _even_spacing(weights)
+    if spacing is not None:  # (weight, first expert, experts, elements from one to the next)
+        launches = [(weights[0], 0, E, spacing)]
+    else:
+        firsts = itertools.accumulate((w.shape[0] for w in weights[:-1]), initial=0)
+        launches = [(w, i, w.shape[0], N * K) for w, i in zip(weights, firsts, strict=True)]
     with _on_device(weights[0]):
-        for w in weights:
-            count = w.shape[0]
+        for w, first, count, expert_stride in launches:
             if count and N and K:
                 _weights_kernel[(K // 128, N // 128, count)](
                     w,
@@ -203,10 +211,28 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
                     scales[first : first + count],
                     N,
                     K,
+                    expert_stride,
                     num_warps=8,
                 )
-            first += count
     return data, data_t, scales
+
+
+def _even_spacing(weights: list[Tensor]) -> int | None:
+    """Elements from one weight's first element to the next's, if the same for all, else ``None``.
+
+    ``weights`` are contiguous ``(E_i, N, K)`` tensors; one of them: ``N * K``.
+    A list qualifies only if each holds one expert.
+    """
+    first = weights[0]
+    if len(weights) == 1:
+        return first.shape[1] * first.shape[2]
+    if any(w.shape[0] != 1 for w in weights):
+        return None
+    starts = [w.data_ptr() for w in weights]
+    step = starts[1] - starts[0]
+    if step % first.element_size() or any(b - a != step for a, b in itertools.pairwise(starts)):
+        return None
+    return step // first.element_size()
 
 
 def segments_triton(

@@ -75,11 +75,23 @@ def test_rows_match_the_reference_bit_for_bit(dtype, T, C) -> None:
     _same(quantize_fp8(x, block=(1, 128)), quantize_fp8_ref(x, block=(1, 128)))
 
 
-# A list of separate tensors takes one launch each; views of one allocation evenly spaced, in
-# either order (a flat parameter buffer), one launch in all (reading expert e at e × spacing).
+def _apart(w: torch.Tensor) -> list[torch.Tensor]:
+    """Each expert in an allocation of its own, of a different size (never evenly spaced)."""
+    return [
+        torch.empty(m.numel() + 4096 * e, dtype=m.dtype, device=m.device)[: m.numel()]
+        .view_as(m)
+        .copy_(m)
+        for e, m in enumerate(w)
+    ]
+
+
+# Views of one allocation evenly spaced, in either order (a flat parameter buffer), take one
+# launch in all (reading expert e at e × spacing); other lists one launch per run of small
+# experts stacked together (up to STACK_BYTES) or per large expert.
 FORMS = {
     "packed": lambda w: w,
     "separate": lambda w: [m.clone() for m in w],
+    "apart": _apart,
     "views": lambda w: list(w.unbind(0)),
     "views reversed": lambda w: list(w.flip(0).contiguous().unbind(0))[::-1],
     "views every other": lambda w: list(torch.stack([w, torch.zeros_like(w)], dim=1)[:, 0]),

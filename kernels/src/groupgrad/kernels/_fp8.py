@@ -247,11 +247,9 @@ def segment_offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tenso
     row of ``t``, data column (16-aligned) and scale row. Device splits: device math only."""
     if isinstance(splits, Tensor):
         sizes = splits.to(device=device, dtype=torch.int64)
-        zero = sizes.new_zeros(1)
         seg = (sizes + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-        row, seg, block = (
-            torch.cat([zero, s.cumsum(0)]) for s in (sizes, seg, (sizes + 127) // 128)
-        )
+        counts = torch.stack([sizes, seg, (sizes + 127) // 128])
+        row, seg, block = torch.nn.functional.pad(counts.cumsum(1), (1, 0)).unbind(0)
         return row, seg, block
     counts = [int(n) for n in splits]
     table = [

@@ -248,8 +248,8 @@ def segment_offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tenso
     if isinstance(splits, Tensor):
         sizes = splits.to(device=device, dtype=torch.int64)
         seg = (sizes + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-        counts = torch.stack([sizes, seg, (sizes + 127) // 128])
-        row, seg, block = torch.nn.functional.pad(counts.cumsum(1), (1, 0)).unbind(0)
+        per_expert = torch.stack([sizes, seg, (sizes + 127) // 128])
+        row, seg, block = torch.nn.functional.pad(per_expert.cumsum(1), (1, 0)).unbind(0)
         return row, seg, block
     counts = [int(n) for n in splits]
     table = [

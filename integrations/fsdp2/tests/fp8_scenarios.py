@@ -1,7 +1,7 @@
 """The FP8 FSDP2 scenarios and their checks, shared by the gloo (CPU) and NCCL (GPU) runs.
 
 ``SHAPE``: a one-block model, hidden and expert width 128 (the FP8 blocks'
-size). :func:`scenarios` lists ``GroupedMLP`` and two ``GroupedLinear``,
+size). :func:`fp8_scenarios` lists ``GroupedMLP`` and two ``GroupedLinear``,
 per-expert and packed, fp32 and bf16 compute, resharding on and off, a DCP
 round trip, and the ``"stale"`` caching habit (``fsdp2_worker.first_microbatch``).
 """

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -197,17 +198,9 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     data = torch.empty(E, N, K, dtype=E4M3, device=device)
     data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
     scales = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=device)
-    spacing = _even_spacing(weights)
-    if spacing is not None:  # (weight, first expert, experts, elements from one to the next)
-        launches = [(weights[0], 0, E, spacing)]
-    else:
-        launches, first = [], 0
-        for group in _small_runs(weights):
-            stacked = group[0] if len(group) == 1 else torch.cat(group)
-            launches.append((stacked, first, stacked.shape[0], N * K))
-            first += stacked.shape[0]
+    first = 0
     with _on_device(weights[0]):
-        for w, first, count, expert_stride in launches:
+        for w, count, expert_stride in _launches(weights):
             if count and N and K:
                 _weights_kernel[(K // 128, N // 128, count)](
                     w,
@@ -219,7 +212,23 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
                     expert_stride,
                     num_warps=8,
                 )
+            first += count
     return data, data_t, scales
+
+
+def _launches(weights: list[Tensor]) -> Iterator[tuple[Tensor, int, int]]:
+    """``(weight, experts, elements from one expert's start to the next)`` per launch.
+
+    Made one at a time, so a stacked run's copy is freed after its launch.
+    """
+    N, K = weights[0].shape[1:]
+    spacing = _even_spacing(weights)
+    if spacing is not None:
+        yield weights[0], sum(w.shape[0] for w in weights), spacing
+        return
+    for run in _small_runs(weights):
+        w = run[0] if len(run) == 1 else torch.cat(run)
+        yield w, w.shape[0], N * K
 
 
 def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:

@@ -246,10 +246,14 @@ def segment_offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tenso
     """``(row, seg, block)`` offsets, ``(E + 1,)`` int64 on ``device``: each expert's first
     row of ``t``, data column (16-aligned) and scale row. Device splits: device math only."""
     if isinstance(splits, Tensor):
+        # Three cumsums and cats, not one cumsum of a stacked (3, E) table: torch 2.11's
+        # Inductor fails to lower a searchsorted over a row of that table (DEVICE_RUNS 82).
         sizes = splits.to(device=device, dtype=torch.int64)
+        zero = sizes.new_zeros(1)
         seg = (sizes + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-        per_expert = torch.stack([sizes, seg, (sizes + 127) // 128])
-        row, seg, block = torch.nn.functional.pad(per_expert.cumsum(1), (1, 0)).unbind(0)
+        row, seg, block = (
+            torch.cat([zero, s.cumsum(0)]) for s in (sizes, seg, (sizes + 127) // 128)
+        )
         return row, seg, block
     counts = [int(n) for n in splits]
     table = [

@@ -219,7 +219,7 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 def _launches(weights: list[Tensor]) -> Iterator[tuple[Tensor, int, int]]:
     """``(weight, experts, elements from one expert's start to the next)`` per launch.
 
-    Made one at a time, so a stacked run's copy is freed after its launch.
+    Made one at a time, so a stacked run's copy is freed once the next one is made.
     """
     N, K = weights[0].shape[1:]
     spacing = _even_spacing(weights)

@@ -322,7 +322,7 @@ def _installed_already(
 
 @nox.session(python=PYTHON_VERSIONS)
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks (kernels, fp8_gemm, mlp, fp8_mlp, fidelity_fp8, megatron_moe, hf_moe, hf_moe_fsdp): JSON + PNG in benchmarks/results/."""
+    """GPU benchmarks (kernels, fp8_gemm, mlp, fp8_mlp, profile_fp8_step, fidelity_fp8, megatron_moe, hf_moe, hf_moe_fsdp): JSON + PNG in benchmarks/results/."""
     reason = _host_cuda_reason()
     if reason is not None:
         session.skip(f"bench needs a CUDA device: {reason}")
@@ -333,6 +333,7 @@ def bench(session: nox.Session) -> None:
         "fp8_gemm": "benchmarks/bench_fp8_gemm.py",
         "mlp": "benchmarks/bench_mlp.py",
         "fp8_mlp": "benchmarks/bench_fp8_mlp.py",
+        "profile_fp8_step": "benchmarks/profile_fp8_step.py",
         "fidelity_fp8": "benchmarks/fidelity_fp8.py",
         "megatron_moe": "benchmarks/bench_megatron_moe.py",
         "hf_moe": "benchmarks/bench_hf_moe.py",

@@ -2,7 +2,9 @@
 
 Target (the FP8 kernels issue): (bytes read + written, scales included) / time
 >= 0.70 x the copy rate for tensors of >= 16k rows, both forms from one read.
-Prints each case's share of the copy rate and writes JSON with ``--json``.
+Prints each case's share of the copy rate and writes JSON with ``--json``; also
+the time per call of 128 one-expert weights packed, as views of one buffer
+and in allocations apart (:func:`weight_lists`).
 Usage: ``python benchmarks/bench_fp8_quant.py [--json PATH]``.
 
 Legend: ``T`` tokens, ``C`` channels, ``E`` experts.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,9 +72,38 @@ def main(argv: list[str] | None = None) -> int:
         seconds = _seconds(fn)
         report[name] = {"ms": seconds * 1e3, "share_of_copy": moved / seconds / copy}
         print(f"{name:14s} {seconds * 1e3:8.3f} ms  {report[name]['share_of_copy']:.2f} x copy")
+    report["weight_lists"] = weight_lists()
     if args.json is not None:
         args.json.write_text(json.dumps({"copy_TBps": copy / 1e12, **report}, indent=1))
     return 0
+
+
+def weight_lists(E: int = 128, shapes: tuple[tuple[int, int], ...] = ((1536, 2048), (2048, 768))):
+    """ms per call (issued from an idle GPU, until done) of E one-expert weights, by layout.
+
+    ``packed``: one ``(E, N, K)`` tensor; ``views``: its ``E`` views (evenly
+    spaced: one launch); ``apart``: each in an allocation of its own (runs of
+    small experts stacked per launch). Qwen3-30B-A3B's experts are the default.
+    """
+    found: dict[str, float] = {}
+    for N, K in shapes:
+        w = torch.randn(E, N, K, device="cuda").bfloat16()
+        apart = [
+            torch.empty(N * K + 4096 * e, dtype=w.dtype, device="cuda")[: N * K].view(N, K).copy_(m)
+            for e, m in enumerate(w)
+        ]
+        forms = {"packed": w, "views": list(w.unbind(0)), "apart": apart}
+        for name, source in forms.items():
+            times = []
+            for _ in range(6):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                quantize_fp8(source, block=(128, 128))
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            found[f"E={E} {N}x{K} {name}"] = statistics.median(times[1:])
+            print(f"weights E={E} ({N}, {K}) {name:7s} {found[f'E={E} {N}x{K} {name}']:8.3f} ms")
+    return found
 
 
 if __name__ == "__main__":

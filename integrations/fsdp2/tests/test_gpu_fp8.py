@@ -8,10 +8,10 @@ kernels and the quantizers Triton's. Checked against the single-process
 replay run on the same GPU (the same kernels on the same operands, weights
 quantized afresh at every forward, each step from the rank's weights of the
 step before: ``fp8_replay.replay``'s ``restart_from``) to 1e-5 of each
-tensor's maximum; the
-expert gradients differ from an unquantized fp64 replay by FP8's error; and
-the gradients FSDP2 hands the optimizer are fp32 with under 5 % of the
-experts' elements exactly bf16 (one rank reduce-scatters nothing).
+tensor's maximum; the expert gradients differ from an unquantized fp64
+replay by FP8's error; and the gradients FSDP2 hands the optimizer are fp32
+with under 5 % of the experts' elements exactly bf16 (one rank
+reduce-scatters nothing).
 """
 
 from __future__ import annotations

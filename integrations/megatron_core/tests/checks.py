@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from groupgrad_testsupport import assert_as_close_as_torch, assert_within_scale, max_abs_error
@@ -79,8 +80,6 @@ def assert_fp8_step_requantizes(result: dict[str, Any]) -> None:
     FP8 weight after ``DistributedOptimizer.step()``, which writes the weights
     without moving their version).
     """
-    import torch
-
     assert result["steps_ok"] == [True, True]
     assert result["flags"] == [True, False, True, False]  # cached within a step, then refreshed
     assert result["weights_moved"], "the optimizer step left the expert weights unchanged"
@@ -93,8 +92,6 @@ def assert_fp8_step_requantizes(result: dict[str, Any]) -> None:
 
 def assert_first_and_last_layers_bf16(result: dict[str, Any]) -> None:
     """``fp8_worker``'s ``bf16_layers``: layers 1 and 3 equal a bf16 ``GroupedMLP``, layer 2 an FP8 one."""
-    import torch
-
     for number, recipe in [(1, "None"), (2, "blockwise"), (3, "None")]:
         other = "blockwise" if recipe == "None" else "None"
         assert torch.equal(result[f"layer{number}"], result[f"layer{number}-{recipe}"]), number

@@ -155,18 +155,22 @@ def bench_case(case: bench_mlp.Case, device: torch.device, rounds: int, per_roun
     return row
 
 
-def host_ms(step: Callable[[int], torch.Tensor], device: torch.device, reps: int = 5) -> float:
+def host_ms(step: Callable[[int], object], device: torch.device, reps: int = 5) -> float:
     """Median wall time to issue one step from an idle GPU (no sync inside): the host's share.
 
     A step whose ``host_ms`` is near its CUDA-event time waits on the host, not the GPU.
+    On the CPU (smoke runs) it is the step's whole time.
     """
+    cuda = device.type == "cuda"
     times = []
     for i in range(reps):
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         step(i % bench_mlp.N_SETS)
         times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
     return statistics.median(times)
 
 

@@ -26,14 +26,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_fp8_mlp
 import bench_mlp
+import results_files
 
 from groupgrad.modules import GroupedMLP
 
@@ -83,18 +84,6 @@ def step_ms(step: Callable[[int], None], device: torch.device, reps: int = 10) -
     return statistics.median(times)
 
 
-def host_ms(step: Callable[[int], None], device: torch.device, reps: int = 5) -> float:
-    """Median wall time to issue one step from an idle device."""
-    times = []
-    for i in range(reps):
-        _sync(device)
-        started = time.perf_counter()
-        step(i % bench_mlp.N_SETS)
-        times.append((time.perf_counter() - started) * 1e3)
-    _sync(device)
-    return statistics.median(times)
-
-
 def profile(step: Callable[[int], None], device: torch.device, top: int) -> dict:
     """Kernels one step runs and its operators with the most self CPU time (µs)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -124,7 +113,7 @@ def run(case: bench_mlp.Case, device: torch.device, top: int) -> dict[str, dict]
         step = make_step(case, mlp, flag)
         rows[name] = {
             "step_ms": step_ms(step, device),
-            "host_ms": host_ms(step, device),
+            "host_ms": bench_fp8_mlp.host_ms(step, device),
             **profile(step, device, top),
         }
         del mlp, step
@@ -169,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = "profile_fp8_step_" + gpu.lower().replace("nvidia ", "").replace(" ", "_")
-        stem += "_smoke" if args.quick else ""
+        stem = results_files.gpu_stem("profile_fp8_step_", gpu) + ("_smoke" if args.quick else "")
         result = {"gpu": gpu, "torch": torch.__version__, "config": [E, H, F_, T], "rows": rows}
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out / f'{stem}.json'}")

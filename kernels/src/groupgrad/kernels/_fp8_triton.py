@@ -89,9 +89,10 @@ def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K, expert_stride
     n = (n_block * 128 + tl.arange(0, 128)).to(tl.int64)
     k = (k_block * 128 + tl.arange(0, 128)).to(tl.int64)
     base = e.to(tl.int64) * N * K
-    nk = base + n[:, None] * K + k[None, :]
+    tile = n[:, None] * K + k[None, :]
+    nk = base + tile
     # expert e's weight starts expert_stride * e elements after w_ptr's (negative: before it)
-    x = tl.load(w_ptr + (nk - base + e.to(tl.int64) * expert_stride)).to(tl.float32)
+    x = tl.load(w_ptr + e.to(tl.int64) * expert_stride + tile).to(tl.float32)
     amax_bits = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     scale, inverse, finite = _scale_rule(amax_bits)
     q = _e4m3(x, inverse, finite)

@@ -464,6 +464,57 @@ def test_torch_compile_fullgraph_traces_the_quantizer(splits_form: str) -> None:
         assert torch.equal(got, want)
 
 
+def _recording(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
+    """Each named custom op of ``module`` records its name when called, then runs."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(module, name)
+
+        def op(*args, _name=name, _real=real):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, op)
+    return calls
+
+
+def test_plain_eager_calls_skip_the_op_machinery_and_others_do_not(monkeypatch) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = _recording(monkeypatch, _fp8_ops, ("rows_op", "weights_op", "segments_op"))
+    x, w = _randn(300, 256, dtype=torch.bfloat16, seed=21), _randn(2, 128, 256, seed=22)
+    splits = torch.tensor([100, 0, 200])
+    got = [
+        quantize_fp8(x, block=(1, 128)),
+        quantize_fp8(w, block=(128, 128)),
+        *quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits),
+    ]
+    want = [
+        quantize_fp8_ref(x, block=(1, 128)),
+        quantize_fp8_ref(w, block=(128, 128)),
+        *quantize_fp8_ref(x, block=((1, 128), (128, 1)), splits=splits),
+    ]
+    for g, r in zip(got, want, strict=True):
+        assert torch.equal(g.data.view(torch.uint8), r.data.view(torch.uint8))
+        assert torch.equal(g.scales, r.scales)
+    assert calls == []  # plain eager: the kernels ran directly
+    quantize_fp8(x.requires_grad_(), block=(1, 128))  # autograd would record it: the op
+    with torch.no_grad():
+        quantize_fp8(x, block=(1, 128))  # grad mode off: directly again
+    with FakeTensorMode() as mode:  # a dispatch mode, and fake tensors: the op
+        quantize_fp8(mode.from_tensor(w), block=(128, 128))
+    assert calls == ["rows_op", "weights_op"]
+
+
+def test_direct_quantizer_calls_show_in_the_profiler_under_the_op_names() -> None:
+    x = _randn(300, 256, dtype=torch.bfloat16, seed=23)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        quantize_fp8(x, block=((1, 128), (128, 1)), splits=[100, 0, 200])
+        quantize_fp8(x[:256].reshape(2, 128, 256), block=(128, 128))
+    names = {event.name for event in prof.events()}
+    assert {"groupgrad::quantize_fp8_segments", "groupgrad::quantize_fp8_weights"} <= names
+
+
 def test_cuda_kernels_fall_back_to_the_reference_once_without_triton(monkeypatch, caplog) -> None:
     monkeypatch.setattr(_fp8_ops, "load_triton_kernels", lambda module: (None, "no triton here"))
     _fp8_ops.say_once.cache_clear()

@@ -231,3 +231,39 @@ def test_torch_compile_fullgraph_traces_both_ops(splits_form) -> None:
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(*args), step(*args), strict=True):
         assert torch.equal(got, want)
+
+
+def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:
+    calls: list[str] = []
+    for name in ("forward_op", "backward_op"):
+        real = getattr(_swiglu_fp8, name)
+
+        def op(*args, _name=name, _real=real):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(_swiglu_fp8, name, op)
+    h, probs, da = _h(), _probs(), _randn(T, F, seed=3)
+    h_rows, a_rows = swiglu_probs_fp8(h, probs)
+    got = swiglu_probs_backward_fp8(da, h_rows, probs, splits=torch.tensor(SPLITS))
+    assert calls == []  # plain eager: the kernels ran directly
+    want_h, want_a = swiglu_probs_fp8_ref(h, probs)
+    _same(h_rows, want_h)
+    _same(a_rows, want_a)
+    want = swiglu_probs_backward_fp8_ref(da, want_h, probs, splits=SPLITS)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, Fp8Blocks):
+            _same(g, w)
+        else:
+            assert torch.equal(g, w)
+    swiglu_probs_fp8(h, probs.requires_grad_())  # autograd would record it: the op
+    with torch.no_grad():
+        swiglu_probs_fp8(h, probs)  # grad mode off: directly again
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda da, h_rows: swiglu_probs_backward_fp8(da, h_rows, splits=SPLITS)[0].data,
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    compiled(da, h_rows)  # traced: the op
+    assert calls == ["forward_op", "backward_op"]

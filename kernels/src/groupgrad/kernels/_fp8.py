@@ -166,14 +166,17 @@ class Fp8Blocks:
 
 
 class _Impl(NamedTuple):
-    """One implementation of the three quantizers (the custom ops, or the reference)."""
+    """One implementation of the three quantizers (the custom ops, or the reference).
+
+    The ops' entry points run their kernels directly in plain eager code (``_fp8_ops``).
+    """
 
     rows: Callable[..., tuple[Tensor, Tensor]]
     weights: Callable[..., tuple[Tensor, Tensor, Tensor]]
     segments: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
-OPS = _Impl(_fp8_ops.rows_op, _fp8_ops.weights_op, _fp8_ops.segments_op)
+OPS = _Impl(_fp8_ops.rows, _fp8_ops.weights, _fp8_ops.segments)
 REFERENCE = _Impl(_fp8_ops.rows_ref, _fp8_ops.weights_ref, _fp8_ops.segments_ref)
 
 

@@ -20,7 +20,12 @@ Three custom ops — ``groupgrad::quantize_fp8_rows``, ``…_weights`` and
 — run the reference on every device but CUDA, where they run Triton (imported
 on the first CUDA call; without it, or before sm_89, the reference runs and
 says so once through ``logging``). Their fake kernels let
-``torch.compile(fullgraph=True)`` and CUDA graphs see them.
+``torch.compile(fullgraph=True)`` and CUDA graphs see them. In plain eager
+code :func:`rows`, :func:`weights` and :func:`segments` call the kernel of the
+input's device directly instead (:func:`direct_or_op`, the rule of
+``_ops.direct_call_ok``), as the GEMMs and the bf16 SwiGLU do: on the H200
+(torch 2.11) the op machinery cost more host time per call than the kernel's
+own launch (DEVICE_RUNS 84).
 """
 
 from __future__ import annotations
@@ -28,19 +33,26 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
+from groupgrad.kernels import _ops
+
 __all__ = [
+    "direct_or_op",
     "load_triton_kernels",
+    "rows",
     "rows_op",
     "say_once",
+    "segments",
     "segments_op",
     "token_map",
     "triton_for",
+    "weights",
     "weights_op",
 ]
 
@@ -49,6 +61,7 @@ logger = logging.getLogger(__name__)
 TRITON_MODULE = "groupgrad.kernels._fp8_triton"
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+_R = TypeVar("_R")
 
 
 # ---------------------------------------------------------------- reference
@@ -254,3 +267,46 @@ def _segments_cuda(
     kernels = triton_for(x)
     run = segments_ref if kernels is None else kernels.segments_triton
     return run(x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows)
+
+
+# ---------------------------------------------------------------- calls
+
+
+def direct_or_op(
+    name: str,
+    op: Callable[..., _R],
+    kernels: tuple[Callable[..., _R], Callable[..., _R]],
+    tensors: Sequence[Tensor | None],
+    *args: Any,
+) -> _R:
+    """``op(*args)``, or in plain eager code (``_ops.direct_call_ok`` on ``tensors``, the
+    first one's device deciding) its CUDA kernel ``kernels[0]`` or reference ``kernels[1]``
+    called directly, in a profiler range named ``name`` (the op's)."""
+    present = [t for t in tensors if t is not None]
+    if not _ops.direct_call_ok(present):
+        return op(*args)
+    kernel = kernels[0] if present[0].is_cuda else kernels[1]
+    return _ops.run_directly(name, kernel, *args)
+
+
+def rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`rows_op`, directly in plain eager code."""
+    return direct_or_op("groupgrad::quantize_fp8_rows", rows_op, (_rows_cuda, rows_ref), [x], x)
+
+
+def weights(members: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`weights_op`, directly in plain eager code."""
+    kernels = (_weights_cuda, weights_ref)
+    return direct_or_op("groupgrad::quantize_fp8_weights", weights_op, kernels, members, members)
+
+
+def segments(
+    x: Tensor, row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor,
+    num_blocks: int, padded_tokens: int, with_rows: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`segments_op`, directly in plain eager code."""
+    offsets = [row_offsets, seg_offsets, block_offsets]
+    return direct_or_op(
+        "groupgrad::quantize_fp8_segments", segments_op, (_segments_cuda, segments_ref),
+        [x, *offsets], x, *offsets, num_blocks, padded_tokens, with_rows,
+    )  # fmt: skip

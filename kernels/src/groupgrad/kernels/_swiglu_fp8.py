@@ -29,6 +29,10 @@ cannot be imported or the GPU predates sm_89, said once through
 their SwiGLU the same expressions, so they differ from the reference only
 where the fp32 ``sigmoid`` does (a rounding of ``a`` or ``dh`` at most one
 bf16 step apart) and in ``dprobs``' summation order.
+
+Custom ops ``groupgrad::swiglu_probs_fp8`` and ``…_backward_fp8`` (fake
+kernels for ``torch.compile``); plain eager calls run their kernels directly
+(``_fp8_ops.direct_or_op``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._fp8 import ROWS, SEGMENTS, Fp8Blocks, check_splits, segment_offsets
-from groupgrad.kernels._fp8_ops import rows_ref, segments_ref, triton_for
+from groupgrad.kernels._fp8_ops import direct_or_op, rows_ref, segments_ref, triton_for
 from groupgrad.kernels._swiglu import (
     check_probs,
     check_swiglu_args,
@@ -172,6 +176,21 @@ def _backward_cuda(da: Tensor, *args: Any) -> list[Tensor]:
     return backward_ref(da, *args) if kernels is None else kernels.backward_triton(da, *args)
 
 
+def _forward_call(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`forward_op`, directly in plain eager code (``_fp8_ops.direct_or_op``)."""
+    kernels = (_forward_cuda, forward_ref)
+    return direct_or_op("groupgrad::swiglu_probs_fp8", forward_op, kernels, [h, probs], h, probs)
+
+
+def _backward_call(da: Tensor, *args: Any) -> list[Tensor]:
+    """:func:`backward_op`, directly in plain eager code (``_fp8_ops.direct_or_op``)."""
+    tensors = [da, *(a for a in args if isinstance(a, Tensor))]
+    kernels = (_backward_cuda, backward_ref)
+    return direct_or_op(
+        "groupgrad::swiglu_probs_backward_fp8", backward_op, kernels, tensors, da, *args
+    )
+
+
 # ---------------------------------------------------------------- public entry points
 
 
@@ -218,7 +237,7 @@ def swiglu_probs_fp8(h_T2F: Tensor, probs_T: Tensor | None = None) -> tuple[Fp8B
         ValueError: ``h`` is not ``(T, 2F)`` with ``F`` a multiple of 128, or
             ``probs`` is not ``(T,)`` on ``h``'s device.
     """
-    return _forward(h_T2F, probs_T, forward_op)
+    return _forward(h_T2F, probs_T, _forward_call)
 
 
 def swiglu_probs_fp8_ref(
@@ -345,7 +364,7 @@ def swiglu_probs_backward_fp8(
             summing to ``T``.
     """
     forms = _check_flags(dh_rows=dh_rows, dh_tokens=dh_tokens, a_tokens=a_tokens)
-    return _backward(da_TF, h, probs_T, splits, forms, backward_op)
+    return _backward(da_TF, h, probs_T, splits, forms, _backward_call)
 
 
 def swiglu_probs_backward_fp8_ref(

@@ -127,6 +127,22 @@ def test_segments_match_the_reference_bit_for_bit(dtype, splits, splits_form, wi
         _same(g, w)
 
 
+@pytest.mark.parametrize("E", [1, 3, 300, 8192, 8193])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_device_offsets_in_one_launch_match_the_reference(E, dtype) -> None:
+    from groupgrad.kernels._fp8_ops import offsets, offsets_ref
+
+    gen = torch.Generator().manual_seed(E)
+    sizes = torch.randint(0, 300, (E,), generator=gen, dtype=dtype)
+    sizes[:: max(E // 3, 1)] = 0  # empty experts
+    sizes = sizes.cuda()
+    _poison()
+    got, want = offsets(sizes, 16), offsets_ref(sizes.cpu(), 16)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.int64
+        assert torch.equal(g.cpu(), w)
+
+
 def test_a_cuda_graph_replays_with_new_device_splits() -> None:
     T, C = 1000, 256
     x = _inputs(T, C, torch.bfloat16, seed=1)

@@ -245,19 +245,18 @@ def check_splits(splits: object, T: int, device: torch.device) -> int:
     return len(splits)
 
 
-def segment_offsets(splits: Splits, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def segment_offsets(
+    splits: Splits, device: torch.device, fused: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(row, seg, block)`` offsets, ``(E + 1,)`` int64 on ``device``: each expert's first
-    row of ``t``, data column (16-aligned) and scale row. Device splits: device math only."""
+    row of ``t``, data column (16-aligned) and scale row. Device splits: device math only,
+    ``fused`` in one kernel where it can (``_fp8_ops.offsets``; the ``*_ref`` twins keep
+    the reference's)."""
     if isinstance(splits, Tensor):
-        # Three cumsums and cats, not one cumsum of a stacked (3, E) table: torch 2.11's
-        # Inductor fails to lower a searchsorted over a row of that table (DEVICE_RUNS 82).
-        sizes = splits.to(device=device, dtype=torch.int64)
-        zero = sizes.new_zeros(1)
-        seg = (sizes + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-        row, seg, block = (
-            torch.cat([zero, s.cumsum(0)]) for s in (sizes, seg, (sizes + 127) // 128)
-        )
-        return row, seg, block
+        sizes = splits.to(device=device)
+        if fused:
+            return _fp8_ops.offsets(sizes, SEGMENT_ALIGN)
+        return _fp8_ops.offsets_ref(sizes, SEGMENT_ALIGN)
     counts = [int(n) for n in splits]
     table = [
         list(itertools.accumulate((f(n) for n in counts), initial=0))
@@ -323,7 +322,7 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
 
 def _tokens(x: Tensor, splits: Splits, with_rows: bool, impl: _Impl) -> dict[Block, Fp8Blocks]:
     T, E = x.shape[0], check_splits(splits, x.shape[0], x.device)
-    row, seg, block = segment_offsets(splits, x.device)
+    row, seg, block = segment_offsets(splits, x.device, fused=impl is OPS)
     num_blocks = -(-T // 128) + E
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     data, scales, row_data, row_scales = impl.segments(

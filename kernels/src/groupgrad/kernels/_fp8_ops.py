@@ -45,6 +45,8 @@ from groupgrad.kernels import _ops
 __all__ = [
     "direct_or_op",
     "load_triton_kernels",
+    "offsets",
+    "offsets_ref",
     "rows",
     "rows_op",
     "say_once",
@@ -108,6 +110,18 @@ def weights_ref(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     spread = (slice(None), slice(None), None, slice(None), None)
     data = _to_e4m3(blocks, inverse[spread], finite[spread]).reshape(E, N, K)
     return data, data.transpose(1, 2).contiguous(), scale
+
+
+def offsets_ref(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row, seg, block)``: 0, then the running sums of the ``(E,)`` token counts, of the
+    counts rounded up to ``align`` and of their 128-token blocks, ``(E + 1,)`` int64 each."""
+    # Three cumsums and cats, not one cumsum of a stacked (3, E) table: torch 2.11's
+    # Inductor fails to lower a searchsorted over a row of that table (DEVICE_RUNS 82).
+    sizes = sizes.to(torch.int64)
+    zero = sizes.new_zeros(1)
+    seg = (sizes + align - 1) // align * align
+    row, seg, block = (torch.cat([zero, s.cumsum(0)]) for s in (sizes, seg, (sizes + 127) // 128))
+    return row, seg, block
 
 
 class TokenMap(NamedTuple):
@@ -287,6 +301,17 @@ def direct_or_op(
         return op(*args)
     kernel = kernels[0] if present[0].is_cuda else kernels[1]
     return _ops.run_directly(name, kernel, *args)
+
+
+def offsets(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`offsets_ref`; for CUDA ``sizes`` in plain eager code one Triton launch instead
+    of about a dozen small ones (when Triton is there: else the reference, said once)."""
+    if sizes.is_cuda and _ops.direct_call_ok([sizes]):
+        kernels = triton_for(sizes)
+        found = None if kernels is None else kernels.offsets_triton(sizes, align)
+        if found is not None:
+            return found
+    return offsets_ref(sizes, align)
 
 
 def rows(x: Tensor) -> tuple[Tensor, Tensor]:

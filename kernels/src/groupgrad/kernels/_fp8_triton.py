@@ -37,12 +37,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["rows_triton", "segments_triton", "weights_triton"]
+__all__ = ["offsets_triton", "rows_triton", "segments_triton", "weights_triton"]
 
 E4M3 = torch.float8_e4m3fn
 ROWS_PER_PROGRAM = 64
 STACK_BYTES = 64 << 20  # small experts' weights stacked per launch, up to this many bytes
 SEGMENT_WARPS = 4  # measured on the H200: 0.40-0.45x the copy rate, 8 warps 0.29-0.37x
+MAX_OFFSETS_EXPERTS = 8192  # experts one program of the offsets kernel sums
 
 
 @triton.jit
@@ -168,9 +169,43 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
             )
 
 
+@triton.jit
+def _offsets_kernel(sizes_ptr, out_ptr, E, ALIGN: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The ``(3, E + 1)`` offsets table: 0, then running sums of the experts' token counts
+    (row 0), of the counts rounded up to ``ALIGN`` (row 1) and of their 128-token blocks (2)."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    n = tl.load(sizes_ptr + e, mask=ok, other=0).to(tl.int64)
+    zeros, first = tl.zeros([BLOCK_E], tl.int64), e < 1
+    width = E + 1
+    tl.store(out_ptr + e, zeros, mask=first)
+    tl.store(out_ptr + 1 + e, tl.cumsum(n, axis=0), mask=ok)
+    tl.store(out_ptr + width + e, zeros, mask=first)
+    tl.store(out_ptr + width + 1 + e, tl.cumsum((n + ALIGN - 1) // ALIGN * ALIGN, axis=0), mask=ok)
+    tl.store(out_ptr + 2 * width + e, zeros, mask=first)
+    tl.store(out_ptr + 2 * width + 1 + e, tl.cumsum((n + 127) // 128, axis=0), mask=ok)
+
+
 def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
     """Launch on ``t``'s GPU (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def offsets_triton(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Triton twin of ``_fp8_ops.offsets_ref`` in one launch (``None``: too many experts).
+
+    ``sizes``: ``(E,)`` int32/int64 non-negative token counts on a CUDA device.
+    """
+    E = sizes.shape[0]
+    if E > MAX_OFFSETS_EXPERTS:
+        return None
+    out = torch.empty(3, E + 1, dtype=torch.int64, device=sizes.device)
+    with _on_device(sizes):
+        _offsets_kernel[(1,)](
+            sizes.contiguous(), out, E, ALIGN=align, BLOCK_E=triton.next_power_of_2(max(E, 1))
+        )
+    row, seg, block = out.unbind(0)
+    return row, seg, block
 
 
 def rows_triton(x_TC: Tensor) -> tuple[Tensor, Tensor]:

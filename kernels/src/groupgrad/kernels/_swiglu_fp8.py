@@ -293,7 +293,7 @@ def _backward(
         raise ValueError(f"da is on {da_TF.device}, expected h's device {device}")
     check_probs(probs_T, T, device)
     E = check_splits(splits, T, device)
-    row, seg, block = segment_offsets(splits, device)
+    row, seg, block = segment_offsets(splits, device, fused=run is _backward_call)
     num_blocks, padded = -(-T // 128) + E, -(-(T + 15 * E) // 16) * 16
     probs = None if probs_T is None else probs_T.contiguous()
     da = da_TF.contiguous().to(h.dtype)

@@ -170,20 +170,21 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _offsets_kernel(sizes_ptr, out_ptr, E, ALIGN: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The ``(3, E + 1)`` offsets table: 0, then running sums of the experts' token counts
-    (row 0), of the counts rounded up to ``ALIGN`` (row 1) and of their 128-token blocks (2)."""
+def _offsets_kernel(  # type: ignore[no-untyped-def]
+    sizes_ptr, row_ptr, seg_ptr, block_ptr, E, ALIGN: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """0, then the running sums of the experts' token counts (``row``), of the counts
+    rounded up to ``ALIGN`` (``seg``) and of their 128-token blocks (``block``)."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     n = tl.load(sizes_ptr + e, mask=ok, other=0).to(tl.int64)
     zeros, first = tl.zeros([BLOCK_E], tl.int64), e < 1
-    width = E + 1
-    tl.store(out_ptr + e, zeros, mask=first)
-    tl.store(out_ptr + 1 + e, tl.cumsum(n, axis=0), mask=ok)
-    tl.store(out_ptr + width + e, zeros, mask=first)
-    tl.store(out_ptr + width + 1 + e, tl.cumsum((n + ALIGN - 1) // ALIGN * ALIGN, axis=0), mask=ok)
-    tl.store(out_ptr + 2 * width + e, zeros, mask=first)
-    tl.store(out_ptr + 2 * width + 1 + e, tl.cumsum((n + 127) // 128, axis=0), mask=ok)
+    tl.store(row_ptr + e, zeros, mask=first)
+    tl.store(row_ptr + 1 + e, tl.cumsum(n, axis=0), mask=ok)
+    tl.store(seg_ptr + e, zeros, mask=first)
+    tl.store(seg_ptr + 1 + e, tl.cumsum((n + ALIGN - 1) // ALIGN * ALIGN, axis=0), mask=ok)
+    tl.store(block_ptr + e, zeros, mask=first)
+    tl.store(block_ptr + 1 + e, tl.cumsum((n + 127) // 128, axis=0), mask=ok)
 
 
 def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
@@ -199,12 +200,14 @@ def offsets_triton(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor] |
     E = sizes.shape[0]
     if E > MAX_OFFSETS_EXPERTS:
         return None
-    out = torch.empty(3, E + 1, dtype=torch.int64, device=sizes.device)
+    # three tensors, not rows of one table: torch 2.11's Inductor fails to lower a
+    # searchsorted over a row of such a table (DEVICE_RUNS 82), should compiled code get them
+    row, seg, block = (torch.empty(E + 1, dtype=torch.int64, device=sizes.device) for _ in range(3))
     with _on_device(sizes):
         _offsets_kernel[(1,)](
-            sizes.contiguous(), out, E, ALIGN=align, BLOCK_E=triton.next_power_of_2(max(E, 1))
-        )
-    row, seg, block = out.unbind(0)
+            sizes.contiguous(), row, seg, block, E,
+            ALIGN=align, BLOCK_E=triton.next_power_of_2(max(E, 1)),
+        )  # fmt: skip
     return row, seg, block
 
 

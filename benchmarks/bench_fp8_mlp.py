@@ -53,7 +53,8 @@ VARIANTS = ("bf16", "fp8", "fp8_cached")
 FAMILIES = (  # (family, substrings of a kernel name), first match wins
     ("swiglu_fp8", ("swiglu_fp8",)),  # the fused FP8 SwiGLU (Triton), before "fp8" and "swiglu"
     ("fp8_gemm", ("fp8", "Fp8", "e4m3", "FP8")),
-    ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel")),  # the Triton quantizers
+    # the Triton quantizers and the offsets of their (128, 1) form
+    ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel", "_offsets_kernel")),
     ("gemm", ("cutlass", "gemm", "Gemm", "nvjet", "sm90")),
     ("swiglu", ("swiglu",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")),

@@ -156,7 +156,7 @@ def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep,
 
 
 @triton.jit
-def _backward_rows_kernel(  # type: ignore[no-untyped-def]
+def _swiglu_fp8_backward_rows_kernel(  # type: ignore[no-untyped-def]
     da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, dh_data_ptr, dh_scales_ptr, partial_ptr, T, F,
     HAS_PROBS: tl.constexpr, DH_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, SLICE: tl.constexpr,
 ):  # fmt: skip
@@ -178,7 +178,7 @@ def _backward_rows_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _backward_tokens_kernel(  # type: ignore[no-untyped-def]
+def _swiglu_fp8_backward_tokens_kernel(  # type: ignore[no-untyped-def]
     da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, row_offsets_ptr, seg_offsets_ptr,
     block_offsets_ptr, dht_data_ptr, dht_scales_ptr, at_data_ptr, at_scales_ptr,
     T, F, E, padded_tokens, num_blocks,
@@ -280,13 +280,13 @@ def backward_triton(
     has_probs, p = probs is not None, da if probs is None else probs
     with _on_device(da):
         if T and F and (dh_rows or has_probs):
-            _backward_rows_kernel[(triton.cdiv(T, ROW_BLOCK), F // 128)](
+            _swiglu_fp8_backward_rows_kernel[(triton.cdiv(T, ROW_BLOCK), F // 128)](
                 da, h_data, h_scales, p, *dh, partial, T, F,
                 HAS_PROBS=has_probs, DH_ROWS=dh_rows, BLOCK_T=ROW_BLOCK, SLICE=ROW_SLICE,
                 num_warps=ROW_WARPS,
             )  # fmt: skip
         if num_blocks and F and (dh_tokens or a_tokens):
-            _backward_tokens_kernel[(num_blocks * (F // TOKEN_CHANNELS),)](
+            _swiglu_fp8_backward_tokens_kernel[(num_blocks * (F // TOKEN_CHANNELS),)](
                 da, h_data, h_scales, p, row_offsets, seg_offsets, block_offsets, *dht, *at,
                 T, F, E, padded_tokens, num_blocks,
                 HAS_PROBS=has_probs, DH_TOKENS=dh_tokens, A_TOKENS=a_tokens,

@@ -464,6 +464,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(
+        "fp8-ops-direct-even-when-traced",
+        "the FP8 quantizers and SwiGLU call their kernels directly for fake tensors and under "
+        "tracing too (compiled code would lose the ops)",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "    if not _ops.direct_call_ok(present):\n        return op(*args)",
+        "    if not present:\n        return op(*args)",
+        (f"{KERNELS}/test_fp8_quant.py", f"{KERNELS}/test_swiglu_fp8.py"),
+    ),
+    Mutant(
+        "fp8-ops-never-direct",
+        "the FP8 quantizers and SwiGLU always go through torch.library's dispatch (its host cost "
+        "on every eager call)",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "    kernel = kernels[0] if present[0].is_cuda else kernels[1]\n    return _ops.run_directly(name, kernel, *args)",
+        "    return op(*args)",
+        (f"{KERNELS}/test_fp8_quant.py", f"{KERNELS}/test_swiglu_fp8.py"),
+    ),
+    Mutant(
         "fp8-scale-of-another-block",
         "the (128, 128) quantizer divides each weight tile by its neighbour's scale",
         "kernels/src/groupgrad/kernels/_fp8_ops.py",

@@ -10,6 +10,12 @@ as a user would write it; ``cfg["fp8"]`` makes the experts FP8
 (``fp8_recipe="blockwise"``). Which experts each token visits is data (the
 ``idx`` tensors), so every precision routes the same way; the router's
 softmax probability of each visit scales it, so the router trains too.
+With ``cfg["fp8"]`` the router and the head multiply in fp64 (rounded back
+to their dtype): in fp32 their matmuls' last bit depends on where the weights
+sit in memory (FSDP2's all-gather buffer on a rank, the model's own
+parameters in the single-process replay; seen on an AVX-512 CPU), and the
+FP8 quantizations downstream turn a one-ulp difference into a whole e4m3
+step, which the replay oracle would report as a mismatch of groupgrad's.
 
 :func:`reference_forward` computes the same function from a plain dict of
 parameters with ``torch.nn.functional`` only (a loop over experts), in any
@@ -31,6 +37,13 @@ from groupgrad.modules import GroupedLinear, GroupedMLP
 SHAPE = {"hidden": 16, "ffn": 8, "experts": 4, "top_k": 2, "tokens": 32, "blocks": 2}
 
 
+def _linear(layer: nn.Linear, x: Tensor, fp64: bool) -> Tensor:
+    """``layer(x)``, or with ``fp64`` the same product in fp64 rounded to ``x``'s dtype."""
+    if not fp64:
+        return layer(x)
+    return F.linear(x.double(), layer.weight.double(), layer.bias.double()).to(x.dtype)
+
+
 class MoEBlock(nn.Module):
     """Router + groupgrad experts (SwiGLU × router probability) + residual."""
 
@@ -44,6 +57,7 @@ class MoEBlock(nn.Module):
         }
         self.kind = cfg["module"]
         self.num_experts = E
+        self.fp64_dense = bool(cfg.get("fp8"))  # see the module docstring
         self.router = nn.Linear(H, E)
         if self.kind == "mlp":
             self.experts = GroupedMLP(E, H, F_, **options)
@@ -56,7 +70,8 @@ class MoEBlock(nn.Module):
     ) -> Tensor:
         T, k = idx_Tk.shape
         cache = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
-        probs_Tk = torch.softmax(self.router(x_TH).float(), dim=-1).gather(1, idx_Tk)
+        logits = _linear(self.router, x_TH, self.fp64_dense)
+        probs_Tk = torch.softmax(logits.float(), dim=-1).gather(1, idx_Tk)
         flat = idx_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
         splits = torch.bincount(flat, minlength=self.num_experts)
@@ -79,12 +94,13 @@ class MoEModel(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg["blocks"]))
         self.head = nn.Linear(cfg["hidden"], cfg["hidden"])
+        self.fp64_dense = bool(cfg.get("fp8"))  # see the module docstring
 
     def forward(self, x_TH: Tensor, idx: Tensor, is_first_microbatch: bool | None = None) -> Tensor:
         """``idx``: ``(blocks, T, k)`` expert ids; ``is_first_microbatch`` reaches the experts."""
         for block, idx_Tk in zip(self.blocks, idx.unbind(0), strict=True):
             x_TH = block(x_TH, idx_Tk, is_first_microbatch)
-        return self.head(x_TH)
+        return _linear(self.head, x_TH, self.fp64_dense)
 
 
 def build(cfg: Mapping[str, Any], device: torch.device | str = "cpu") -> MoEModel:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from groupgrad.kernels import Fp8Blocks, _fp8_ops, quantize_fp8, quantize_fp8_ref
+from groupgrad_testsupport.calls import record_calls
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 E4M3 = torch.float8_e4m3fn
@@ -464,24 +465,10 @@ def test_torch_compile_fullgraph_traces_the_quantizer(splits_form: str) -> None:
         assert torch.equal(got, want)
 
 
-def _recording(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
-    """Each named custom op of ``module`` records its name when called, then runs."""
-    calls: list[str] = []
-    for name in names:
-        real = getattr(module, name)
-
-        def op(*args, _name=name, _real=real):
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(module, name, op)
-    return calls
-
-
 def test_plain_eager_calls_skip_the_op_machinery_and_others_do_not(monkeypatch) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    calls = _recording(monkeypatch, _fp8_ops, ("rows_op", "weights_op", "segments_op"))
+    calls = record_calls(monkeypatch, _fp8_ops, ("rows_op", "weights_op", "segments_op"))
     x, w = _randn(300, 256, dtype=torch.bfloat16, seed=21), _randn(2, 128, 256, seed=22)
     splits = torch.tensor([100, 0, 200])
     got = [

@@ -24,6 +24,7 @@ from groupgrad.kernels import (
     swiglu_probs_ref,
 )
 from groupgrad.kernels._swiglu_tiles import block_f, tile
+from groupgrad_testsupport.calls import record_calls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -132,21 +133,7 @@ def test_public_entry_points_check_dtypes_and_devices(name, change, error, match
 
 
 def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:
-    calls: list[str] = []
-
-    def recording(name: str, real):
-        def op(*args):
-            calls.append(name)
-            return real(*args)
-
-        return op
-
-    monkeypatch.setattr(_swiglu, "swiglu_probs_op", recording("fwd", _swiglu.swiglu_probs_op))
-    monkeypatch.setattr(
-        _swiglu,
-        "swiglu_probs_backward_op",
-        recording("bwd", _swiglu.swiglu_probs_backward_op),
-    )
+    calls = record_calls(monkeypatch, _swiglu, ("swiglu_probs_op", "swiglu_probs_backward_op"))
     h, da, probs = _inputs(9, 12, torch.bfloat16, torch.float32)
     assert torch.equal(swiglu_probs(h, probs), swiglu_probs_ref(h, probs))
     swiglu_probs_backward(da, h, probs)
@@ -154,7 +141,7 @@ def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypa
     swiglu_probs(h.requires_grad_(), probs)  # autograd would record it: through the op
     with torch.no_grad():
         swiglu_probs_backward(da, h, probs)  # grad mode off: directly again
-    assert calls == ["fwd"]
+    assert calls == ["swiglu_probs_op"]
 
 
 def test_cuda_kernel_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog) -> None:

@@ -24,6 +24,7 @@ from groupgrad.kernels import (
     swiglu_probs_fp8_ref,
     swiglu_probs_ref,
 )
+from groupgrad_testsupport.calls import record_calls
 
 ROWS, TOKENS = (1, 128), (128, 1)
 SPLITS = [100, 0, 37, 163]  # an empty expert, segments not multiples of 16 or 128
@@ -234,15 +235,7 @@ def test_torch_compile_fullgraph_traces_both_ops(splits_form) -> None:
 
 
 def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:
-    calls: list[str] = []
-    for name in ("forward_op", "backward_op"):
-        real = getattr(_swiglu_fp8, name)
-
-        def op(*args, _name=name, _real=real):
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(_swiglu_fp8, name, op)
+    calls = record_calls(monkeypatch, _swiglu_fp8, ("forward_op", "backward_op"))
     h, probs, da = _h(), _probs(), _randn(T, F, seed=3)
     h_rows, a_rows = swiglu_probs_fp8(h, probs)
     got = swiglu_probs_backward_fp8(da, h_rows, probs, splits=torch.tensor(SPLITS))

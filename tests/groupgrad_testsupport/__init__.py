@@ -31,6 +31,8 @@ What is here:
 * :mod:`.cpu_streams` -- :func:`stub_streams`, CUDA streams and events that do
   nothing, for the Megatron suites' test-only CPU shims.
 * :mod:`.imports` -- :func:`load_sibling`, a helper module beside a test.
+* :mod:`.calls` -- :func:`record_calls`, which of a module's functions (its
+  custom ops) a block of code called.
 * :mod:`.offload` -- :func:`offloaded_saved_tensors`, what autograd saves in a
   block, copied out as an activation offloader would.
 * :mod:`.gemms` -- ``GEMMS``, the kernels' public grouped GEMMs and their
@@ -92,6 +94,7 @@ On GPUs mark the test ``@pytest.mark.gpu(2)`` and pass ``device="cuda"``
 from __future__ import annotations
 
 from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
+from groupgrad_testsupport.calls import record_calls
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
 from groupgrad_testsupport.launcher import LaunchError, Launches, launch, run_command, torchrun
@@ -145,6 +148,7 @@ __all__ = [
     "module_flags",
     "poison_",
     "poisoned",
+    "record_calls",
     "run_command",
     "run_worker",
     "torchrun",

@@ -121,23 +121,6 @@ def _swiglu_grads(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _column_scales(amax_bits, scales_ptr, offsets, WRITE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The ``(128, 1)`` scales of 128 columns (written where the form is asked for)."""
-    scale, inverse, finite = _scale_rule(amax_bits)
-    if WRITE:
-        tl.store(scales_ptr + offsets, scale)
-    return inverse, finite
-
-
-@triton.jit
-def _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_tokens):
-    """``x`` (``[tokens, 128]``) quantized by column into the token-contiguous ``(C, Tp)`` data."""
-    q = _e4m3(x, inverse[None, :], finite[None, :])
-    offsets = channels[None, :] * padded_tokens + columns[:, None]
-    tl.store(data_ptr + offsets, q, mask=keep[:, None])
-
-
-@triton.jit
 def _zero_tail(data_ptr, channels, start, padded_tokens, step, CH: tl.constexpr):  # type: ignore[no-untyped-def]
     """Zeros in ``channels`` (``CH`` of them) from column ``start`` on, every ``step``."""
     stop = start * 0 + padded_tokens
@@ -150,9 +133,13 @@ def _zero_tail(data_ptr, channels, start, padded_tokens, step, CH: tl.constexpr)
 
 @triton.jit
 def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep, padded_tokens):
-    """``x`` (``[128 tokens, channels]``): its column scales and token-contiguous data."""
-    inverse, finite = _column_scales(tl.max(_abs_bits(x), axis=0), scales_ptr, scale_offsets, True)
-    _store_tokens(x, inverse, finite, data_ptr, channels, columns, keep, padded_tokens)
+    """``x`` (``[128 tokens, channels]``) quantized by column: its ``(128, 1)`` scales, and
+    its data token-contiguous in the ``(C, Tp)`` form (the tokens ``keep`` says)."""
+    scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=0))
+    tl.store(scales_ptr + scale_offsets, scale)
+    q = _e4m3(x, inverse[None, :], finite[None, :])
+    offsets = channels[None, :] * padded_tokens + columns[:, None]
+    tl.store(data_ptr + offsets, q, mask=keep[:, None])
 
 
 @triton.jit

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,15 +125,9 @@ def weight_lists(E: int = 128, shapes: tuple[tuple[int, int], ...] = ((1536, 204
         ]
         forms = {"packed": w, "views": list(w.unbind(0)), "apart": apart}
         for name, source in forms.items():
-            times = []
-            for _ in range(6):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                quantize_fp8(source, block=(128, 128))
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
-            found[f"E={E} {N}x{K} {name}"] = statistics.median(times[1:])
-            print(f"weights E={E} ({N}, {K}) {name:7s} {found[f'E={E} {N}x{K} {name}']:8.3f} ms")
+            ms = 1e3 * _idle_seconds(lambda s=source: quantize_fp8(s, block=(128, 128)), repeats=5)
+            found[f"E={E} {N}x{K} {name}"] = ms
+            print(f"weights E={E} ({N}, {K}) {name:7s} {ms:8.3f} ms")
     return found
 
 

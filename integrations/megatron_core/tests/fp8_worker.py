@@ -92,15 +92,11 @@ def _config(num_layers: int = 1, **fp8: Any) -> Any:
 
 
 def _layer(config: Any, layer_number: int, device: torch.device) -> Any:
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from mcore_worker import build_from_spec  # a sibling: the worker's folder is sys.path[0]
 
     from groupgrad.integrations.megatron_core import get_moe_module_groupgrad_spec
 
-    spec = get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True)
-    if isinstance(spec, ModuleSpec):  # megatron-core 0.16
-        layer = build_module(spec, config=config)
-    else:  # 0.19: a builder
-        layer = spec(config=config, pg_collection=None)
+    layer = build_from_spec(get_moe_module_groupgrad_spec(EXPERTS, layer_numbers=True), config)
     layer.set_layer_number(layer_number)  # what Megatron's TransformerLayer does
     return layer.to(device)
 

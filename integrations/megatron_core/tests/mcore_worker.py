@@ -101,7 +101,6 @@ def make_config(sc: dict[str, Any], dtype: torch.dtype, **overrides: Any) -> Any
 def build_layer(backend: str, config: Any, device: str) -> Any:
     """A Megatron ``MoELayer`` with ``sequential`` (SequentialMLP), ``fused`` or ``unfused`` experts."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from groupgrad.integrations.megatron_core import get_moe_module_groupgrad_spec
 
@@ -111,11 +110,17 @@ def build_layer(backend: str, config: Any, device: str) -> Any:
         )
     else:
         spec = get_moe_module_groupgrad_spec(config.num_moe_experts, fused=backend == "fused")
+    return build_from_spec(spec, config).to(device)
+
+
+def build_from_spec(spec: Any, config: Any) -> Any:
+    """The module of an MoE spec: megatron-core 0.16's ``ModuleSpec`` through ``build_module``,
+    0.19's builder called."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
     if isinstance(spec, ModuleSpec):  # megatron-core 0.16
-        layer = build_module(spec, config=config)
-    else:  # 0.19: a builder
-        layer = spec(config=config, pg_collection=None)
-    return layer.to(device)
+        return build_module(spec, config=config)
+    return spec(config=config, pg_collection=None)  # 0.19: a builder
 
 
 def sequential_name(name: str) -> str:

@@ -54,6 +54,13 @@ CONFIGS = [  # (E, K, N, T): the bf16 table's (bench_kernels.CONFIGS)
 DEEPGEMM_WGRAD = [(E, N, K) for E in (4, 8, 16) for N, K in ((4096, 7168), (7168, 2048))]
 N_SETS = 2
 _SWEEP: dict[str, list[str]] = {}  # op -> FP8 tuning variants to time beside ours (--tuning)
+#: The shipped fp32 wgrad kernel that accumulates by loading C (it serves overwrites),
+#: timed beside the one that adds by TMA reduce-add (which serves accumulation).
+_LOADS_C = next(
+    v.name
+    for v in tuning.VARIANT_SETS["default"]
+    if v.name.startswith("fp8_wgrad_f32") and v.has_source
+)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -187,7 +194,7 @@ def bench_wgrad(E: int, N: int, K: int, splits: list[int], label: str, reps: int
         "fp8_listed": lambda i: grouped_wgrad(dy8[i], x8[i], dev, out=listed, accumulate=True),
         "bf16": lambda i: grouped_wgrad(dy[i], x[i], dev, out=main_grad, accumulate=True),
     }
-    for name in _SWEEP.get("wgrad", ()):
+    for name in (_LOADS_C, *_SWEEP.get("wgrad", ())):
         fns[f"sweep:{name}"] = lambda i, name=name: tuning.run_fp8_cutlass(
             "wgrad", dy8[i], x8[i], dev, main_grad, variant=name, accumulate=True
         )
@@ -260,6 +267,9 @@ def main() -> None:
         "--quick", action="store_true", help="uniform and heavy routing only, DeepGEMM's E = 4, 8"
     )
     parser.add_argument("--tuning", action="store_true", help="also time the FP8 tuning variants")
+    parser.add_argument(
+        "--ops", nargs="+", choices=("fprop", "dgrad", "wgrad"), default=["fprop", "dgrad", "wgrad"]
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm.py needs a CUDA GPU")
@@ -275,14 +285,17 @@ def main() -> None:
     for index, (E, K, N, T) in enumerate(CONFIGS):
         for kind in kinds:
             for op in ("fprop", "dgrad"):
-                rows.append(bench_rows(op, E, K, N, T, kind, args.reps, seed=index))
-                print(json.dumps(rows[-1]), flush=True)
+                if op in args.ops:
+                    rows.append(bench_rows(op, E, K, N, T, kind, args.reps, seed=index))
+                    print(json.dumps(rows[-1]), flush=True)
+            if "wgrad" not in args.ops:
+                continue
             splits = kt.splits_for(kind, T, E, index)
             rows.append(bench_wgrad(E, N, K, splits, kind, args.reps, 100 + index, rates))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     gen = torch.Generator().manual_seed(0)
-    for E, N, K in DEEPGEMM_WGRAD:
+    for E, N, K in DEEPGEMM_WGRAD if "wgrad" in args.ops else ():
         if args.quick and E == 16:
             continue
         for label in ("uniform 4096", "U[4096, 8192]"):

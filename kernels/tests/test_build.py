@@ -41,6 +41,28 @@ def test_an_explicit_epilogue_subtile_reaches_the_template_and_the_name() -> Non
     assert wide.name in wide.translation_unit()
 
 
+def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c() -> None:
+    from groupgrad.kernels import _cutlass
+
+    default = {v.name: v for v in tuning.VARIANT_SETS["default"]}
+    adding = default[_cutlass._fp8_variant("wgrad", torch.float32, accumulate=True)]
+    storing = default[_cutlass._fp8_variant("wgrad", torch.float32, accumulate=False)]
+    assert adding.adds
+    assert not adding.has_source
+    assert "<float, false, true, " in adding.translation_unit()
+    assert not storing.adds
+    assert storing.has_source
+    assert "<float, true, false, " in storing.translation_unit()
+    # a bf16 reduce-add would round the product to bf16 before adding: never compiled
+    bf16 = default[_cutlass._fp8_variant("wgrad", torch.bfloat16, accumulate=True)]
+    assert not bf16.adds
+    assert bf16.has_source
+    with pytest.raises(ValueError, match="only the fp32 wgrad adds"):
+        type(adding)("wgrad", "bf16", adds=True)
+    with pytest.raises(ValueError, match="only the fp32 wgrad adds"):
+        type(adding)("fprop", "f32", adds=True)
+
+
 def test_variant_names_are_unique_across_the_sets() -> None:
     names = [v.name for v in tuning.VARIANTS + tuning.TUNING_VARIANTS]
     assert len(names) == len(set(names))

@@ -22,6 +22,7 @@ from groupgrad.kernels import (
     grouped_fprop,
     grouped_wgrad,
     quantize_fp8,
+    tuning,
 )
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
@@ -124,6 +125,36 @@ def test_wgrad_into_fp32_main_grads_matches_fp64(name: str, accumulate: bool, pa
     rerun = before.clone() if packed else [before[e].clone() for e in range(E)]
     grouped_wgrad(dy8, x8, splits, out=rerun, accumulate=accumulate)
     assert torch.equal(rerun if packed else torch.stack(rerun), result)
+
+
+def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_bit() -> None:
+    """L2's fp32 add (TMA reduce-add) rounds as the epilogue's ``C + result`` does.
+
+    Expert 0's ``dy`` is zero, so its product is exactly zero: its subnormal
+    ``main_grad`` entries must come back unchanged (no flush to zero).
+    """
+    splits = SPLIT_SETS["skewed"]
+    T, E, N, K = sum(splits), len(splits), 256, 384
+    dev = torch.tensor(splits, device="cuda")
+    dy = _randn(T, N, seed=8)
+    dy[: splits[0]] = 0
+    dy8 = quantize_fp8(dy, block=SEGMENTS, splits=dev)
+    x8 = quantize_fp8(_randn(T, K, seed=9), block=SEGMENTS, splits=dev)
+    start = torch.randn(E, N, K, device="cuda")
+    start[0] = torch.randn(N, K, device="cuda") * 1e-40  # subnormal fp32
+    assert (start[0] != 0).any()
+    assert (start[0].abs() < torch.finfo(torch.float32).tiny).all()
+    loads_c = next(
+        v.name
+        for v in tuning.VARIANT_SETS["default"]
+        if v.name.startswith("fp8_wgrad_f32") and v.has_source
+    )
+    via_c = start.clone()
+    tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, via_c, variant=loads_c, accumulate=True)
+    via_add = grouped_wgrad(dy8, x8, dev, out=start.clone(), accumulate=True)
+    assert torch.equal(via_add[0], start[0])
+    assert torch.equal(via_add, via_c)
+    assert not torch.equal(via_add[1:], start[1:])
 
 
 def test_wgrad_into_bf16() -> None:

@@ -298,9 +298,13 @@ def wgrad(
 # the segments form (data (C, Tp), scales (NB, C)); csrc/fp8_setup.h has the details.
 
 _FP8_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-#: The compiled FP8 kernel of each (op, output dtype).
+#: The compiled FP8 kernel of each (op, output dtype), and of each one that adds
+#: to its output by TMA reduce-add (the fp32 wgrad's accumulating calls).
 _FP8_KERNELS: dict[tuple[str, torch.dtype], str] = {
-    (v.op, _FP8_DTYPES[v.dtype_out]): v.name for v in FP8_VARIANTS
+    (v.op, _FP8_DTYPES[v.dtype_out]): v.name for v in FP8_VARIANTS if not v.adds
+}
+_FP8_ADDING: dict[tuple[str, torch.dtype], str] = {
+    (v.op, _FP8_DTYPES[v.dtype_out]): v.name for v in FP8_VARIANTS if v.adds
 }
 
 
@@ -322,10 +326,12 @@ def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
     return f"no FP8 {op} kernel writes {out_dtype}"
 
 
-def _fp8_variant(op: str, out_dtype: torch.dtype) -> str:
+def _fp8_variant(op: str, out_dtype: torch.dtype, *, accumulate: bool = False) -> str:
     reason = fp8_unsupported_reason(op, out_dtype)
     if reason is not None:
         raise TypeError(reason)
+    if accumulate and (op, out_dtype) in _FP8_ADDING:
+        return _FP8_ADDING[(op, out_dtype)]
     return _FP8_KERNELS[(op, out_dtype)]
 
 
@@ -397,7 +403,9 @@ def fp8_wgrad(
     """``out[e] = dy_e.T @ x_e`` (``accumulate``: ``out[e] += ...``) from FP8 segments forms.
 
     Overwriting never reads ``out``; an expert with no tokens gets exact zeros
-    (overwrite) or is left untouched (accumulate).
+    (overwrite) or is left untouched (accumulate). Accumulating into fp32 runs
+    the kernel that adds by TMA reduce-add (``out`` is never loaded by the SMs;
+    L2 adds each fp32 result to it, the same rounding as ``out += result``).
 
     Args:
         dy_data: ``(N, Tp)`` ``torch.float8_e4m3fn``, expert e's tokens in columns
@@ -411,11 +419,12 @@ def fp8_wgrad(
         out: ``E`` row-major ``(N, K)`` tensors, or one ``(E, N, K)`` tensor in a
             list; float32 or bfloat16, one dtype, 16-byte aligned. Mutated.
         accumulate: add to ``out`` instead of overwriting it.
-        variant: as for :func:`fp8_fprop`.
+        variant: as for :func:`fp8_fprop`; a variant that adds (``Fp8Variant.adds``)
+            needs ``accumulate``.
     """
     if len(out) == 0:
         return
-    variant = variant or _fp8_variant("wgrad", out[0].dtype)
+    variant = variant or _fp8_variant("wgrad", out[0].dtype, accumulate=accumulate)
     _extension(variant).fp8_wgrad(
         dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant
     )

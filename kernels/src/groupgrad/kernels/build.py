@@ -172,6 +172,9 @@ class Fp8Variant:
         schedule: ``"coop"`` (cooperative) or ``"pong"`` (ping-pong warp groups).
         tile: CTA tile ``(M, N, K)``; K is the scales' 128-deep block.
         cluster: thread-block cluster ``(M, N)``.
+        adds: the wgrad's accumulating kernel: ``D += result`` by TMA
+            reduce-add (L2 adds, the epilogue never loads ``D``); fp32 only,
+            and it cannot overwrite.
     """
 
     op: str  # "fprop" | "dgrad" | "wgrad"
@@ -179,26 +182,33 @@ class Fp8Variant:
     schedule: str = "coop"
     tile: tuple[int, int, int] = (128, 128, 128)
     cluster: tuple[int, int] = (1, 2)
+    adds: bool = False
+
+    def __post_init__(self) -> None:
+        if self.adds and (self.op, self.dtype_out) != ("wgrad", "f32"):
+            raise ValueError(f"only the fp32 wgrad adds by TMA reduce-add, not {self}")
 
     @property
     def has_source(self) -> bool:
         """wgrad kernels carry a C operand (= D) so one kernel can accumulate or overwrite."""
-        return _FP8_OPS[self.op][0]
+        return _FP8_OPS[self.op][0] and not self.adds
 
     @property
     def name(self) -> str:
         m, n, k = self.tile
         cm, cn = self.cluster
-        return f"fp8_{self.op}_{self.dtype_out}_{self.schedule}_{m}x{n}x{k}_c{cm}x{cn}"
+        add = "_add" if self.adds else ""
+        return f"fp8_{self.op}_{self.dtype_out}{add}_{self.schedule}_{m}x{n}x{k}_c{cm}x{cn}"
 
     def translation_unit(self) -> str:
-        has_source, scale_n, sfb_mn_major = _FP8_OPS[self.op]
+        _, scale_n, sfb_mn_major = _FP8_OPS[self.op]
         m, n, k = self.tile
         cm, cn = self.cluster
         args = ", ".join(
             [
                 _CUTLASS_TYPES[self.dtype_out],
-                _cpp_bool(has_source),
+                _cpp_bool(self.has_source),
+                _cpp_bool(self.adds),
                 str(scale_n),
                 _cpp_bool(sfb_mn_major),
                 _cpp_bool(self.schedule == "pong"),
@@ -214,15 +224,19 @@ class Fp8Variant:
 
 
 #: The FP8 kernels every build compiles: cooperative 128 x 128 x 128 tiles, clusters
-#: of 1 x 2 (CUTLASS example 68's configuration), per op and output dtype.
-FP8_VARIANTS: tuple[Fp8Variant, ...] = tuple(
-    Fp8Variant(op, dout)
-    for op, outs in {
-        "fprop": ("bf16", "f16"),
-        "dgrad": ("bf16", "f16"),
-        "wgrad": ("f32", "bf16"),
-    }.items()
-    for dout in outs
+#: of 1 x 2 (CUTLASS example 68's configuration), per op and output dtype; the fp32
+#: wgrad also in the form that accumulates by TMA reduce-add.
+FP8_VARIANTS: tuple[Fp8Variant, ...] = (
+    *(
+        Fp8Variant(op, dout)
+        for op, outs in {
+            "fprop": ("bf16", "f16"),
+            "dgrad": ("bf16", "f16"),
+            "wgrad": ("f32", "bf16"),
+        }.items()
+        for dout in outs
+    ),
+    Fp8Variant("wgrad", "f32", adds=True),
 )
 
 #: Extra FP8 configurations compiled only on request, for the benchmark's sweep: ping-pong
@@ -233,6 +247,9 @@ FP8_TUNING_VARIANTS: tuple[Fp8Variant, ...] = (
     Fp8Variant("wgrad", "f32", "pong", (64, 128, 128), (1, 1)),
     Fp8Variant("wgrad", "f32", "coop", (128, 128, 128), (2, 1)),
     Fp8Variant("wgrad", "f32", "coop", (128, 128, 128), (1, 1)),
+    Fp8Variant("wgrad", "f32", "coop", (128, 128, 128), (2, 1), adds=True),
+    Fp8Variant("wgrad", "f32", "coop", (128, 128, 128), (1, 1), adds=True),
+    Fp8Variant("wgrad", "f32", "pong", (64, 128, 128), (1, 2), adds=True),
     Fp8Variant("fprop", "bf16", "pong", (64, 128, 128), (1, 2)),
     Fp8Variant("dgrad", "bf16", "pong", (64, 128, 128), (1, 2)),
 )

@@ -89,8 +89,10 @@ void run_fp8(const Fp8KernelVariant& variant, Fp8SetupParams setup, int groups,
              const std::vector<const char*>& listed_ptr, const std::vector<int64_t>& listed_ld,
              const at::Tensor& splits, const at::Tensor& anchor, bool accumulate,
              int64_t sfa_floats) {
-  TORCH_CHECK(!accumulate || variant.has_source, "groupgrad: variant ", variant.name,
-              " has no C operand and cannot accumulate");
+  TORCH_CHECK(!accumulate || variant.has_source || variant.adds_to_d, "groupgrad: variant ",
+              variant.name, " has no C operand and cannot accumulate");
+  TORCH_CHECK(accumulate || !variant.adds_to_d, "groupgrad: variant ", variant.name,
+              " adds to its output and cannot overwrite it");
   TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
                   splits.is_cuda() && splits.is_contiguous(),
               "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,

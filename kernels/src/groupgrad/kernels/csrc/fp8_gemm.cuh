@@ -52,21 +52,113 @@ static_assert(GROUPGRAD_FP8_CHECKED_CUTLASS,
               "re-check that CUTLASS's sm90 grouped blockwise-FP8 collective derives the "
               "scale layouts from the problem shape (fp8_gemm.cuh), then update this check");
 
+// TMA reduce-add as the epilogue's store (Config::kAddsToD). CUTLASS 4.2's
+// SM90_TMA_REDUCE_ADD traits lack the with(descriptor) that the ptr-array
+// epilogue calls to swap in each group's tensor map, so these two ops carry
+// the traits SM90_TMA_STORE has (same descriptor: the tensor map does not say
+// store or add) and issue cp.reduce.async.bulk.tensor ... .add instead: L2
+// adds the fp32 result to D, the epilogue never loads D.
+namespace groupgrad {
+struct TmaReduceAdd : cute::SM90_TMA_REDUCE_ADD {};
+struct TmaReduceAddPtr : cute::SM90_TMA_REDUCE_ADD {};
+
+// The builder's epilogue with its smem -> gmem op replaced by StoreOp.
+template <class Epilogue, class StoreOp>
+struct WithStoreOp;
+template <class Policy, class Tile, class EpiTile, class EC, class SC, class ED, class SD,
+          class Fusion, class G2S, class SmemC, class S2R, class S2G, class SmemD, class R2S,
+          class AtomC, class R2R, class StoreOp>
+struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<
+                       Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion, G2S, SmemC, S2R, S2G, SmemD,
+                       R2S, AtomC, R2R>,
+                   StoreOp> {
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion, G2S, SmemC, S2R, StoreOp, SmemD, R2S, AtomC,
+      R2R>;
+};
+}  // namespace groupgrad
+
+namespace cute {
+
+template <class NumBitsPerTMA>
+struct Copy_Traits<groupgrad::TmaReduceAddPtr, NumBitsPerTMA> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  TmaDescriptor const* tma_desc_;
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
+                                                     Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TS>::value, "Expected smem src for a TMA reduce-add");
+    auto dst_coord = dst.data().coord_;
+    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
+                                 make_tuple(static_cast<void const*>(traits.tma_desc_),
+                                            static_cast<void const*>(raw_pointer_cast(src.data()))),
+                                 seq<0, 1>{}, dst_coord, tuple_seq<decltype(dst_coord)>{});
+  }
+};
+
+template <class NumBitsPerTMA, class AuxParams_>
+struct Copy_Traits<groupgrad::TmaReduceAdd, NumBitsPerTMA, AuxParams_> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  TmaDescriptor tma_desc_;
+  using AuxParams = AuxParams_;
+  AuxParams aux_params_;
+
+  CUTE_HOST_DEVICE constexpr TmaDescriptor const* get_tma_descriptor() const { return &tma_desc_; }
+
+  template <class GShape>
+  CUTE_HOST_DEVICE constexpr auto get_tma_tensor(GShape const& g_shape) const {
+    static_assert(is_congruent<decltype(g_shape), decltype(aux_params_.g_stride_)>::value);
+    return make_coord_tensor(make_layout(g_shape, aux_params_.g_stride_));
+  }
+
+  // The same op on another group's tensor map (the ptr-array epilogue's per-group swap).
+  CUTE_HOST_DEVICE constexpr Copy_Traits<groupgrad::TmaReduceAddPtr, NumBitsPerTMA> with(
+      TmaDescriptor const* new_tma_desc) const {
+    return {new_tma_desc};
+  }
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
+                                                     Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    copy_unpack(Copy_Traits<groupgrad::TmaReduceAddPtr, NumBitsPerTMA>{&traits.tma_desc_}, src,
+                dst);
+  }
+};
+
+}  // namespace cute
+
 namespace groupgrad {
 
 // Compile-time description of one FP8 instantiation.
 //   ElementOut: D (and C when accumulating): bf16, fp16 or float
 //   HasSource: true -> a C operand aliasing D (beta 1 accumulates, beta 0
 //              overwrites and C is never loaded); false -> no C operand
+//   AddsToD: D is stored with TMA reduce-add (D += result, added in L2): no C
+//            operand, the kernel only accumulates (fp32 D)
 //   ScaleN: scale granularity along GEMM N (128: weights, 1: per channel);
 //           along M it is always 1 (per token or per channel), along K 128
 //   SfbMnMajor: SFB's packed matrix is N-block-major (else K-block-major);
 //           SFA is always M-major
-template <class ElementOut_, bool HasSource_, int ScaleN_, bool SfbMnMajor_, bool Pingpong_,
-          int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_>
+template <class ElementOut_, bool HasSource_, bool AddsToD_, int ScaleN_, bool SfbMnMajor_,
+          bool Pingpong_, int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_>
 struct Fp8GemmConfig {
   using ElementOut = ElementOut_;
   static constexpr bool kHasSource = HasSource_;
+  static constexpr bool kAddsToD = AddsToD_;
+  static_assert(!(HasSource_ && AddsToD_), "a reduce-add store reads no C operand");
+  static_assert(!AddsToD_ || std::is_same_v<ElementOut_, float>,
+                "TMA reduce-add of a 16-bit D would round the product before the add");
   static constexpr int kScaleN = ScaleN_;
   static constexpr bool kSfbMnMajor = SfbMnMajor_;
   static constexpr bool kPingpong = Pingpong_;
@@ -110,11 +202,14 @@ struct Fp8GroupedGemm {
   using FusionOp =
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC, ElementCompute>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementCompute, ElementC, LayoutD*, kAlignmentOut, ElementD, LayoutD*,
       kAlignmentOut, EpilogueSchedule, FusionOp>::CollectiveOp;
+  using CollectiveEpilogue =
+      std::conditional_t<Config::kAddsToD, typename WithStoreOp<BuiltEpilogue, TmaReduceAdd>::type,
+                         BuiltEpilogue>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn,
@@ -265,7 +360,8 @@ struct Fp8GroupedGemm {
   using NAME##_gemm = ::groupgrad::Fp8GroupedGemm<CONFIG>;                             \
   [[maybe_unused]] const bool NAME##_registered =                                      \
       ::groupgrad::register_fp8_variant(::groupgrad::Fp8KernelVariant{                 \
-          #NAME, CONFIG::kHasSource, sizeof(typename CONFIG::ElementOut),              \
+          #NAME, CONFIG::kHasSource, CONFIG::kAddsToD,                                \
+          sizeof(typename CONFIG::ElementOut),                                         \
           CONFIG::kScaleN, CONFIG::kSfbMnMajor, &NAME##_gemm::workspace_size,           \
           &NAME##_gemm::run});                                                          \
   }

@@ -66,6 +66,7 @@ struct Fp8GemmLaunch {
 struct Fp8KernelVariant {
   const char* name;
   bool has_source;
+  bool adds_to_d;     // D += result by TMA reduce-add (accumulates only, no C operand)
   int out_bytes;      // element size of D
   int scale_n;        // SFB granularity along GEMM N: 128 (weights) or 1 (channels)
   bool sfb_mn_major;  // SFB N-block-major (else K-block-major)

@@ -45,8 +45,16 @@ def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c()
     from groupgrad.kernels import _cutlass
 
     default = {v.name: v for v in tuning.VARIANT_SETS["default"]}
-    adding = default[_cutlass._fp8_variant("wgrad", torch.float32, accumulate=True)]
-    storing = default[_cutlass._fp8_variant("wgrad", torch.float32, accumulate=False)]
+    many = _cutlass.ADD_FROM_TOKENS_PER_EXPERT
+    adding = default[
+        _cutlass._fp8_variant("wgrad", torch.float32, accumulate=True, tokens_per_expert=many)
+    ]
+    storing = default[
+        _cutlass._fp8_variant("wgrad", torch.float32, accumulate=False, tokens_per_expert=many)
+    ]
+    # few tokens per expert: L2's read-modify-write is slower than the epilogue's load of C
+    few = _cutlass._fp8_variant("wgrad", torch.float32, accumulate=True, tokens_per_expert=many - 1)
+    assert few == storing.name
     assert adding.adds
     assert not adding.has_source
     assert "<float, false, true, " in adding.translation_unit()
@@ -54,7 +62,9 @@ def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c()
     assert storing.has_source
     assert "<float, true, false, " in storing.translation_unit()
     # a bf16 reduce-add would round the product to bf16 before adding: never compiled
-    bf16 = default[_cutlass._fp8_variant("wgrad", torch.bfloat16, accumulate=True)]
+    bf16 = default[
+        _cutlass._fp8_variant("wgrad", torch.bfloat16, accumulate=True, tokens_per_expert=many)
+    ]
     assert not bf16.adds
     assert bf16.has_source
     with pytest.raises(ValueError, match="only the fp32 wgrad adds"):

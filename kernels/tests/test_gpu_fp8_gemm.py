@@ -130,6 +130,9 @@ def test_wgrad_into_fp32_main_grads_matches_fp64(name: str, accumulate: bool, pa
 def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_bit() -> None:
     """L2's fp32 add (TMA reduce-add) rounds as the epilogue's ``C + result`` does.
 
+    (``grouped_wgrad`` picks the reduce-add kernel from 1024 tokens per expert:
+    the ``"ragged"`` splits of the test above.)
+
     Expert 0's ``dy`` is zero, so its product is exactly zero: its subnormal
     ``main_grad`` entries must come back unchanged (no flush to zero).
     """
@@ -144,14 +147,11 @@ def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_b
     start[0] = torch.randn(N, K, device="cuda") * 1e-40  # subnormal fp32
     assert (start[0] != 0).any()
     assert (start[0].abs() < torch.finfo(torch.float32).tiny).all()
-    loads_c = next(
-        v.name
-        for v in tuning.VARIANT_SETS["default"]
-        if v.name.startswith("fp8_wgrad_f32") and v.has_source
-    )
-    via_c = start.clone()
-    tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, via_c, variant=loads_c, accumulate=True)
-    via_add = grouped_wgrad(dy8, x8, dev, out=start.clone(), accumulate=True)
+    f32_wgrads = [v for v in tuning.VARIANT_SETS["default"] if v.name.startswith("fp8_wgrad_f32")]
+    via_c, via_add = start.clone(), start.clone()
+    for variant in f32_wgrads:
+        out = via_add if variant.adds else via_c
+        tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, out, variant=variant.name, accumulate=True)
     assert torch.equal(via_add[0], start[0])
     assert torch.equal(via_add, via_c)
     assert not torch.equal(via_add[1:], start[1:])

@@ -326,12 +326,23 @@ def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
     return f"no FP8 {op} kernel writes {out_dtype}"
 
 
-def _fp8_variant(op: str, out_dtype: torch.dtype, *, accumulate: bool = False) -> str:
+#: Mean tokens per expert from which an accumulating fp32 wgrad adds by TMA
+#: reduce-add. Measured on an H200 (DEVICE_RUNS run 90): at 2048–6300 tokens per
+#: expert it is 0.95–1.10× faster than loading C (the epilogue no longer waits
+#: for C); at 256–512 it is 0.72–0.91× (short tiles, the output's traffic is the
+#: step, and L2's read-modify-write moves it slower than loads and stores).
+ADD_FROM_TOKENS_PER_EXPERT = 1024
+
+
+def _fp8_variant(
+    op: str, out_dtype: torch.dtype, *, accumulate: bool = False, tokens_per_expert: float = 0.0
+) -> str:
     reason = fp8_unsupported_reason(op, out_dtype)
     if reason is not None:
         raise TypeError(reason)
-    if accumulate and (op, out_dtype) in _FP8_ADDING:
-        return _FP8_ADDING[(op, out_dtype)]
+    adding = _FP8_ADDING.get((op, out_dtype))
+    if accumulate and adding is not None and tokens_per_expert >= ADD_FROM_TOKENS_PER_EXPERT:
+        return adding
     return _FP8_KERNELS[(op, out_dtype)]
 
 
@@ -403,8 +414,9 @@ def fp8_wgrad(
     """``out[e] = dy_e.T @ x_e`` (``accumulate``: ``out[e] += ...``) from FP8 segments forms.
 
     Overwriting never reads ``out``; an expert with no tokens gets exact zeros
-    (overwrite) or is left untouched (accumulate). Accumulating into fp32 runs
-    the kernel that adds by TMA reduce-add (``out`` is never loaded by the SMs;
+    (overwrite) or is left untouched (accumulate). Accumulating into fp32 with
+    at least :data:`ADD_FROM_TOKENS_PER_EXPERT` tokens per expert on average
+    runs the kernel that adds by TMA reduce-add (the SMs never load ``out``;
     L2 adds each fp32 result to it, the same rounding as ``out += result``).
 
     Args:
@@ -424,7 +436,9 @@ def fp8_wgrad(
     """
     if len(out) == 0:
         return
-    variant = variant or _fp8_variant("wgrad", out[0].dtype, accumulate=accumulate)
+    variant = variant or _fp8_variant(
+        "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=tokens / len(out)
+    )
     _extension(variant).fp8_wgrad(
         dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant
     )

@@ -54,6 +54,9 @@ CONFIGS = [  # (E, K, N, T): the bf16 table's (bench_kernels.CONFIGS)
 DEEPGEMM_WGRAD = [(E, N, K) for E in (4, 8, 16) for N, K in ((4096, 7168), (7168, 2048))]
 N_SETS = 2
 _SWEEP: dict[str, list[str]] = {}  # op -> FP8 tuning variants to time beside ours (--tuning)
+#: Tile orders (max_swizzle, along N) timed for the shipped kernel (--orders); the ops run (1, M).
+ORDERS = [(1, True), (2, False), (4, False), (8, False), (2, True), (4, True), (8, True)]
+_ORDERS: list[tuple[int, bool]] = []
 #: The shipped fp32 wgrad kernel that accumulates by loading C (it serves overwrites),
 #: timed beside the one that adds by TMA reduce-add (which serves accumulation).
 _LOADS_C = next(
@@ -167,6 +170,13 @@ def bench_rows(op: str, E: int, K: int, N: int, T: int, kind: str, reps: int, se
         fns[f"sweep:{name}"] = lambda i, name=name: tuning.run_fp8_cutlass(
             op, a8[i], w8[i], dev, out, variant=name
         )
+    shipped = tuning.fp8_variant_for(op, torch.bfloat16)
+    for swizzle, along_n in _ORDERS:
+        fns[f"sweep:{shipped}_s{swizzle}{'n' if along_n else 'm'}"] = (
+            lambda i, s=swizzle, n=along_n: tuning.run_fp8_cutlass(
+                op, a8[i], w8[i], dev, out, variant=shipped, max_swizzle=s, raster_along_n=n
+            )
+        )
     if op == "fprop":
         want = grouped_fprop(a[0], w[0], dev)
         rowwise = _scaled_grouped_rowwise(a[0], w[0], splits, want)
@@ -198,6 +208,16 @@ def bench_wgrad(E: int, N: int, K: int, splits: list[int], label: str, reps: int
         fns[f"sweep:{name}"] = lambda i, name=name: tuning.run_fp8_cutlass(
             "wgrad", dy8[i], x8[i], dev, main_grad, variant=name, accumulate=True
         )
+    shipped = tuning.fp8_variant_for(
+        "wgrad", torch.float32, accumulate=True, tokens_per_expert=T / E
+    )
+    for swizzle, along_n in _ORDERS:
+        fns[f"sweep:{shipped}_s{swizzle}{'n' if along_n else 'm'}"] = (
+            lambda i, s=swizzle, n=along_n: tuning.run_fp8_cutlass(
+                "wgrad", dy8[i], x8[i], dev, main_grad, variant=shipped, accumulate=True,
+                max_swizzle=s, raster_along_n=n,
+            )
+        )  # fmt: skip
     # cuBLASLt per expert: its operands padded to 128 tokens (it needs whole blocks)
     starts = [sum(splits[:e]) for e in range(E)]
     per_expert = []
@@ -268,6 +288,9 @@ def main() -> None:
     )
     parser.add_argument("--tuning", action="store_true", help="also time the FP8 tuning variants")
     parser.add_argument(
+        "--orders", action="store_true", help="also time the shipped kernels in other tile orders"
+    )
+    parser.add_argument(
         "--ops", nargs="+", choices=("fprop", "dgrad", "wgrad"), default=["fprop", "dgrad", "wgrad"]
     )
     args = parser.parse_args()
@@ -278,6 +301,8 @@ def main() -> None:
         for v in tuning.VARIANT_SETS["tuning"]:
             if v.name.startswith("fp8_") and v.dtype_out in ("f32", "bf16"):
                 _SWEEP.setdefault(v.op, []).append(v.name)
+    if args.orders:
+        _ORDERS.extend(ORDERS)
     rates = {"copy_gbs": kt.copy_bandwidth_gbs(), "fp8_1x128_tflops": _dense_fp8_1x128_tflops()}
     print(f"ceilings: {rates}", flush=True)
     kinds = ("uniform", "heavy") if args.quick else kt.SPLIT_KINDS

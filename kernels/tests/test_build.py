@@ -42,18 +42,20 @@ def test_an_explicit_epilogue_subtile_reaches_the_template_and_the_name() -> Non
 
 
 def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c() -> None:
-    from groupgrad.kernels import _cutlass
+    from groupgrad.kernels import _cutlass  # the threshold
 
     default = {v.name: v for v in tuning.VARIANT_SETS["default"]}
     many = _cutlass.ADD_FROM_TOKENS_PER_EXPERT
     adding = default[
-        _cutlass._fp8_variant("wgrad", torch.float32, accumulate=True, tokens_per_expert=many)
+        tuning.fp8_variant_for("wgrad", torch.float32, accumulate=True, tokens_per_expert=many)
     ]
     storing = default[
-        _cutlass._fp8_variant("wgrad", torch.float32, accumulate=False, tokens_per_expert=many)
+        tuning.fp8_variant_for("wgrad", torch.float32, accumulate=False, tokens_per_expert=many)
     ]
     # few tokens per expert: L2's read-modify-write is slower than the epilogue's load of C
-    few = _cutlass._fp8_variant("wgrad", torch.float32, accumulate=True, tokens_per_expert=many - 1)
+    few = tuning.fp8_variant_for(
+        "wgrad", torch.float32, accumulate=True, tokens_per_expert=many - 1
+    )
     assert few == storing.name
     assert adding.adds
     assert not adding.has_source
@@ -63,7 +65,7 @@ def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c()
     assert "<float, true, false, " in storing.translation_unit()
     # a bf16 reduce-add would round the product to bf16 before adding: never compiled
     bf16 = default[
-        _cutlass._fp8_variant("wgrad", torch.bfloat16, accumulate=True, tokens_per_expert=many)
+        tuning.fp8_variant_for("wgrad", torch.bfloat16, accumulate=True, tokens_per_expert=many)
     ]
     assert not bf16.adds
     assert bf16.has_source

@@ -157,6 +157,38 @@ def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_b
     assert not torch.equal(via_add[1:], start[1:])
 
 
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
+def test_every_tile_order_gives_the_same_bits(op: str) -> None:
+    """The scheduler's swizzle and raster order move tiles between CTAs, never change them."""
+    splits = SPLIT_SETS["ragged"]
+    T, E, N, K = sum(splits), len(splits), 384, 256
+    dev = torch.tensor(splits, device="cuda")
+    if op == "wgrad":
+        a = quantize_fp8(_randn(T, N, seed=10), block=SEGMENTS, splits=dev)
+        b = quantize_fp8(_randn(T, K, seed=11), block=SEGMENTS, splits=dev)
+        variant = tuning.fp8_variant_for(
+            op, torch.float32, accumulate=True, tokens_per_expert=T / E
+        )
+        start = torch.randn(E, N, K, device="cuda")
+    else:
+        a = quantize_fp8(_randn(T, K if op == "fprop" else N, seed=10), block=ROWS)
+        b = quantize_fp8(_randn(E, N, K, seed=11, scale=0.05), block=WEIGHTS)
+        variant = tuning.fp8_variant_for(op, torch.bfloat16)
+        start = torch.zeros(T, N if op == "fprop" else K, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for swizzle, along_n in [(1, False), (8, True), (2, False), (4, True)]:
+        out = start.clone()
+        tuning.run_fp8_cutlass(
+            op, a, b, dev, out, variant=variant, accumulate=op == "wgrad", max_swizzle=swizzle,
+            raster_along_n=along_n,
+        )  # fmt: skip
+        results.append(out)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert not torch.equal(results[0], start)
+    with pytest.raises(RuntimeError, match="max_swizzle is 3, expected 1, 2, 4 or 8"):
+        tuning.run_fp8_cutlass(op, a, b, dev, start.clone(), variant=variant, max_swizzle=3)
+
+
 def test_wgrad_into_bf16() -> None:
     splits = SPLIT_SETS["ragged"]
     T, N, K = sum(splits), 256, 384

@@ -355,6 +355,8 @@ def fp8_fprop(
     out: torch.Tensor,
     *,
     variant: str | None = None,
+    max_swizzle: int = 1,
+    raster_along_n: bool = False,
 ) -> None:
     """``out[rows of e] = x_e @ w_e.T`` from FP8 operands for every expert e (writes ``out``).
 
@@ -368,9 +370,13 @@ def fp8_fprop(
             ``splits_E.sum()`` are not written).
         variant: the FP8 variant's name (compiled, for this op and ``out``'s
             dtype); ``None``: the default set's.
+        max_swizzle, raster_along_n: the persistent scheduler's tile order
+            (as a bf16 :class:`Plan`'s; 1 and along M by default).
     """
     variant = variant or _fp8_variant("fprop", out.dtype)
-    _extension(variant).fp8_fprop(x_data, x_scales, w_data, w_scales, splits_E, out, variant)
+    _extension(variant).fp8_fprop(
+        x_data, x_scales, w_data, w_scales, splits_E, out, variant, max_swizzle, raster_along_n
+    )
 
 
 def fp8_dgrad(
@@ -382,6 +388,8 @@ def fp8_dgrad(
     out: torch.Tensor,
     *,
     variant: str | None = None,
+    max_swizzle: int = 1,
+    raster_along_n: bool = False,
 ) -> None:
     """``out[rows of e] = dy_e @ w_e`` from FP8 operands for every expert e (writes ``out``).
 
@@ -393,10 +401,12 @@ def fp8_dgrad(
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
         out: ``(T, K)`` bfloat16 or float16, contiguous; overwritten (rows past
             ``splits_E.sum()`` are not written).
-        variant: as for :func:`fp8_fprop`.
+        variant, max_swizzle, raster_along_n: as for :func:`fp8_fprop`.
     """
     variant = variant or _fp8_variant("dgrad", out.dtype)
-    _extension(variant).fp8_dgrad(dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant)
+    _extension(variant).fp8_dgrad(
+        dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant, max_swizzle, raster_along_n
+    )
 
 
 def fp8_wgrad(
@@ -410,6 +420,8 @@ def fp8_wgrad(
     accumulate: bool,
     *,
     variant: str | None = None,
+    max_swizzle: int = 1,
+    raster_along_n: bool = False,
 ) -> None:
     """``out[e] = dy_e.T @ x_e`` (``accumulate``: ``out[e] += ...``) from FP8 segments forms.
 
@@ -433,6 +445,7 @@ def fp8_wgrad(
         accumulate: add to ``out`` instead of overwriting it.
         variant: as for :func:`fp8_fprop`; a variant that adds (``Fp8Variant.adds``)
             needs ``accumulate``.
+        max_swizzle, raster_along_n: as for :func:`fp8_fprop`.
     """
     if len(out) == 0:
         return
@@ -440,5 +453,6 @@ def fp8_wgrad(
         "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=tokens / len(out)
     )
     _extension(variant).fp8_wgrad(
-        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant
-    )
+        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant,
+        max_swizzle, raster_along_n,
+    )  # fmt: skip

@@ -17,7 +17,9 @@ machinery for measuring and tuning it, so benchmarks need no private module:
   (:data:`LARGE_GROUP_ROWS` is its threshold); :func:`run_cutlass`
   launches a CUTLASS kernel with any plan, skipping validation and fallback;
   :func:`run_fp8_cutlass` launches a named FP8 variant (the tuning set's FP8
-  configurations, ``Fp8Variant`` in ``groupgrad.kernels.build``) likewise.
+  configurations, ``Fp8Variant`` in ``groupgrad.kernels.build``) likewise,
+  in any tile order; :func:`fp8_variant_for` names the FP8 kernel the
+  public functions choose.
 * **Fallbacks** — :func:`fallback_reason` says why a call would run on the
   reference path; :func:`triton_unavailable_reason` loads the Triton SwiGLU
   kernels and says why they cannot run, if they cannot.
@@ -67,6 +69,7 @@ __all__ = [
     "build",
     "compiled_variants",
     "fallback_reason",
+    "fp8_variant_for",
     "host_stages",
     "plan_for",
     "run_cutlass",
@@ -145,6 +148,27 @@ def run_cutlass(
         _cutlass.dgrad(a, op_form(b), splits, cast(Tensor, out), plan=plan)
 
 
+def fp8_variant_for(
+    op: Op, out_dtype: torch.dtype, *, accumulate: bool = False, tokens_per_expert: float = 0.0
+) -> str:
+    """The default set's FP8 kernel that ``grouped_<op>`` runs for this call.
+
+    Args:
+        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        out_dtype: the output's dtype.
+        accumulate: wgrad only: the call adds into ``out``.
+        tokens_per_expert: wgrad only: ``T / E`` of the call (an accumulating
+            fp32 wgrad adds by TMA reduce-add from
+            ``_cutlass.ADD_FROM_TOKENS_PER_EXPERT`` tokens per expert).
+
+    Raises:
+        TypeError: No FP8 kernel writes ``out_dtype`` for ``op``.
+    """
+    return _cutlass._fp8_variant(
+        op, out_dtype, accumulate=accumulate, tokens_per_expert=tokens_per_expert
+    )
+
+
 def run_fp8_cutlass(
     op: Op,
     a: Fp8Blocks,
@@ -154,6 +178,8 @@ def run_fp8_cutlass(
     *,
     variant: str,
     accumulate: bool = False,
+    max_swizzle: int = 1,
+    raster_along_n: bool = False,
 ) -> None:
     """Launch one FP8 CUTLASS kernel variant on quantized operands, and nothing else.
 
@@ -172,24 +198,24 @@ def run_fp8_cutlass(
         out: as for :func:`run_cutlass`; wgrad's in fp32 or bf16.
         variant: the compiled FP8 variant's name (``Fp8Variant.name``).
         accumulate: wgrad only: add into ``out``.
+        max_swizzle, raster_along_n: the persistent scheduler's tile order (1
+            and along M: what the ops run).
 
     Returns:
         ``None``; ``out`` holds the result.
     """
+    order = {"variant": variant, "max_swizzle": max_swizzle, "raster_along_n": raster_along_n}
     if op == "wgrad":
         _cutlass.fp8_wgrad(
             a.data, a.scales, b.data, b.scales, splits, a.shape[0], op_form(out), accumulate,
-            variant=variant,
+            **order,
         )  # fmt: skip
     elif op == "fprop":
-        _cutlass.fp8_fprop(
-            a.data, a.scales, b.data, b.scales, splits, cast(Tensor, out), variant=variant
-        )
+        _cutlass.fp8_fprop(a.data, a.scales, b.data, b.scales, splits, cast(Tensor, out), **order)
     else:
         _cutlass.fp8_dgrad(
-            a.data, a.scales, cast(Tensor, b.data_t), b.scales, splits, cast(Tensor, out),
-            variant=variant,
-        )  # fmt: skip
+            a.data, a.scales, cast(Tensor, b.data_t), b.scales, splits, cast(Tensor, out), **order
+        )
 
 
 def fallback_reason(op: Op, a: Tensor, b: Group, out: Group) -> str | None:

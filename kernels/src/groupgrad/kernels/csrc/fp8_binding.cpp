@@ -83,12 +83,24 @@ void check_multiple_of_128(int64_t value, const char* name) {
               " must be a positive multiple of 128 (the scale block)");
 }
 
+// The persistent scheduler's tile order (GemmLaunch.max_swizzle, .raster_along_n).
+struct Fp8Raster {
+  int max_swizzle = 1;
+  bool along_n = false;
+};
+
+Fp8Raster checked_raster(int64_t max_swizzle, bool along_n) {
+  TORCH_CHECK(max_swizzle == 1 || max_swizzle == 2 || max_swizzle == 4 || max_swizzle == 8,
+              "groupgrad: max_swizzle is ", max_swizzle, ", expected 1, 2, 4 or 8");
+  return Fp8Raster{static_cast<int>(max_swizzle), along_n};
+}
+
 // Runs the setup and the CUTLASS kernel of one FP8 grouped GEMM. `sfa_floats`:
 // the rows form's packed SFA copy; listed_*: listed wgrad outputs (else empty).
 void run_fp8(const Fp8KernelVariant& variant, Fp8SetupParams setup, int groups,
              const std::vector<const char*>& listed_ptr, const std::vector<int64_t>& listed_ld,
              const at::Tensor& splits, const at::Tensor& anchor, bool accumulate,
-             int64_t sfa_floats) {
+             int64_t sfa_floats, const Fp8Raster& raster) {
   TORCH_CHECK(!accumulate || variant.has_source || variant.adds_to_d, "groupgrad: variant ",
               variant.name, " has no C operand and cannot accumulate");
   TORCH_CHECK(accumulate || !variant.adds_to_d, "groupgrad: variant ", variant.name,
@@ -114,6 +126,8 @@ void run_fp8(const Fp8KernelVariant& variant, Fp8SetupParams setup, int groups,
   gemm.sm_count = multiprocessor_count(gemm.device_id);
   gemm.stream = stream;
   gemm.accumulate = accumulate;
+  gemm.max_swizzle = raster.max_swizzle;
+  gemm.raster_along_n = raster.along_n;
   const size_t workspace_bytes = variant.workspace_size(launch);
 
   // One caching-allocator block: CUTLASS's workspace, then the SFA copy, then
@@ -171,7 +185,7 @@ void run_fp8(const Fp8KernelVariant& variant, Fp8SetupParams setup, int groups,
 // Per group: out (m_e, n) = a (m_e, k) @ b_e (n, k)^T (fp8_setup.h, rows form).
 void fp8_rows(bool fprop, const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
               const at::Tensor& w_scales, const at::Tensor& splits_E, const at::Tensor& out,
-              const std::string& variant_name) {
+              const std::string& variant_name, const Fp8Raster& raster) {
   const Fp8KernelVariant& variant = find_fp8_variant(variant_name);
   const char* a_name = fprop ? "x_data" : "dy_data";
   TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && out.dim() == 2, "groupgrad: ", a_name,
@@ -211,7 +225,7 @@ void fp8_rows(bool fprop, const at::Tensor& a, const at::Tensor& a_scales, const
   setup.d = static_cast<char*>(out.data_ptr());
   setup.out_bytes = element_bytes(out);
   run_fp8(variant, setup, static_cast<int>(E), {}, {}, splits_E, a, /*accumulate=*/false,
-          T * (k / 128));
+          T * (k / 128), raster);
 }
 
 }  // namespace
@@ -223,14 +237,16 @@ bool register_fp8_variant(const Fp8KernelVariant& variant) {
 
 void fp8_fprop(const at::Tensor& x_data, const at::Tensor& x_scales, const at::Tensor& w_data,
                const at::Tensor& w_scales, const at::Tensor& splits_E, const at::Tensor& out,
-               const std::string& variant_name) {
-  fp8_rows(true, x_data, x_scales, w_data, w_scales, splits_E, out, variant_name);
+               const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
+  fp8_rows(true, x_data, x_scales, w_data, w_scales, splits_E, out, variant_name,
+           checked_raster(max_swizzle, raster_along_n));
 }
 
 void fp8_dgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at::Tensor& wt_data,
                const at::Tensor& w_scales, const at::Tensor& splits_E, const at::Tensor& out,
-               const std::string& variant_name) {
-  fp8_rows(false, dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant_name);
+               const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
+  fp8_rows(false, dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant_name,
+           checked_raster(max_swizzle, raster_along_n));
 }
 
 // out[e] = dy_e^T @ x_e from the segments forms (accumulate: out[e] += ...);
@@ -238,7 +254,8 @@ void fp8_dgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at:
 void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at::Tensor& x_data,
                const at::Tensor& x_scales, const at::Tensor& splits_E, int64_t tokens,
                const std::vector<at::Tensor>& out, bool accumulate,
-               const std::string& variant_name) {
+               const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
+  const Fp8Raster raster = checked_raster(max_swizzle, raster_along_n);
   const Fp8KernelVariant& variant = find_fp8_variant(variant_name);
   TORCH_CHECK(!out.empty(), "groupgrad: fp8_wgrad needs at least one output");
   TORCH_CHECK(dy_data.dim() == 2 && x_data.dim() == 2 && dy_scales.dim() == 2,
@@ -299,7 +316,7 @@ void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at:
   setup.out_bytes = static_cast<int>(elem);
   setup.zero_empty_outputs = !accumulate;
   run_fp8(variant, setup, static_cast<int>(E), listed_ptr, listed_ld, splits_E, dy_data,
-          accumulate, 0);
+          accumulate, 0, raster);
 }
 
 std::vector<std::string> fp8_variant_names() {
@@ -313,13 +330,16 @@ std::vector<std::string> fp8_variant_names() {
 void add_fp8_bindings(py::module& m) {
   m.def("fp8_fprop", &fp8_fprop, "grouped FP8 fprop", py::arg("x_data"),
         py::arg("x_scales"), py::arg("w_data"), py::arg("w_scales"), py::arg("splits"),
-        py::arg("out"), py::arg("variant"));
+        py::arg("out"), py::arg("variant"), py::arg("max_swizzle") = 1,
+        py::arg("raster_along_n") = false);
   m.def("fp8_dgrad", &fp8_dgrad, "grouped FP8 dgrad", py::arg("dy_data"),
         py::arg("dy_scales"), py::arg("wt_data"), py::arg("w_scales"), py::arg("splits"),
-        py::arg("out"), py::arg("variant"));
+        py::arg("out"), py::arg("variant"), py::arg("max_swizzle") = 1,
+        py::arg("raster_along_n") = false);
   m.def("fp8_wgrad", &fp8_wgrad, "grouped FP8 wgrad", py::arg("dy_data"),
         py::arg("dy_scales"), py::arg("x_data"), py::arg("x_scales"), py::arg("splits"),
-        py::arg("tokens"), py::arg("out"), py::arg("accumulate"), py::arg("variant"));
+        py::arg("tokens"), py::arg("out"), py::arg("accumulate"), py::arg("variant"),
+        py::arg("max_swizzle") = 1, py::arg("raster_along_n") = false);
 }
 
 }  // namespace groupgrad

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from groupgrad.kernels import tuning
+from groupgrad.kernels import quantize_fp8, tuning
 
 _DTYPES = {
     "fprop": [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
@@ -73,6 +73,34 @@ def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c()
         type(adding)("wgrad", "bf16", adds=True)
     with pytest.raises(ValueError, match="only the fp32 wgrad adds"):
         type(adding)("fprop", "f32", adds=True)
+
+
+def test_the_fp8_wgrad_counts_the_experts_of_packed_and_listed_outputs(monkeypatch) -> None:
+    from groupgrad.kernels import _cutlass
+
+    ran: list[str] = []
+
+    class Extension:
+        def fp8_wgrad(self, *args: object) -> None:
+            ran.append(str(args[8]))
+
+    monkeypatch.setattr(_cutlass, "_extension", lambda variant: Extension())
+    adds = {v.name: v.adds for v in tuning.VARIANT_SETS["default"] if v.name.startswith("fp8_")}
+    t = torch.empty(0)
+    packed, listed = [torch.empty(128, 128, 128)], [torch.empty(128, 128)] * 128
+    for out in (packed, listed):
+        _cutlass.fp8_wgrad(t, t, t, t, t, 128 * 256, out, True)  # 256 tokens per expert
+        _cutlass.fp8_wgrad(t, t, t, t, t, 128 * 2048, out, True)
+    assert [adds[name] for name in ran] == [False, True, False, True]
+
+
+def test_an_fp8_launch_rejects_a_swizzle_the_scheduler_has_not() -> None:
+    x8 = quantize_fp8(torch.ones(4, 128), block=(1, 128))
+    w8 = quantize_fp8(torch.ones(1, 128, 128), block=(128, 128))
+    with pytest.raises(ValueError, match=r"max_swizzle is 3, expected 1, 2, 4 or 8"):
+        tuning.run_fp8_cutlass(
+            "fprop", x8, w8, torch.tensor([4]), torch.empty(4, 128), variant="v", max_swizzle=3
+        )
 
 
 def test_variant_names_are_unique_across_the_sets() -> None:

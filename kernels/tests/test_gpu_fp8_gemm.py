@@ -185,8 +185,6 @@ def test_every_tile_order_gives_the_same_bits(op: str) -> None:
         results.append(out)
     assert all(torch.equal(r, results[0]) for r in results[1:])
     assert not torch.equal(results[0], start)
-    with pytest.raises(RuntimeError, match="max_swizzle is 3, expected 1, 2, 4 or 8"):
-        tuning.run_fp8_cutlass(op, a, b, dev, start.clone(), variant=variant, max_swizzle=3)
 
 
 def test_wgrad_into_bf16() -> None:

@@ -346,6 +346,11 @@ def _fp8_variant(
     return _FP8_KERNELS[(op, out_dtype)]
 
 
+def _order(plan: Plan) -> tuple[str, int, bool]:
+    """A plan as the FP8 bindings take it: variant, max_swizzle, raster_along_n."""
+    return plan.variant, plan.max_swizzle, plan.raster_along_n
+
+
 def fp8_fprop(
     x_data: torch.Tensor,
     x_scales: torch.Tensor,
@@ -354,9 +359,7 @@ def fp8_fprop(
     splits_E: torch.Tensor,
     out: torch.Tensor,
     *,
-    variant: str | None = None,
-    max_swizzle: int = 1,
-    raster_along_n: bool = False,
+    plan: Plan | None = None,
 ) -> None:
     """``out[rows of e] = x_e @ w_e.T`` from FP8 operands for every expert e (writes ``out``).
 
@@ -368,14 +371,13 @@ def fp8_fprop(
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
         out: ``(T, N)`` bfloat16 or float16, contiguous; overwritten (rows past
             ``splits_E.sum()`` are not written).
-        variant: the FP8 variant's name (compiled, for this op and ``out``'s
-            dtype); ``None``: the default set's.
-        max_swizzle, raster_along_n: the persistent scheduler's tile order
-            (as a bf16 :class:`Plan`'s; 1 and along M by default).
+        plan: the FP8 variant (compiled, for this op and ``out``'s dtype) and
+            the scheduler's tile order; ``None``: the default set's kernel,
+            swizzle 1, along M.
     """
-    variant = variant or _fp8_variant("fprop", out.dtype)
-    _extension(variant).fp8_fprop(
-        x_data, x_scales, w_data, w_scales, splits_E, out, variant, max_swizzle, raster_along_n
+    plan = plan or Plan(_fp8_variant("fprop", out.dtype))
+    _extension(plan.variant).fp8_fprop(
+        x_data, x_scales, w_data, w_scales, splits_E, out, *_order(plan)
     )
 
 
@@ -387,9 +389,7 @@ def fp8_dgrad(
     splits_E: torch.Tensor,
     out: torch.Tensor,
     *,
-    variant: str | None = None,
-    max_swizzle: int = 1,
-    raster_along_n: bool = False,
+    plan: Plan | None = None,
 ) -> None:
     """``out[rows of e] = dy_e @ w_e`` from FP8 operands for every expert e (writes ``out``).
 
@@ -401,11 +401,11 @@ def fp8_dgrad(
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
         out: ``(T, K)`` bfloat16 or float16, contiguous; overwritten (rows past
             ``splits_E.sum()`` are not written).
-        variant, max_swizzle, raster_along_n: as for :func:`fp8_fprop`.
+        plan: as for :func:`fp8_fprop`.
     """
-    variant = variant or _fp8_variant("dgrad", out.dtype)
-    _extension(variant).fp8_dgrad(
-        dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant, max_swizzle, raster_along_n
+    plan = plan or Plan(_fp8_variant("dgrad", out.dtype))
+    _extension(plan.variant).fp8_dgrad(
+        dy_data, dy_scales, wt_data, w_scales, splits_E, out, *_order(plan)
     )
 
 
@@ -419,9 +419,7 @@ def fp8_wgrad(
     out: Group,
     accumulate: bool,
     *,
-    variant: str | None = None,
-    max_swizzle: int = 1,
-    raster_along_n: bool = False,
+    plan: Plan | None = None,
 ) -> None:
     """``out[e] = dy_e.T @ x_e`` (``accumulate``: ``out[e] += ...``) from FP8 segments forms.
 
@@ -443,16 +441,16 @@ def fp8_wgrad(
         out: ``E`` row-major ``(N, K)`` tensors, or one ``(E, N, K)`` tensor in a
             list; float32 or bfloat16, one dtype, 16-byte aligned. Mutated.
         accumulate: add to ``out`` instead of overwriting it.
-        variant: as for :func:`fp8_fprop`; a variant that adds (``Fp8Variant.adds``)
+        plan: as for :func:`fp8_fprop`; a variant that adds (``Fp8Variant.adds``)
             needs ``accumulate``.
-        max_swizzle, raster_along_n: as for :func:`fp8_fprop`.
     """
     if len(out) == 0:
         return
-    variant = variant or _fp8_variant(
-        "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=tokens / len(out)
+    per_expert = tokens / group_size(out)
+    plan = plan or Plan(
+        _fp8_variant("wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert)
     )
-    _extension(variant).fp8_wgrad(
-        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate, variant,
-        max_swizzle, raster_along_n,
+    _extension(plan.variant).fp8_wgrad(
+        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate,
+        *_order(plan),
     )  # fmt: skip

@@ -199,12 +199,12 @@ def run_fp8_cutlass(
         variant: the compiled FP8 variant's name (``Fp8Variant.name``).
         accumulate: wgrad only: add into ``out``.
         max_swizzle, raster_along_n: the persistent scheduler's tile order (1
-            and along M: what the ops run).
+            and along M: what the ops run; checked as a :class:`Plan`'s).
 
     Returns:
         ``None``; ``out`` holds the result.
     """
-    order = {"variant": variant, "max_swizzle": max_swizzle, "raster_along_n": raster_along_n}
+    order = {"plan": Plan(variant, raster_along_n, max_swizzle)}
     if op == "wgrad":
         _cutlass.fp8_wgrad(
             a.data, a.scales, b.data, b.scales, splits, a.shape[0], op_form(out), accumulate,

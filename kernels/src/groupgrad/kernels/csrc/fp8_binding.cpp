@@ -89,9 +89,8 @@ struct Fp8Raster {
   bool along_n = false;
 };
 
-Fp8Raster checked_raster(int64_t max_swizzle, bool along_n) {
-  TORCH_CHECK(max_swizzle == 1 || max_swizzle == 2 || max_swizzle == 4 || max_swizzle == 8,
-              "groupgrad: max_swizzle is ", max_swizzle, ", expected 1, 2, 4 or 8");
+// The Python side checks the swizzle (Plan: 1, 2, 4 or 8).
+Fp8Raster as_raster(int64_t max_swizzle, bool along_n) {
   return Fp8Raster{static_cast<int>(max_swizzle), along_n};
 }
 
@@ -239,14 +238,14 @@ void fp8_fprop(const at::Tensor& x_data, const at::Tensor& x_scales, const at::T
                const at::Tensor& w_scales, const at::Tensor& splits_E, const at::Tensor& out,
                const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
   fp8_rows(true, x_data, x_scales, w_data, w_scales, splits_E, out, variant_name,
-           checked_raster(max_swizzle, raster_along_n));
+           as_raster(max_swizzle, raster_along_n));
 }
 
 void fp8_dgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at::Tensor& wt_data,
                const at::Tensor& w_scales, const at::Tensor& splits_E, const at::Tensor& out,
                const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
   fp8_rows(false, dy_data, dy_scales, wt_data, w_scales, splits_E, out, variant_name,
-           checked_raster(max_swizzle, raster_along_n));
+           as_raster(max_swizzle, raster_along_n));
 }
 
 // out[e] = dy_e^T @ x_e from the segments forms (accumulate: out[e] += ...);
@@ -255,7 +254,7 @@ void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at:
                const at::Tensor& x_scales, const at::Tensor& splits_E, int64_t tokens,
                const std::vector<at::Tensor>& out, bool accumulate,
                const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
-  const Fp8Raster raster = checked_raster(max_swizzle, raster_along_n);
+  const Fp8Raster raster = as_raster(max_swizzle, raster_along_n);
   const Fp8KernelVariant& variant = find_fp8_variant(variant_name);
   TORCH_CHECK(!out.empty(), "groupgrad: fp8_wgrad needs at least one output");
   TORCH_CHECK(dy_data.dim() == 2 && x_data.dim() == 2 && dy_scales.dim() == 2,

@@ -663,4 +663,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return False",
         ("integrations/megatron_core/tests/test_megatron_fp8.py",),
     ),
+    Mutant(
+        "fp8-wgrad-adds-when-overwriting",
+        "an overwriting fp32 FP8 wgrad runs the kernel that adds by TMA reduce-add (main_grad "
+        "would keep its old values under the new gradient)",
+        "kernels/src/groupgrad/kernels/_cutlass.py",
+        "    if accumulate and adding is not None and tokens_per_expert",
+        "    if adding is not None and tokens_per_expert",
+        ("kernels/tests/test_build.py",),
+    ),
+    Mutant(
+        "fp8-wgrad-packed-is-one-expert",
+        "the fp32 FP8 wgrad counts a packed (E, N, K) output as one expert and picks the "
+        "reduce-add kernel where many short experts make it 0.7-0.9x slower",
+        "kernels/src/groupgrad/kernels/_cutlass.py",
+        "    per_expert = tokens / group_size(out)",
+        "    per_expert = tokens / len(out)",
+        ("kernels/tests/test_build.py",),
+    ),
 )

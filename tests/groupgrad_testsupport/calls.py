@@ -30,3 +30,19 @@ def record_calls(
     for name in names:
         monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     return calls
+
+
+def record_weight_quantizations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Record each ``(128, 128)`` weight quantization the modules' FP8 recipe runs (its source)."""
+    from groupgrad.modules import _fp8_recipe
+
+    calls: list[object] = []
+    real = _fp8_recipe._quantized
+
+    def recording(t: object, what: str, **how: Any) -> Any:
+        if how.get("block") == (128, 128):
+            calls.append(t)
+        return real(t, what, **how)
+
+    monkeypatch.setattr(_fp8_recipe, "_quantized", recording)
+    return calls

@@ -606,8 +606,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "is_first_microbatch=True re-quantizes fc1's weights but reuses fc2's cache: after a "
         "write through .data (an optimizer's) fc2 runs on stale FP8 weights",
         "packages/modules/src/groupgrad/modules/_mlp_fn.py",
-        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch)",
-        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch and False)",
+        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch, keep",
+        "    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch and False, keep",
         (f"{MODULES}/test_fp8_mlp.py",),
     ),
     # --- routed_grouped_mlp (gather, fused MLP, combine as one op)
@@ -649,8 +649,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "Megatron-FSDP parameters served from the FP8 weight cache (ZeRO-1 rewrites them in "
         "place, unseen: is_first_microbatch=False after an optimizer step reads the old weights)",
         "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
-        "(is_distributed_weight(params[0]) or is_fsdp_param(params[0]))",
-        "is_distributed_weight(params[0])",
+        "        if is_distributed_weight(params[0]) or is_fsdp_param(params[0]):",
+        "        if is_distributed_weight(params[0]):",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
     Mutant(
@@ -680,5 +680,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "    per_expert = tokens / group_size(out)",
         "    per_expert = tokens / len(out)",
         ("kernels/tests/test_build.py",),
+    ),
+    Mutant(
+        "fp8-weights-never-kept",
+        "the default FP8 forward keeps nothing for dgrad: every step quantizes the weights twice",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "        return Fp8Blockwise(held={} if keep_weights else None)",
+        "        return Fp8Blockwise(held=None)",
+        (f"{MODULES}/test_fp8_linear.py", f"{MODULES}/test_fp8_mlp.py"),
+    ),
+    Mutant(
+        "fp8-distributed-weights-kept",
+        "a DistributedWeight group's quantized weights kept from forward to backward (the group "
+        "gathers per use to save that memory)",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "            cache = held = None",
+        "            cache = None",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
+        "fp8-weights-kept-under-fsdp2",
+        "a layer under FSDP2's fully_shard keeps its quantized weights until backward (FSDP2 frees "
+        "the gathered weights after forward: the FP8 copy would undo that)",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        '        and not getattr(module, "_is_fsdp_managed_module", False)\n',
+        "",
+        ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
 )

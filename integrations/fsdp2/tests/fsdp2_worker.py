@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
+from groupgrad.modules._fp8_recipe import keeps_weights_for_backward
 from groupgrad_testsupport import Rank, run_worker
 
 
@@ -174,6 +175,10 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         result["weights"].append({plain_name(n): _full(p) for n, p in model.named_parameters()})
     result["reduce_scatters"] = log
+    # a unit FSDP2 reshards after forward must quantize again for dgrad, never keep its weights
+    result["keep_fp8_weights"] = [
+        keeps_weights_for_backward(m) for m in sharded.modules() if hasattr(m, "_fp8_weights")
+    ]
     return result
 
 

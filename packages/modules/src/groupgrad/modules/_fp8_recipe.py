@@ -9,9 +9,16 @@ scales, ``(1, 128)`` blocks of ``x`` and ``dy`` for fprop and dgrad,
 segment for the wgrad. Each FP8 form is quantized from the bf16 (fp16, fp32)
 tensor, never from another FP8 form: ``x`` once at forward into both of its
 forms, ``dy`` once at backward into both of its forms. The weights are
-quantized from the materialized (and autocast-cast) weights at every GEMM
-that needs them, unless a :class:`~groupgrad.modules._fp8_cache.Fp8WeightCache`
-serves them (``is_first_microbatch``).
+quantized from the materialized (and autocast-cast) weights at forward,
+unless a :class:`~groupgrad.modules._fp8_cache.Fp8WeightCache` serves them
+(``is_first_microbatch``). A layer's forward keeps its quantized plain
+weights for its backward's dgrad (TransformerEngine's way: one quantization
+per step, holding both orientations, 2 bytes per parameter, until backward);
+backward quantizes them again where keeping them would undo a memory saving
+the caller chose: weights that are gathered per use (``DistributedWeight``,
+Megatron-FSDP, a module under FSDP2's ``fully_shard``), saved-tensor hooks
+(activation checkpointing, offloading), the functional ops (which cannot see
+FSDP2), and ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._group import Splits
 from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
-__all__ = ["FP8_RECIPES", "Fp8Blockwise", "check_fp8_recipe", "check_fp8_sizes", "fp8_for_forward"]
+__all__ = [
+    "FP8_RECIPES",
+    "Fp8Blockwise",
+    "check_fp8_recipe",
+    "check_fp8_sizes",
+    "fp8_for_forward",
+    "keeps_weights_for_backward",
+]
 
 FP8_RECIPES = ("blockwise",)
 """The values ``fp8_recipe`` takes besides ``None``."""
@@ -72,14 +86,18 @@ class Fp8Blockwise:
 
     Attributes:
         cache: The layer's weight cache when the caller passed
-            ``is_first_microbatch``, else ``None`` (quantize at every GEMM).
+            ``is_first_microbatch``, else ``None`` (quantize at every forward).
         refresh: ``is_first_microbatch=True``: the forward quantizes anew and
             caches; ``False``: the forward reuses a cached weight that still
             matches (else quantizes and caches).
+        held: Without a cache, where the forward keeps the plain weights it
+            quantized (by the leader's ``id``) for backward's dgrad, which
+            takes them out; ``None``: backward quantizes again.
     """
 
     cache: Fp8WeightCache | None = None
     refresh: bool = False
+    held: dict[int, Fp8Blocks] | None = None
 
     def quantize_input(self, x_TK: Tensor, splits: Splits) -> tuple[Fp8Blocks, Fp8Blocks]:
         """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), from one read."""
@@ -125,31 +143,59 @@ class Fp8Blockwise:
             gemm_weights: Returns the materialized weights in the GEMM's dtype
                 (called only when they are quantized now).
             dtype: That dtype (the cache's key too).
-            forward: The forward's fprop (may fill the cache) or backward's
-                dgrad (uses a matching cached weight, else quantizes and
-                caches nothing).
+            forward: The forward's fprop (may fill the cache, or hold the
+                weights for backward) or backward's dgrad (uses a matching
+                cached or held weight, else quantizes and keeps nothing).
 
-        A ``DistributedWeight`` group is never cached: each GEMM quantizes
-        the weights its leader materialized for it. Nor are Megatron-FSDP
-        parameters (``__fsdp_param__``): it re-gathers them for every forward,
-        and under ZeRO-1 writes the updated weights into the same storage
-        without moving a version counter, where a cached entry looks current.
+        A ``DistributedWeight`` group is never cached nor held: each GEMM
+        quantizes the weights its leader materialized for it. Nor are
+        Megatron-FSDP parameters (``__fsdp_param__``): it re-gathers them for
+        every forward, and under ZeRO-1 writes the updated weights into the
+        same storage without moving a version counter, where a cached entry
+        looks current.
         """
-        cache = self.cache
-        if cache is not None and (is_distributed_weight(params[0]) or is_fsdp_param(params[0])):
-            cache = None
+        cache, held = self.cache, self.held
+        if is_distributed_weight(params[0]) or is_fsdp_param(params[0]):
+            cache = held = None
         if cache is not None and not (forward and self.refresh):
             cached = cache.get(params, dtype)
             if cached is not None:
                 return cached
+        if held is not None and not forward:
+            kept = held.pop(id(params[0]), None)
+            if kept is not None:
+                return kept
         blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", block=WEIGHTS))
         if cache is not None and forward:
             cache.put(params, dtype, blocks)
+        elif held is not None and forward:
+            held[id(params[0])] = blocks
         return blocks
 
 
+def keeps_weights_for_backward(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward may keep its quantized weights for backward's dgrad.
+
+    Not without grad, not under ``torch.compile``, not in a module FSDP2's
+    ``fully_shard`` manages (it frees the gathered weights after forward),
+    and not under saved-tensor hooks (activation checkpointing and
+    offloading, which drop what forward saves). The weights' own kind
+    (distributed, Megatron-FSDP) is checked per GEMM.
+    """
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not getattr(module, "_is_fsdp_managed_module", False)
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    )
+
+
 def fp8_for_forward(
-    fp8_recipe: str | None, cache: Fp8WeightCache | None, is_first_microbatch: bool | None
+    fp8_recipe: str | None,
+    cache: Fp8WeightCache | None,
+    is_first_microbatch: bool | None,
+    *,
+    keep_weights: bool = False,
 ) -> Fp8Blockwise | None:
     """The recipe one forward runs (``None``: the bf16 path), its cache use resolved.
 
@@ -158,6 +204,8 @@ def fp8_for_forward(
         cache: The layer's weight cache (``None`` for the functional op).
         is_first_microbatch: ``None`` never caches; ``True`` quantizes and
             caches; ``False`` reuses the cache.
+        keep_weights: Without a cache, keep the forward's quantized weights
+            for backward's dgrad (:func:`keeps_weights_for_backward`).
 
     Raises:
         TypeError: ``is_first_microbatch`` is not ``None`` or a bool.
@@ -171,7 +219,7 @@ def fp8_for_forward(
     if fp8_recipe is None:
         return None
     if is_first_microbatch is None or cache is None:
-        return Fp8Blockwise()
+        return Fp8Blockwise(held={} if keep_weights else None)
     if torch.compiler.is_compiling():
         raise RuntimeError(
             f"is_first_microbatch={is_first_microbatch} with fp8_recipe='blockwise' under "

@@ -13,7 +13,12 @@ from torch import Tensor, nn
 
 from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
 from groupgrad.modules._fp8_cache import Fp8WeightCache
-from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
+from groupgrad.modules._fp8_recipe import (
+    check_fp8_recipe,
+    check_fp8_sizes,
+    fp8_for_forward,
+    keeps_weights_for_backward,
+)
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._linear_fn import apply_grouped_linear
 
@@ -169,8 +174,12 @@ class GroupedLinear(GroupedModule):
                 the host).
             is_first_microbatch: The FP8 weight cache (TransformerEngine's
                 convention; ignored without ``fp8_recipe``). ``None``: the
-                weights are quantized at this forward and again for dgrad,
-                nothing cached. ``True``: quantized now and cached (the first
+                weights are quantized at this forward, nothing cached across
+                forwards; the layer keeps them for its backward's dgrad,
+                unless they are gathered per use (distributed, Megatron-FSDP,
+                FSDP2), saved-tensor hooks are active (checkpointing,
+                offloading) or under ``torch.compile``, where dgrad quantizes
+                them again. ``True``: quantized now and cached (the first
                 micro-batch after an optimizer step). ``False``: the cached
                 FP8 weights are reused, in forward and dgrad; with nothing
                 cached, or a cache that no longer matches, they are quantized
@@ -195,7 +204,12 @@ class GroupedLinear(GroupedModule):
                 f"x has shape {shape}, expected (tokens, {self.in_features}) for in_features="
                 f"{self.in_features}"
             )
-        fp8 = fp8_for_forward(self.fp8_recipe, self._fp8_weights, is_first_microbatch)
+        fp8 = fp8_for_forward(
+            self.fp8_recipe,
+            self._fp8_weights,
+            is_first_microbatch,
+            keep_weights=keeps_weights_for_backward(self),
+        )
         weights, biases = self.current_parameters()
         return apply_grouped_linear(
             x,

@@ -148,8 +148,9 @@ def layer_dgrad(
 ) -> Tensor:
     """One layer's grouped dgrad ``dy_e @ w_e`` on its weights materialized again for backward.
 
-    With ``fp8``, ``dy`` is its ``(1, 128)`` form and the weights are
-    quantized again (or taken from the layer's cache while it still matches).
+    With ``fp8``, ``dy`` is its ``(1, 128)`` form and the weights are the
+    ones the forward kept, or taken from the layer's cache while it still
+    matches, or quantized again.
     """
     materialized = materialize_weight_for_backward(list(weights))
     gemm_weights = _gemm_weights(spec, weights, materialized, cast_dtype, fp8, forward=False)

@@ -9,7 +9,11 @@ import torch
 from torch import Tensor
 
 from groupgrad.modules._base import FLAG_REPR_FIELDS, GroupedModule
-from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes
+from groupgrad.modules._fp8_recipe import (
+    check_fp8_recipe,
+    check_fp8_sizes,
+    keeps_weights_for_backward,
+)
 from groupgrad.modules._group import Splits
 from groupgrad.modules._linear import GroupedLinear, check_sizes
 from groupgrad.modules._mlp_args import (
@@ -181,7 +185,8 @@ class GroupedMLP(GroupedModule):
             is_first_microbatch: The FP8 weight caches of ``fc1`` and ``fc2``
                 (ignored without ``fp8_recipe``), exactly as
                 :meth:`GroupedLinear.forward <groupgrad.modules.GroupedLinear.forward>`
-                uses its own: ``None`` quantizes the weights at every GEMM;
+                uses its own: ``None`` quantizes the weights at every forward
+                (and keeps them for dgrad where ``GroupedLinear`` does);
                 ``True`` quantizes and caches; ``False`` reuses a cache that
                 still matches. After a write through ``.data`` pass ``True``.
                 ``DistributedWeight`` groups are never cached; not under
@@ -203,7 +208,12 @@ class GroupedMLP(GroupedModule):
         """
         check_mlp_inputs(x, probs, self.hidden_size)
         caches = (self.fc1._fp8_weights, self.fc2._fp8_weights)
-        forms = mlp_forms(self.fp8_recipe, caches, is_first_microbatch)
+        forms = mlp_forms(
+            self.fp8_recipe,
+            caches,
+            is_first_microbatch,
+            keep_weights=keeps_weights_for_backward(self),
+        )
         fc1_weights, fc1_biases = self.fc1.current_parameters()
         fc2_weights, fc2_biases = self.fc2.current_parameters()
         fc1, fc2 = self.fc1.group_spec("fc1"), self.fc2.group_spec("fc2")

@@ -221,10 +221,15 @@ def mlp_forms(
     fp8_recipe: str | None,
     caches: tuple[Fp8WeightCache | None, Fp8WeightCache | None],
     is_first_microbatch: bool | None,
+    *,
+    keep_weights: bool = False,
 ) -> MLPForms:
-    """The operand forms of one forward: bf16, or FP8 with fc1's and fc2's cache use resolved."""
-    fc1 = fp8_for_forward(fp8_recipe, caches[0], is_first_microbatch)
-    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch)
+    """The operand forms of one forward: bf16, or FP8 with fc1's and fc2's cache use resolved.
+
+    ``keep_weights``: as for :func:`~groupgrad.modules._fp8_recipe.fp8_for_forward`.
+    """
+    fc1 = fp8_for_forward(fp8_recipe, caches[0], is_first_microbatch, keep_weights=keep_weights)
+    fc2 = fp8_for_forward(fp8_recipe, caches[1], is_first_microbatch, keep_weights=keep_weights)
     return MLPForms(fc1, fc2)
 
 

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
-from groupgrad.modules._fp8_recipe import keeps_weights_for_backward
 from groupgrad_testsupport import Rank, run_worker
+from groupgrad_testsupport.calls import weight_quantizations
 
 
 def _full(t: Tensor) -> Tensor:
@@ -165,8 +165,19 @@ def train(
             model.set_requires_gradient_sync(micro == cfg["micro_batches"] - 1)
             data = moe_model.batch(cfg, step, micro, rank)
             x = data["x"].to(device).requires_grad_(True)
-            out = model(x, data["idx"].to(device), *first_microbatch(cfg, step, micro))
-            moe_model.loss_of(out, data["target"]).backward()
+            forward = functools.partial(
+                model, x, data["idx"].to(device), *first_microbatch(cfg, step, micro)
+            )
+            if cfg.get("fp8") and step == micro == 0:  # weight quantizations: forward, backward
+                outs: list[Tensor] = []
+                counts = [weight_quantizations(functools.partial(_append, outs, forward))]
+                loss = moe_model.loss_of(outs[0], data["target"])
+                counts.append(weight_quantizations(loss.backward))
+                result["weight_quantizations"] = counts
+                out = outs[0]
+            else:
+                out = forward()
+                moe_model.loss_of(out, data["target"]).backward()
             result["outs"].append(out.detach().cpu().clone())
             result["dxs"].append(x.grad.detach().cpu().clone())
         params = dict(model.named_parameters())
@@ -175,11 +186,11 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         result["weights"].append({plain_name(n): _full(p) for n, p in model.named_parameters()})
     result["reduce_scatters"] = log
-    # a unit FSDP2 reshards after forward must quantize again for dgrad, never keep its weights
-    result["keep_fp8_weights"] = [
-        keeps_weights_for_backward(m) for m in sharded.modules() if hasattr(m, "_fp8_weights")
-    ]
     return result
+
+
+def _append(outs: list[Tensor], forward: Any) -> None:
+    outs.append(forward())
 
 
 def first_microbatch(cfg: Mapping[str, Any], step: int, micro: int) -> tuple[bool, ...]:

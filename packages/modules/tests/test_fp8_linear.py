@@ -23,7 +23,7 @@ from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules import GroupedLinear, grouped_linear
 from groupgrad.modules._fp8_recipe import keeps_weights_for_backward
 from groupgrad.protocol.testing import make_fake_group
-from groupgrad_testsupport.calls import record_weight_quantizations
+from groupgrad_testsupport.calls import weight_quantizations
 from groupgrad_testsupport.compiled import assert_keeps_fp32, bf16_exact_share
 
 E, K, N = 4, 256, 128
@@ -185,31 +185,33 @@ def test_megatron_fsdp_weights_are_never_cached() -> None:
     _assert_bf16_close(fresh, _expected_y(x, _weights(layer), SPLITS))
 
 
-def _dgrad_and_quantizations(layer: nn.Module, monkeypatch, *, hooks: bool) -> tuple[Tensor, int]:
+def _dgrad_and_quantizations(layer: nn.Module, *, hooks: bool) -> tuple[Tensor, int]:
     """``x.grad`` of one step and how many times the weights were quantized for it."""
-    calls = record_weight_quantizations(monkeypatch)
     x, dy = _randn(T, K, seed=1).requires_grad_(), _randn(T, N, seed=5)
-    if hooks:  # saved-tensor hooks (checkpointing, offloading): nothing kept beyond them
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+
+    def step() -> None:
+        if hooks:  # saved-tensor hooks (checkpointing, offloading): nothing kept beyond them
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                y = layer(x, SPLITS)
+        else:
             y = layer(x, SPLITS)
-    else:
-        y = layer(x, SPLITS)
-    y.backward(dy)
-    monkeypatch.undo()
-    return x.grad, len(calls)
+        y.backward(dy)
+
+    count = weight_quantizations(step)
+    return x.grad, count
 
 
-def test_the_forward_keeps_its_quantized_weights_for_dgrad(monkeypatch) -> None:
+def test_the_forward_keeps_its_quantized_weights_for_dgrad() -> None:
     """One weight quantization per step; under saved-tensor hooks dgrad quantizes again, same bits."""
     layer = _layer(bias=False)
-    kept, once = _dgrad_and_quantizations(layer, monkeypatch, hooks=False)
-    again, twice = _dgrad_and_quantizations(layer, monkeypatch, hooks=True)
+    kept, once = _dgrad_and_quantizations(layer, hooks=False)
+    again, twice = _dgrad_and_quantizations(layer, hooks=True)
     assert (once, twice) == (1, 2)
     assert torch.equal(kept, again)
     group = make_fake_group([getattr(layer, n) for n in layer.weight_names])
     for name, member in zip(layer.weight_names, group, strict=True):
         setattr(layer, name, member)
-    assert _dgrad_and_quantizations(layer, monkeypatch, hooks=False)[1] == 2  # gathered per use
+    assert _dgrad_and_quantizations(layer, hooks=False)[1] == 2  # gathered per use
     with torch.no_grad():  # no backward to keep anything for
         assert not keeps_weights_for_backward(layer)
     assert keeps_weights_for_backward(layer)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from groupgrad.modules import GroupedMLP, grouped_mlp
 from groupgrad.protocol.testing import make_fake_group
-from groupgrad_testsupport.calls import record_weight_quantizations
+from groupgrad_testsupport.calls import weight_quantizations
 from groupgrad_testsupport.compiled import assert_keeps_fp32, bf16_exact_share
 from groupgrad_testsupport.mlp_reference import fp8_mlp_wgrads, mlp_reference
 
@@ -232,23 +232,24 @@ def test_four_micro_batches_accumulate_in_fp32_main_grad(dtype: torch.dtype) -> 
         assert bf16_exact_share(got) < 0.01
 
 
-def test_the_forward_keeps_its_quantized_weights_for_dgrad(monkeypatch) -> None:
+def test_the_forward_keeps_its_quantized_weights_for_dgrad() -> None:
     """fc1 and fc2 quantized once per step, the same bits as quantizing again for dgrad."""
     mlp = _mlp()
     grads, counts = [], []
     for hooks in (False, True):
-        calls = record_weight_quantizations(monkeypatch)
         x = _randn(T, H, seed=1).requires_grad_()
-        if hooks:  # saved-tensor hooks (checkpointing, offloading): dgrad quantizes again
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+
+        def step(x: Tensor = x, hooks: bool = hooks) -> None:
+            if hooks:  # saved-tensor hooks (checkpointing, offloading): dgrad quantizes again
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    y = mlp(x, SPLITS, _probs())
+            else:
                 y = mlp(x, SPLITS, _probs())
-        else:
-            y = mlp(x, SPLITS, _probs())
-        y.backward(_randn(T, H, seed=5))
-        counts.append(len(calls))
+            y.backward(_randn(T, H, seed=5))
+
+        counts.append(weight_quantizations(step))
         grads.append((x.grad, *(p.grad for p in mlp.parameters())))
         mlp.zero_grad()
-        monkeypatch.undo()
     assert counts == [2, 4]
     for kept, again in zip(*grads, strict=True):
         assert torch.equal(kept, again)

@@ -316,8 +316,7 @@ def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
         out_dtype: dtype of the output (fprop, dgrad: ``torch.bfloat16`` or
             ``torch.float16``; wgrad: ``torch.float32`` or ``torch.bfloat16``).
 
-    Returns:
-        ``None``, or a short reason such as ``"no FP8 wgrad kernel writes torch.float16"``.
+    Returns ``None``, or a reason such as ``"no FP8 wgrad kernel writes torch.float16"``.
     """
     if (op, out_dtype) in _FP8_KERNELS:
         return None
@@ -326,11 +325,9 @@ def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
     return f"no FP8 {op} kernel writes {out_dtype}"
 
 
-#: Mean tokens per expert from which an accumulating fp32 wgrad adds by TMA
-#: reduce-add. Measured on an H200 (DEVICE_RUNS run 90): at 2048–6300 tokens per
-#: expert it is 0.95–1.10× faster than loading C (the epilogue no longer waits
-#: for C); at 256–512 it is 0.72–0.91× (short tiles, the output's traffic is the
-#: step, and L2's read-modify-write moves it slower than loads and stores).
+#: Mean tokens per expert from which an accumulating fp32 wgrad adds by TMA reduce-add
+#: (H200, DEVICE_RUNS 90: 0.95–1.10× the C-loading kernel's speed at 2048–6300 tokens
+#: per expert; 0.72–0.91× at 256–512, where L2's read-modify-write is the bottleneck).
 ADD_FROM_TOKENS_PER_EXPERT = 1024
 
 
@@ -344,11 +341,6 @@ def _fp8_variant(
     if accumulate and adding is not None and tokens_per_expert >= ADD_FROM_TOKENS_PER_EXPERT:
         return adding
     return _FP8_KERNELS[(op, out_dtype)]
-
-
-def _order(plan: Plan) -> tuple[str, int, bool]:
-    """A plan as the FP8 bindings take it: variant, max_swizzle, raster_along_n."""
-    return plan.variant, plan.max_swizzle, plan.raster_along_n
 
 
 def fp8_fprop(
@@ -377,8 +369,9 @@ def fp8_fprop(
     """
     plan = plan or Plan(_fp8_variant("fprop", out.dtype))
     _extension(plan.variant).fp8_fprop(
-        x_data, x_scales, w_data, w_scales, splits_E, out, *_order(plan)
-    )
+        x_data, x_scales, w_data, w_scales, splits_E, out,
+        plan.variant, plan.max_swizzle, plan.raster_along_n,
+    )  # fmt: skip
 
 
 def fp8_dgrad(
@@ -405,8 +398,9 @@ def fp8_dgrad(
     """
     plan = plan or Plan(_fp8_variant("dgrad", out.dtype))
     _extension(plan.variant).fp8_dgrad(
-        dy_data, dy_scales, wt_data, w_scales, splits_E, out, *_order(plan)
-    )
+        dy_data, dy_scales, wt_data, w_scales, splits_E, out,
+        plan.variant, plan.max_swizzle, plan.raster_along_n,
+    )  # fmt: skip
 
 
 def fp8_wgrad(
@@ -452,5 +446,5 @@ def fp8_wgrad(
     )
     _extension(plan.variant).fp8_wgrad(
         dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate,
-        *_order(plan),
+        plan.variant, plan.max_swizzle, plan.raster_along_n,
     )  # fmt: skip

@@ -161,6 +161,9 @@ def fp8_variant_for(
             fp32 wgrad adds by TMA reduce-add from
             ``_cutlass.ADD_FROM_TOKENS_PER_EXPERT`` tokens per expert).
 
+    Returns:
+        The variant's name (``Fp8Variant.name``), for :func:`run_fp8_cutlass`.
+
     Raises:
         TypeError: No FP8 kernel writes ``out_dtype`` for ``op``.
     """

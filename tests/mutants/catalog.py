@@ -707,4 +707,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
+    Mutant(
+        "fp8-kept-weights-unguarded",
+        "the FP8 weights a forward kept serve its dgrad after an in-place edit of the weights "
+        "(bf16 and a dgrad that quantizes read the edited weights)",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "            blocks = None if kept is None else kept.get(params, dtype)",
+        "            blocks = None if kept is None or kept._entry is None else kept._entry.blocks",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
 )

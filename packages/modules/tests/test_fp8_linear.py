@@ -217,6 +217,23 @@ def test_the_forward_keeps_its_quantized_weights_for_dgrad() -> None:
     assert keeps_weights_for_backward(layer)
 
 
+def test_a_weight_edited_in_place_before_backward_is_quantized_again() -> None:
+    """The kept weights are dropped as the cache drops them: dgrad reads the weights it sees now,
+    as the bf16 path (and a dgrad that always quantizes) does."""
+    layer, dy = _layer(bias=False), _randn(T, N, seed=5)
+    x = _randn(T, K, seed=1).requires_grad_()
+    y = layer(x, SPLITS)
+    with torch.no_grad():
+        layer.weight2.mul_(-2.0)  # moves the version counter
+    y.backward(dy)
+    dy64, w64 = (
+        _deq(quantize_fp8(dy, block=ROWS)),
+        _deq(quantize_fp8(_weights(layer), block=WEIGHTS)),
+    )
+    want = torch.cat([d @ w64[e] for e, d in enumerate(dy64.split(SPLITS))])
+    _assert_bf16_close(x.grad, want)
+
+
 # --------------------------------------------------------------------------- what backward keeps
 
 

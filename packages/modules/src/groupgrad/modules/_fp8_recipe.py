@@ -91,13 +91,14 @@ class Fp8Blockwise:
             caches; ``False``: the forward reuses a cached weight that still
             matches (else quantizes and caches).
         held: Without a cache, where the forward keeps the plain weights it
-            quantized (by the leader's ``id``) for backward's dgrad, which
-            takes them out; ``None``: backward quantizes again.
+            quantized (by the leader's ``id``, each in a one-entry cache whose
+            guard sees an in-place edit before backward) for backward's dgrad,
+            which takes them out; ``None``: backward quantizes again.
     """
 
     cache: Fp8WeightCache | None = None
     refresh: bool = False
-    held: dict[int, Fp8Blocks] | None = None
+    held: dict[int, Fp8WeightCache] | None = None
 
     def quantize_input(self, x_TK: Tensor, splits: Splits) -> tuple[Fp8Blocks, Fp8Blocks]:
         """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), from one read."""
@@ -163,13 +164,14 @@ class Fp8Blockwise:
                 return cached
         if held is not None and not forward:
             kept = held.pop(id(params[0]), None)
-            if kept is not None:
-                return kept
+            blocks = None if kept is None else kept.get(params, dtype)
+            if blocks is not None:
+                return blocks
         blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", block=WEIGHTS))
+        if held is not None and forward and cache is None:
+            cache = held[id(params[0])] = Fp8WeightCache()
         if cache is not None and forward:
             cache.put(params, dtype, blocks)
-        elif held is not None and forward:
-            held[id(params[0])] = blocks
         return blocks
 
 

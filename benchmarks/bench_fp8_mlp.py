@@ -8,8 +8,8 @@ on both packed weights (accumulated by the GEMM epilogue), timed interleaved
 
 * ``bf16``: ``GroupedMLP(..., single_grouped_weight=True, accumulate_into_main_grad=True)``;
 * ``fp8``: the same module with ``fp8_recipe="blockwise"``, weights quantized
-  at every forward (``is_first_microbatch=None``): every quantization kernel
-  of a step is in the time;
+  at every forward (``is_first_microbatch=None``; the layer keeps them for its
+  dgrad): every quantization kernel of a step is in the time;
 * ``fp8_cached``: weights quantized once and reused (``is_first_microbatch=False``
   after one ``True``), as the micro-batches after the first of a step run.
 

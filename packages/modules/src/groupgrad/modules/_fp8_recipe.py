@@ -168,10 +168,11 @@ class Fp8Blockwise:
             if blocks is not None:
                 return blocks
         blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", block=WEIGHTS))
-        if held is not None and forward and cache is None:
-            cache = held[id(params[0])] = Fp8WeightCache()
-        if cache is not None and forward:
+        if forward and cache is not None:
             cache.put(params, dtype, blocks)
+        elif forward and held is not None:
+            held[id(params[0])] = for_dgrad = Fp8WeightCache()
+            for_dgrad.put(params, dtype, blocks)
         return blocks
 
 

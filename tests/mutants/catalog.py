@@ -677,8 +677,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the fp32 FP8 wgrad counts a packed (E, N, K) output as one expert and picks the "
         "reduce-add kernel where many short experts make it 0.7-0.9x slower",
         "kernels/src/groupgrad/kernels/_cutlass.py",
-        "    per_expert = tokens / group_size(out)",
-        "    per_expert = tokens / len(out)",
+        "        per_expert = tokens / group_size(out)",
+        "        per_expert = tokens / len(out)",
         ("kernels/tests/test_build.py",),
     ),
     Mutant(

@@ -440,10 +440,10 @@ def fp8_wgrad(
     """
     if len(out) == 0:
         return
-    per_expert = tokens / group_size(out)
-    plan = plan or Plan(
-        _fp8_variant("wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert)
-    )
+    if plan is None:
+        per_expert = tokens / group_size(out)
+        kind = {"accumulate": accumulate, "tokens_per_expert": per_expert}
+        plan = Plan(_fp8_variant("wgrad", out[0].dtype, **kind))
     _extension(plan.variant).fp8_wgrad(
         dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate,
         plan.variant, plan.max_swizzle, plan.raster_along_n,

@@ -57,13 +57,19 @@ _SWEEP: dict[str, list[str]] = {}  # op -> FP8 tuning variants to time beside ou
 #: Tile orders (max_swizzle, along N) timed for the shipped kernel (--orders); the ops run (1, M).
 ORDERS = [(1, True), (2, False), (4, False), (8, False), (2, True), (4, True), (8, True)]
 _ORDERS: list[tuple[int, bool]] = []
-#: The shipped fp32 wgrad kernel that accumulates by loading C (it serves overwrites),
-#: timed beside the one that adds by TMA reduce-add (which serves accumulation).
-_LOADS_C = next(
-    v.name
-    for v in tuning.VARIANT_SETS["default"]
-    if v.name.startswith("fp8_wgrad_f32") and v.has_source
-)
+#: The shipped fp32 wgrad kernel that accumulates by loading C (the one overwrites run),
+#: timed beside the one that adds by TMA reduce-add (which large experts' accumulation runs).
+_LOADS_C = tuning.fp8_variant_for("wgrad", torch.float32)
+
+
+def _time_orders(
+    fns: dict[str, Callable[[int], object]], shipped: str, run: Callable[[int, int, bool], object]
+) -> None:
+    """Add ``run(i, max_swizzle, raster_along_n)`` of the shipped kernel in each of ``_ORDERS``."""
+    for swizzle, along_n in _ORDERS:
+        fns[f"sweep:{shipped}_s{swizzle}{'n' if along_n else 'm'}"] = (
+            lambda i, s=swizzle, n=along_n: run(i, s, n)
+        )
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -171,12 +177,13 @@ def bench_rows(op: str, E: int, K: int, N: int, T: int, kind: str, reps: int, se
             op, a8[i], w8[i], dev, out, variant=name
         )
     shipped = tuning.fp8_variant_for(op, torch.bfloat16)
-    for swizzle, along_n in _ORDERS:
-        fns[f"sweep:{shipped}_s{swizzle}{'n' if along_n else 'm'}"] = (
-            lambda i, s=swizzle, n=along_n: tuning.run_fp8_cutlass(
-                op, a8[i], w8[i], dev, out, variant=shipped, max_swizzle=s, raster_along_n=n
-            )
-        )
+    _time_orders(
+        fns,
+        shipped,
+        lambda i, s, n: tuning.run_fp8_cutlass(
+            op, a8[i], w8[i], dev, out, variant=shipped, max_swizzle=s, raster_along_n=n
+        ),
+    )
     if op == "fprop":
         want = grouped_fprop(a[0], w[0], dev)
         rowwise = _scaled_grouped_rowwise(a[0], w[0], splits, want)
@@ -211,13 +218,14 @@ def bench_wgrad(E: int, N: int, K: int, splits: list[int], label: str, reps: int
     shipped = tuning.fp8_variant_for(
         "wgrad", torch.float32, accumulate=True, tokens_per_expert=T / E
     )
-    for swizzle, along_n in _ORDERS:
-        fns[f"sweep:{shipped}_s{swizzle}{'n' if along_n else 'm'}"] = (
-            lambda i, s=swizzle, n=along_n: tuning.run_fp8_cutlass(
-                "wgrad", dy8[i], x8[i], dev, main_grad, variant=shipped, accumulate=True,
-                max_swizzle=s, raster_along_n=n,
-            )
+
+    def wgrad_in_order(i: int, swizzle: int, along_n: bool) -> None:
+        tuning.run_fp8_cutlass(
+            "wgrad", dy8[i], x8[i], dev, main_grad, variant=shipped, accumulate=True,
+            max_swizzle=swizzle, raster_along_n=along_n,
         )  # fmt: skip
+
+    _time_orders(fns, shipped, wgrad_in_order)
     # cuBLASLt per expert: its operands padded to 128 tokens (it needs whole blocks)
     starts = [sum(splits[:e]) for e in range(E)]
     per_expert = []

@@ -147,11 +147,12 @@ def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_b
     start[0] = torch.randn(N, K, device="cuda") * 1e-40  # subnormal fp32
     assert (start[0] != 0).any()
     assert (start[0].abs() < torch.finfo(torch.float32).tiny).all()
-    f32_wgrads = [v for v in tuning.VARIANT_SETS["default"] if v.name.startswith("fp8_wgrad_f32")]
+    loads_c = tuning.fp8_variant_for("wgrad", torch.float32)  # what overwrites run
+    adds = tuning.fp8_variant_for("wgrad", torch.float32, accumulate=True, tokens_per_expert=1e9)
+    assert adds != loads_c
     via_c, via_add = start.clone(), start.clone()
-    for variant in f32_wgrads:
-        out = via_add if variant.adds else via_c
-        tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, out, variant=variant.name, accumulate=True)
+    tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, via_c, variant=loads_c, accumulate=True)
+    tuning.run_fp8_cutlass("wgrad", dy8, x8, dev, via_add, variant=adds, accumulate=True)
     assert torch.equal(via_add[0], start[0])
     assert torch.equal(via_add, via_c)
     assert not torch.equal(via_add[1:], start[1:])

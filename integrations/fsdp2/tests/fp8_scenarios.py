@@ -3,7 +3,8 @@
 ``SHAPE``: a one-block model, hidden and expert width 128 (the FP8 blocks'
 size). :func:`fp8_scenarios` lists ``GroupedMLP`` and two ``GroupedLinear``,
 per-expert and packed, fp32 and bf16 compute, resharding on and off, a DCP
-round trip, and the ``"stale"`` caching habit (``fsdp2_worker.first_microbatch``).
+round trip, and the ``"stale"`` caching habit (``fsdp2_worker.first_microbatch``);
+``GroupedMLP`` once without the cache.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ SHAPE = {**moe_model.SHAPE, "hidden": 128, "ffn": 128, "tokens": 64, "blocks": 1
 
 
 def fp8_scenarios(prefix: str = "", seed: int = 70) -> list[dict[str, Any]]:
-    """The four FP8 scenarios, named ``prefix + name``."""
+    """The five FP8 scenarios, named ``prefix + name``.
+
+    The last one keeps the gathered weights from forward to backward
+    (``reshard=False``) and caches nothing, so a layer that kept its FP8
+    weights would serve them to dgrad unchanged: the one scenario where the
+    first backward's quantization count shows whether it kept them.
+    """
     stale = {"fp8_cache": "stale"}
     return [
         scenarios.scenario(
@@ -51,6 +58,14 @@ def fp8_scenarios(prefix: str = "", seed: int = 70) -> list[dict[str, Any]]:
             steps=3,
             momentum=0.9,
             **stale,
+        ),
+        scenarios.scenario(
+            f"{prefix}fp8_mlp_packed_fp32_no_reshard",
+            SHAPE,
+            seed + 4,
+            packed=True,
+            bf16=False,
+            reshard=False,
         ),
     ]
 

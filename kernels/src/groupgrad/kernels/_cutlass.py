@@ -442,8 +442,8 @@ def fp8_wgrad(
         return
     if plan is None:
         per_expert = tokens / group_size(out)
-        kind = {"accumulate": accumulate, "tokens_per_expert": per_expert}
-        plan = Plan(_fp8_variant("wgrad", out[0].dtype, **kind))
+        plan = Plan(_fp8_variant(
+            "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert))  # fmt: skip
     _extension(plan.variant).fp8_wgrad(
         dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate,
         plan.variant, plan.max_swizzle, plan.raster_along_n,

@@ -175,6 +175,9 @@ class Fp8Variant:
         adds: the wgrad's accumulating kernel: ``D += result`` by TMA
             reduce-add (L2 adds, the epilogue never loads ``D``); fp32 only,
             and it cannot overwrite.
+        overlap: the mainloop promotes each 128-deep block while the next
+            block's WGMMAs run (csrc/fp8_overlap_mainloop.cuh; the same bits
+            as CUTLASS's mainloop, which waits for each block's WGMMAs first).
     """
 
     op: str  # "fprop" | "dgrad" | "wgrad"
@@ -183,6 +186,7 @@ class Fp8Variant:
     tile: tuple[int, int, int] = (128, 128, 128)
     cluster: tuple[int, int] = (1, 2)
     adds: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.adds and (self.op, self.dtype_out) != ("wgrad", "f32"):
@@ -198,7 +202,10 @@ class Fp8Variant:
         m, n, k = self.tile
         cm, cn = self.cluster
         add = "_add" if self.adds else ""
-        return f"fp8_{self.op}_{self.dtype_out}{add}_{self.schedule}_{m}x{n}x{k}_c{cm}x{cn}"
+        overlap = "_ovl" if self.overlap else ""
+        return (
+            f"fp8_{self.op}_{self.dtype_out}{add}_{self.schedule}{overlap}_{m}x{n}x{k}_c{cm}x{cn}"
+        )
 
     def translation_unit(self) -> str:
         _, scale_n, sfb_mn_major = _FP8_OPS[self.op]
@@ -212,6 +219,7 @@ class Fp8Variant:
                 str(scale_n),
                 _cpp_bool(sfb_mn_major),
                 _cpp_bool(self.schedule == "pong"),
+                _cpp_bool(self.overlap),
                 *map(str, (m, n, k, cm, cn)),
             ]
         )
@@ -252,6 +260,10 @@ FP8_TUNING_VARIANTS: tuple[Fp8Variant, ...] = (
     Fp8Variant("wgrad", "f32", "pong", (64, 128, 128), (1, 2), adds=True),
     Fp8Variant("fprop", "bf16", "pong", (64, 128, 128), (1, 2)),
     Fp8Variant("dgrad", "bf16", "pong", (64, 128, 128), (1, 2)),
+    *(Fp8Variant(op, out, overlap=True) for op, out in (("fprop", "bf16"), ("dgrad", "bf16"))),
+    Fp8Variant("wgrad", "f32", overlap=True),
+    Fp8Variant("wgrad", "f32", adds=True, overlap=True),
+    Fp8Variant("fprop", "bf16", "pong", (64, 128, 128), (1, 2), overlap=True),
 )
 
 AnyVariant = Variant | Fp8Variant

@@ -44,6 +44,7 @@
 #include "cutlass/kernel_hardware_info.hpp"
 #include "cutlass/version.h"
 
+#include "fp8_overlap_mainloop.cuh"
 #include "launch_api.h"
 
 // The collective's use of the scale layouts (see above) was checked in 4.2.
@@ -150,8 +151,11 @@ namespace groupgrad {
 //           along M it is always 1 (per token or per channel), along K 128
 //   SfbMnMajor: SFB's packed matrix is N-block-major (else K-block-major);
 //           SFA is always M-major
+//   Overlap: promote each k-block while the next one's WGMMAs run
+//           (fp8_overlap_mainloop.cuh), else CUTLASS's mainloop
 template <class ElementOut_, bool HasSource_, bool AddsToD_, int ScaleN_, bool SfbMnMajor_,
-          bool Pingpong_, int TileM_, int TileN_, int TileK_, int ClusterM_, int ClusterN_>
+          bool Pingpong_, bool Overlap_, int TileM_, int TileN_, int TileK_, int ClusterM_,
+          int ClusterN_>
 struct Fp8GemmConfig {
   using ElementOut = ElementOut_;
   static constexpr bool kHasSource = HasSource_;
@@ -162,6 +166,7 @@ struct Fp8GemmConfig {
   static constexpr int kScaleN = ScaleN_;
   static constexpr bool kSfbMnMajor = SfbMnMajor_;
   static constexpr bool kPingpong = Pingpong_;
+  static constexpr bool kOverlap = Overlap_;
   using TileShape = cute::Shape<cute::Int<TileM_>, cute::Int<TileN_>, cute::Int<TileK_>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM_>, cute::Int<ClusterN_>, cute::_1>;
 };
@@ -211,13 +216,16 @@ struct Fp8GroupedGemm {
       std::conditional_t<Config::kAddsToD, typename WithStoreOp<BuiltEpilogue, TmaReduceAdd>::type,
                          BuiltEpilogue>;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn,
       cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentIn, ElementIn, cute::tuple<LayoutB*, LayoutSFB*>,
       kAlignmentIn, ElementAccumulator, typename Config::TileShape, typename Config::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop =
+      std::conditional_t<Config::kOverlap, OverlappedPromotionMainloop<BuiltMainloop>,
+                         BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

@@ -41,6 +41,22 @@ def test_an_explicit_epilogue_subtile_reaches_the_template_and_the_name() -> Non
     assert wide.name in wide.translation_unit()
 
 
+def test_the_fp8_mainloop_choice_reaches_the_template_and_the_name() -> None:
+    from groupgrad.kernels.build import Fp8Variant
+
+    overlapped, cutlass = Fp8Variant("fprop", "bf16"), Fp8Variant("fprop", "bf16", overlap=False)
+    # the config's (..., Pingpong, Overlap, tile M, N, K, cluster M, N)
+    assert "false, true, 128, 128, 128, 1, 2>" in overlapped.translation_unit()
+    assert "false, false, 128, 128, 128, 1, 2>" in cutlass.translation_unit()
+    assert overlapped.name == "fp8_fprop_bf16_coop_ovl_128x128x128_c1x2"
+    assert cutlass.name == "fp8_fprop_bf16_coop_128x128x128_c1x2"
+    # what every build ships: the overlapped mainloop, but for the reduce-add wgrad
+    shipped = [v for v in tuning.VARIANT_SETS["default"] if isinstance(v, Fp8Variant)]
+    assert [v.name for v in shipped if not v.overlap] == [
+        "fp8_wgrad_f32_add_coop_128x128x128_c1x2"
+    ]
+
+
 def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c() -> None:
     from groupgrad.kernels import _cutlass  # the threshold
 

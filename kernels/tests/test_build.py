@@ -52,9 +52,7 @@ def test_the_fp8_mainloop_choice_reaches_the_template_and_the_name() -> None:
     assert cutlass.name == "fp8_fprop_bf16_coop_128x128x128_c1x2"
     # what every build ships: the overlapped mainloop, but for the reduce-add wgrad
     shipped = [v for v in tuning.VARIANT_SETS["default"] if isinstance(v, Fp8Variant)]
-    assert [v.name for v in shipped if not v.overlap] == [
-        "fp8_wgrad_f32_add_coop_128x128x128_c1x2"
-    ]
+    assert [v.name for v in shipped if not v.overlap] == ["fp8_wgrad_f32_add_coop_128x128x128_c1x2"]
 
 
 def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c() -> None:

@@ -407,6 +407,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_build.py",),
     ),
     Mutant(
+        "fp8-overlap-dropped",
+        "an FP8 variant's mainloop choice never reaches the generated source (every kernel "
+        "would take the next template argument's place: a wrong tile, or no overlap)",
+        _BUILD,
+        "                _cpp_bool(self.overlap),\n",
+        "",
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
         "plan-swizzle-unchecked",
         "a plan takes any swizzle (the extension's own check crashes the process)",
         _SUPPORT,

@@ -234,8 +234,8 @@ class Fp8Variant:
 
 #: The FP8 kernels every build compiles: cooperative 128 x 128 x 128 tiles, clusters of
 #: 1 x 2 (CUTLASS example 68's), per op and output dtype, promotion overlapped (DEVICE_RUNS
-#: 96-97: 1.01-1.05x CUTLASS's mainloop for fprop/dgrad, 1.00-1.04x for the wgrad); the
-#: fp32 wgrad also accumulating by TMA reduce-add, on CUTLASS's mainloop (0.97-1.04x).
+#: 98, median: 1.04x / 1.03x CUTLASS's mainloop for fprop / dgrad, 1.06x for the wgrad); the
+#: fp32 wgrad also accumulating by TMA reduce-add, on CUTLASS's mainloop (overlap 0.92-0.99x).
 FP8_VARIANTS: tuple[Fp8Variant, ...] = (
     *(
         Fp8Variant(op, dout)

@@ -139,32 +139,29 @@ struct OverlappedPromotionMainloop : Cutlass {
     int pending_stage = smem_pipe_read.index();
     ++smem_pipe_read;
     --k_tile_count;
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (k_tile_count > 0) {
+    // Issues the next k tile into `next`, then promotes the pending one from `done`.
+    auto step = [&](auto& next, auto& done) {
       pipeline.consumer_wait(smem_pipe_read);
-      issue(tiled_mma, partial1, tCrA, tCrB, smem_pipe_read.index());
+      issue(tiled_mma, next, tCrA, tCrB, smem_pipe_read.index());
       warpgroup_wait<1>();
-      promote(accum, partial0, tCsSFA, tCsSFB, pending_stage);
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-      pending_stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      if (--k_tile_count == 0) {
-        warpgroup_wait<0>();
-        promote(accum, partial1, tCsSFA, tCsSFB, pending_stage);
-        warpgroup_fence_operand(accum);
-        return;
-      }
-      pipeline.consumer_wait(smem_pipe_read);
-      issue(tiled_mma, partial0, tCrA, tCrB, smem_pipe_read.index());
-      warpgroup_wait<1>();
-      promote(accum, partial1, tCsSFA, tCsSFB, pending_stage);
+      promote(accum, done, tCsSFA, tCsSFB, pending_stage);
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
       pending_stage = smem_pipe_read.index();
       ++smem_pipe_read;
       --k_tile_count;
+    };
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (k_tile_count > 0) {
+      step(partial1, partial0);
+      if (k_tile_count == 0) {
+        warpgroup_wait<0>();
+        promote(accum, partial1, tCsSFA, tCsSFB, pending_stage);
+        warpgroup_fence_operand(accum);
+        return;
+      }
+      step(partial0, partial1);
     }
     warpgroup_wait<0>();
     promote(accum, partial0, tCsSFA, tCsSFB, pending_stage);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pathlib
 
 import pytest
 import torch
@@ -53,6 +54,34 @@ def test_the_fp8_mainloop_choice_reaches_the_template_and_the_name() -> None:
     # what every build ships: the overlapped mainloop, but for the reduce-add wgrad
     shipped = [v for v in tuning.VARIANT_SETS["default"] if isinstance(v, Fp8Variant)]
     assert [v.name for v in shipped if not v.overlap] == ["fp8_wgrad_f32_add_coop_128x128x128_c1x2"]
+
+
+def _cuda_struct(source: str, name: str) -> str:
+    """The text of ``struct name`` in a CUDA header, up to its closing ``};``."""
+    start = source.index(f"struct {name} ")
+    return source[start : source.index("\n};\n", start)]
+
+
+def test_both_fp8_mainloops_clear_the_accumulator_before_the_first_promotion() -> None:
+    # CUTLASS's blockwise mainloop adds every promoted block to `accum`, the first included,
+    # and never zeroes it; on the GPU the kernels were right only because the compiler folded
+    # the undefined addend, so no GPU comparison can tell a missing clear. The sources must.
+    from groupgrad.kernels import build
+
+    csrc = pathlib.Path(build.__file__).parent / "csrc"
+    gemm = " ".join((csrc / "fp8_gemm.cuh").read_text().split())
+    assert (
+        "std::conditional_t<Config::kOverlap, OverlappedPromotionMainloop<BuiltMainloop>, "
+        "ClearedAccumulatorMainloop<BuiltMainloop>>;" in gemm
+    )
+    mainloops = (csrc / "fp8_overlap_mainloop.cuh").read_text()
+    cleared = _cuda_struct(mainloops, "ClearedAccumulatorMainloop")
+    assert "clear(accum);" in cleared
+    assert cleared.index("clear(accum);") < cleared.index("Cutlass::mma(")
+    overlapped = _cuda_struct(mainloops, "OverlappedPromotionMainloop")
+    mma = overlapped[overlapped.index(" mma(") :]
+    assert "clear(accum);" in mma
+    assert mma.index("clear(accum);") < mma.index("promote(accum")
 
 
 def test_the_fp32_fp8_wgrad_accumulates_by_reduce_add_and_overwrites_through_c() -> None:

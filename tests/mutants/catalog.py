@@ -407,6 +407,25 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_build.py",),
     ),
     Mutant(
+        "fp8-cutlass-mainloop-uncleared",
+        "CUTLASS's FP8 blockwise mainloop adds its first promoted block to the accumulator "
+        "registers as allocated (a persistent kernel's previous tile), right only while the "
+        "compiler folds the undefined addend",
+        "kernels/src/groupgrad/kernels/csrc/fp8_overlap_mainloop.cuh",
+        "    cute::clear(accum);\n",
+        "",
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
+        "fp8-cutlass-mainloop-unwrapped",
+        "the FP8 kernels without the overlap take CUTLASS's mainloop as built, whose main "
+        "accumulator is never cleared",
+        "kernels/src/groupgrad/kernels/csrc/fp8_gemm.cuh",
+        "ClearedAccumulatorMainloop<BuiltMainloop>>;",
+        "BuiltMainloop>;",
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
         "fp8-overlap-dropped",
         "an FP8 variant's mainloop choice never reaches the generated source (every kernel "
         "would take the next template argument's place: a wrong tile, or no overlap)",

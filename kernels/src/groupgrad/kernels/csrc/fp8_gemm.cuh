@@ -152,7 +152,8 @@ namespace groupgrad {
 //   SfbMnMajor: SFB's packed matrix is N-block-major (else K-block-major);
 //           SFA is always M-major
 //   Overlap: promote each k-block while the next one's WGMMAs run
-//           (fp8_overlap_mainloop.cuh), else CUTLASS's mainloop
+//           (fp8_overlap_mainloop.cuh), else CUTLASS's mainloop (its main
+//           accumulator cleared first, ClearedAccumulatorMainloop)
 template <class ElementOut_, bool HasSource_, bool AddsToD_, int ScaleN_, bool SfbMnMajor_,
           bool Pingpong_, bool Overlap_, int TileM_, int TileN_, int TileK_, int ClusterM_,
           int ClusterN_>
@@ -225,7 +226,7 @@ struct Fp8GroupedGemm {
       KernelSchedule>::CollectiveOp;
   using CollectiveMainloop =
       std::conditional_t<Config::kOverlap, OverlappedPromotionMainloop<BuiltMainloop>,
-                         BuiltMainloop>;
+                         ClearedAccumulatorMainloop<BuiltMainloop>>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

@@ -16,7 +16,8 @@
 //
 // Everything but mma() is CUTLASS's collective (loads, pipelines, tensor
 // maps): the kernel layer calls mma() on this type. Used when
-// Fp8GemmConfig::kOverlap is set (fp8_gemm.cuh).
+// Fp8GemmConfig::kOverlap is set (fp8_gemm.cuh); otherwise CUTLASS's own
+// mainloop runs, behind ClearedAccumulatorMainloop (below).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -166,6 +167,27 @@ struct OverlappedPromotionMainloop : Cutlass {
     warpgroup_wait<0>();
     promote(accum, partial0, tCsSFA, tCsSFB, pending_stage);
     warpgroup_fence_operand(accum);
+  }
+};
+
+// CUTLASS's own blockwise mainloop with its main accumulator cleared first.
+// That mainloop adds every promoted block to `accum` (accum += partial *
+// scale), the first one included, but never zeroes it, and the kernel layer
+// hands it the fragment as allocated: in a persistent kernel, registers that
+// held the previous tile. The results were right only because the compiler
+// folded the undefined addend away. Used when Fp8GemmConfig::kOverlap is
+// not set (fp8_gemm.cuh).
+template <class Cutlass>
+struct ClearedAccumulatorMainloop : Cutlass {
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(typename Cutlass::MainloopPipeline pipeline,
+                          typename Cutlass::PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx,
+                          typename Cutlass::TensorStorage& shared_tensors,
+                          typename Cutlass::Params const& mainloop_params) {
+    cute::clear(accum);
+    Cutlass::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors,
+                 mainloop_params);
   }
 };
 

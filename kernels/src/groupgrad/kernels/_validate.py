@@ -272,20 +272,21 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             f"{name} holds {data.dtype} data and {scales.dtype} scales, expected "
             "torch.float8_e4m3fn and torch.float32"
         )
-    for part, (shape, strides) in _fp8_layout(value).items():
+    device = data.device
+    for part, shape, strides in _fp8_layout(value):
         t = getattr(value, part)
         if not (  # one combined test per tensor; the message only for a misfit
             isinstance(t, Tensor)
             and t.shape == shape
             and (strides is None or t.stride() == strides or _same_memory(t, strides))
-            and t.device == data.device
+            and t.device == device
         ):
             got = (
                 "None" if not isinstance(t, Tensor) else f"{tuple(t.shape)} {t.stride()} {t.device}"
             )
             want = f"{shape} with strides {strides}" if strides else f"{shape}"
             raise ValueError(
-                f"{name}.{part} is {got}, expected {want} on {data.device} for an Fp8Blocks of "
+                f"{name}.{part} is {got}, expected {want} on {device} for an Fp8Blocks of "
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
     return value
@@ -300,8 +301,11 @@ def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
 
 
-def _fp8_layout(value: Fp8Blocks) -> dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]]:
-    """``part -> (shape, strides or None)`` of each tensor of ``value`` (see :class:`Fp8Blocks`)."""
+_Layout = tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...]
+
+
+def _fp8_layout(value: Fp8Blocks) -> _Layout:
+    """``(part, shape, strides or None)`` of each tensor of ``value`` (see :class:`Fp8Blocks`)."""
     shape = value.shape
     if value.block == WEIGHTS:
         if len(shape) != 3:
@@ -311,17 +315,17 @@ def _fp8_layout(value: Fp8Blocks) -> dict[str, tuple[tuple[int, ...], tuple[int,
             )
         E, N, K = shape
         _fp8_multiples("weights", shape, (N, K))
-        return {
-            "data": ((E, N, K), (N * K, K, 1)),
-            "data_t": ((E, K, N), (N * K, N, 1)),
-            "scales": ((E, N // 128, K // 128), None),
-        }
+        return (
+            ("data", (E, N, K), (N * K, K, 1)),
+            ("data_t", (E, K, N), (N * K, N, 1)),
+            ("scales", (E, N // 128, K // 128), None),
+        )
     if len(shape) != 2:
         raise ValueError(f"an Fp8Blocks of block {value.block} has shape {shape}, expected (T, C)")
     T, C = shape
     _fp8_multiples("the activation", shape, (C,))
     if value.block == ROWS:
-        return {"data": ((T, C), (C, 1)), "scales": ((T, C // 128), (1, T))}
+        return ("data", (T, C), (C, 1)), ("scales", (T, C // 128), (1, T))
     offsets = value.row_offsets
     E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
     if E < 1:
@@ -330,11 +334,14 @@ def _fp8_layout(value: Fp8Blocks) -> dict[str, tuple[tuple[int, ...], tuple[int,
         )
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     blocks = -(-T // 128) + E
-    return {
-        "data": ((C, padded), (padded, 1)),
-        "scales": ((blocks, C), (C, 1)),
-        **dict.fromkeys(("row_offsets", "seg_offsets", "block_offsets"), ((E + 1,), None)),
-    }
+    offsets_shape = (E + 1,)
+    return (
+        ("data", (C, padded), (padded, 1)),
+        ("scales", (blocks, C), (C, 1)),
+        ("row_offsets", offsets_shape, None),
+        ("seg_offsets", offsets_shape, None),
+        ("block_offsets", offsets_shape, None),
+    )
 
 
 def _fp8_multiples(what: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> None:

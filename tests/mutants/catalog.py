@@ -407,6 +407,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_build.py",),
     ),
     Mutant(
+        "fp8-operand-strides-unchecked",
+        "a hand-built Fp8Blocks whose scales or data have the right shape but another layout "
+        "reaches the kernels, which read it as the layout they expect",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "            and (strides is None or t.stride() == strides or _same_memory(t, strides))\n",
+        "",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
         "fp8-cutlass-mainloop-uncleared",
         "CUTLASS's FP8 blockwise mainloop adds its first promoted block to the accumulator "
         "registers as allocated (a persistent kernel's previous tile), right only while the "

@@ -8,9 +8,11 @@
 // wait out the WGMMA pipeline and run the promotion. This mainloop keeps two
 // partial accumulators and issues block k+1's WGMMAs into one before
 // promoting block k from the other (warpgroup_wait<1>), so the promotion
-// runs while the tensor cores work. The arithmetic is CUTLASS's, term for
-// term and in the same order (for each block: accum += partial * scale), so
-// the results are bitwise those of the CUTLASS mainloop; the main
+// runs while the tensor cores work; with one weight scale per tile (fprop,
+// dgrad) even the promotion's scale loads are issued before its wait. The
+// arithmetic is CUTLASS's, term for term and in the same order (for each
+// block: accum += partial * scale), so the results are bitwise those of the
+// CUTLASS mainloop; the main
 // accumulator starts at zero explicitly (CUTLASS's adds to the fragment as
 // the kernel allocates it).
 //
@@ -36,6 +38,8 @@ struct OverlappedPromotionMainloop : Cutlass {
                 "one promotion per k tile: the scales' K block must be the tile's depth");
   static_assert(Cutlass::ScaleMsPerTile > 1,
                 "groupgrad's FP8 operands scale every row of A (granularity 1 along M)");
+  // With one SFB per tile (fprop, dgrad) the next promotion's scales are read before its wait.
+  static constexpr bool kScalesBeforeWait = Cutlass::ScaleNsPerTile == 1;
 
   // Issues one k tile's WGMMAs into `partial` (zeroed by its first WGMMA) as one batch.
   template <class Partial, class FragA, class FragB>
@@ -54,13 +58,11 @@ struct OverlappedPromotionMainloop : Cutlass {
     warpgroup_fence_operand(partial);
   }
 
-  // accum += partial * (SFA x SFB of the k tile in `stage`), as CUTLASS computes it: with one
-  // SFB per tile the two scales are multiplied first; with one per column, partial * SFA * SFB.
-  template <class Accum, class Partial, class SmemSFA, class SmemSFB>
-  CUTLASS_DEVICE static void promote(Accum& accum, Partial& partial, SmemSFA const& tCsSFA,
-                                     SmemSFB const& tCsSFB, int stage) {
+  // The scales of the k tile in `stage`, from shared memory into registers: SFA per row and
+  // SFB; with one SFB per tile it is folded into SFA first, as CUTLASS does.
+  template <class SmemSFA, class SmemSFB>
+  CUTLASS_DEVICE static auto scales(SmemSFA const& tCsSFA, SmemSFB const& tCsSFB, int stage) {
     using namespace cute;
-    warpgroup_fence_operand(partial);
     Tensor sfa = make_tensor_like<Scale>(tCsSFA(_, _, _, _0{}));
     Tensor sfb = make_tensor_like<Scale>(tCsSFB(_, _, _, _0{}));
     copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
@@ -71,6 +73,19 @@ struct OverlappedPromotionMainloop : Cutlass {
       for (int i = 0; i < size(filter_zeros(sfa)); ++i) {
         filter_zeros(sfa)(i) = filter_zeros(sfa)(i) * scale_b;
       }
+    }
+    return make_tuple(sfa, sfb);
+  }
+
+  // accum += partial * (SFA x SFB), as CUTLASS computes it: partial * SFA with the tile's one
+  // SFB folded in, else partial * SFA * SFB.
+  template <class Accum, class Partial, class Scales>
+  CUTLASS_DEVICE static void promote(Accum& accum, Partial& partial, Scales const& scales) {
+    using namespace cute;
+    auto const& sfa = get<0>(scales);
+    auto const& sfb = get<1>(scales);
+    warpgroup_fence_operand(partial);
+    if constexpr (Cutlass::ScaleNsPerTile == 1) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) {
         accum(i) += partial(i) * sfa(i);
@@ -80,6 +95,25 @@ struct OverlappedPromotionMainloop : Cutlass {
       for (int i = 0; i < size(accum); ++i) {
         accum(i) += partial(i) * sfa(i) * sfb(i);
       }
+    }
+  }
+
+  // Waits until at most `Pending` WGMMA batches are in flight, then promotes `partial` with the
+  // scales of `stage`. With one SFB per tile (fprop, dgrad) the scales are read before the wait,
+  // so their latency passes while the WGMMAs run; the wgrad's per-column SFB would hold 32 more
+  // registers across the wait, which its three accumulators leave no room for.
+  template <int Pending, class Accum, class Partial, class SmemSFA, class SmemSFB>
+  CUTLASS_DEVICE static void wait_and_promote(Accum& accum, Partial& partial,
+                                              SmemSFA const& tCsSFA, SmemSFB const& tCsSFB,
+                                              int stage) {
+    if constexpr (kScalesBeforeWait) {
+      auto const s = scales(tCsSFA, tCsSFB, stage);
+      cute::warpgroup_wait<Pending>();
+      promote(accum, partial, s);
+    } else {
+      cute::warpgroup_wait<Pending>();
+      cute::warpgroup_fence_operand(partial);
+      promote(accum, partial, scales(tCsSFA, tCsSFB, stage));
     }
   }
 
@@ -144,8 +178,7 @@ struct OverlappedPromotionMainloop : Cutlass {
     auto step = [&](auto& next, auto& done) {
       pipeline.consumer_wait(smem_pipe_read);
       issue(tiled_mma, next, tCrA, tCrB, smem_pipe_read.index());
-      warpgroup_wait<1>();
-      promote(accum, done, tCsSFA, tCsSFB, pending_stage);
+      wait_and_promote<1>(accum, done, tCsSFA, tCsSFB, pending_stage);
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
       pending_stage = smem_pipe_read.index();
@@ -157,15 +190,13 @@ struct OverlappedPromotionMainloop : Cutlass {
     while (k_tile_count > 0) {
       step(partial1, partial0);
       if (k_tile_count == 0) {
-        warpgroup_wait<0>();
-        promote(accum, partial1, tCsSFA, tCsSFB, pending_stage);
+        wait_and_promote<0>(accum, partial1, tCsSFA, tCsSFB, pending_stage);
         warpgroup_fence_operand(accum);
         return;
       }
       step(partial0, partial1);
     }
-    warpgroup_wait<0>();
-    promote(accum, partial0, tCsSFA, tCsSFB, pending_stage);
+    wait_and_promote<0>(accum, partial0, tCsSFA, tCsSFB, pending_stage);
     warpgroup_fence_operand(accum);
   }
 };

@@ -426,6 +426,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_build.py",),
     ),
     Mutant(
+        "fp8-overlap-uncleared",
+        "the overlapped FP8 mainloop adds its first promoted block to the accumulator registers "
+        "as allocated",
+        "kernels/src/groupgrad/kernels/csrc/fp8_overlap_mainloop.cuh",
+        "    clear(accum);\n    if (k_tile_count <= 0) {\n",
+        "    if (k_tile_count <= 0) {\n",
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
         "fp8-cutlass-mainloop-unwrapped",
         "the FP8 kernels without the overlap take CUTLASS's mainloop as built, whose main "
         "accumulator is never cleared",

@@ -12,9 +12,8 @@
 // dgrad) even the promotion's scale loads are issued before its wait. The
 // arithmetic is CUTLASS's, term for term and in the same order (for each
 // block: accum += partial * scale), so the results are bitwise those of the
-// CUTLASS mainloop; the main
-// accumulator starts at zero explicitly (CUTLASS's adds to the fragment as
-// the kernel allocates it).
+// CUTLASS mainloop; the main accumulator starts at zero explicitly (CUTLASS's
+// adds to the fragment as the kernel allocates it).
 //
 // Everything but mma() is CUTLASS's collective (loads, pipelines, tensor
 // maps): the kernel layer calls mma() on this type. Used when

@@ -37,8 +37,6 @@ struct OverlappedPromotionMainloop : Cutlass {
                 "one promotion per k tile: the scales' K block must be the tile's depth");
   static_assert(Cutlass::ScaleMsPerTile > 1,
                 "groupgrad's FP8 operands scale every row of A (granularity 1 along M)");
-  // With one SFB per tile (fprop, dgrad) the next promotion's scales are read before its wait.
-  static constexpr bool kScalesBeforeWait = Cutlass::ScaleNsPerTile == 1;
 
   // Issues one k tile's WGMMAs into `partial` (zeroed by its first WGMMA) as one batch.
   template <class Partial, class FragA, class FragB>
@@ -77,13 +75,12 @@ struct OverlappedPromotionMainloop : Cutlass {
   }
 
   // accum += partial * (SFA x SFB), as CUTLASS computes it: partial * SFA with the tile's one
-  // SFB folded in, else partial * SFA * SFB.
+  // SFB folded in, else partial * SFA * SFB. `partial` is fenced by the caller, after its wait.
   template <class Accum, class Partial, class Scales>
   CUTLASS_DEVICE static void promote(Accum& accum, Partial& partial, Scales const& scales) {
     using namespace cute;
     auto const& sfa = get<0>(scales);
     auto const& sfb = get<1>(scales);
-    warpgroup_fence_operand(partial);
     if constexpr (Cutlass::ScaleNsPerTile == 1) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) {
@@ -105,9 +102,10 @@ struct OverlappedPromotionMainloop : Cutlass {
   CUTLASS_DEVICE static void wait_and_promote(Accum& accum, Partial& partial,
                                               SmemSFA const& tCsSFA, SmemSFB const& tCsSFB,
                                               int stage) {
-    if constexpr (kScalesBeforeWait) {
+    if constexpr (Cutlass::ScaleNsPerTile == 1) {
       auto const s = scales(tCsSFA, tCsSFB, stage);
       cute::warpgroup_wait<Pending>();
+      cute::warpgroup_fence_operand(partial);
       promote(accum, partial, s);
     } else {
       cute::warpgroup_wait<Pending>();

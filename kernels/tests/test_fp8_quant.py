@@ -195,6 +195,41 @@ def test_segments_form_layout_padding_and_scales(dtype: torch.dtype, splits: lis
     assert ((deq.double() - x.double()).abs() <= _error_bound(x, ref)).all()
 
 
+#: Device splits that a host check would reject, as token counts for T = 300: summing past T,
+#: short of it, a negative count with the right sum, no tokens at all, and a count past T.
+MALFORMED = [[400, 0, 200], [100, 0, 100], [350, -50, 0], [0, 0, 0], [300, 300, -300]]
+
+
+@pytest.mark.parametrize("sizes", MALFORMED, ids=str)
+def test_malformed_device_splits_give_nan_scales_not_wrong_values(sizes: list[int]) -> None:
+    """A device ``splits`` is never read on the host, so a malformed one cannot raise: every
+    scale of the ``(128, 1)`` form is NaN (it dequantizes to NaN, and so does a wgrad of it),
+    the ``(1, 128)`` form of the same read stays exact. The reference's kernel is called
+    with the offsets such splits give (a CPU ``splits`` is checked, and raises)."""
+    T, C = 300, 256
+    x = _randn(T, C, dtype=torch.bfloat16, seed=21)
+    offsets = _fp8_ops.offsets_ref(torch.tensor(sizes), 16)
+    E = len(sizes)
+    NB, Tp = -(-T // 128) + E, T + 15 * E
+    data, scales, row_data, row_scales = _fp8_ops.segments_ref(x, *offsets, NB, Tp, True)
+    assert data.shape == (C, Tp)
+    assert scales.shape == (NB, C)
+    assert torch.equal(
+        scales.view(torch.int32), torch.full_like(scales, math.nan).view(torch.int32)
+    )
+    want_data, want_scales = _fp8_ops.rows_ref(x)
+    assert torch.equal(row_data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(row_scales, want_scales)
+    tokens = Fp8Blocks(
+        data, scales.nan_to_num(), block=(128, 1), dtype=torch.bfloat16, shape=(T, C),
+        splits=torch.tensor(sizes), row_offsets=offsets[0], seg_offsets=offsets[1],
+        block_offsets=offsets[2],
+    )  # fmt: skip
+    assert tokens.dequantize().isnan().all(), "finite scales, malformed offsets: still NaN"
+    with pytest.raises(ValueError, match="splits"):
+        quantize_fp8_ref(x, block=(128, 1), splits=sizes)
+
+
 # ---------------------------------------------------------------- blocks are local
 
 

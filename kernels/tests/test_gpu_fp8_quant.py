@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupgrad.kernels import quantize_fp8, quantize_fp8_ref
+from groupgrad.kernels import (
+    grouped_wgrad,
+    quantize_fp8,
+    quantize_fp8_ref,
+    swiglu_probs_backward_fp8,
+    swiglu_probs_fp8,
+)
 from groupgrad.kernels._fp8_ops import load_triton_kernels, rows_op, segments_op, weights_op
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
@@ -125,6 +131,48 @@ def test_segments_match_the_reference_bit_for_bit(dtype, splits, splits_form, wi
     want = quantize_fp8_ref(x, block=block, splits=splits)
     for g, w in zip(got if with_rows else [got], want if with_rows else [want], strict=True):
         _same(g, w)
+
+
+#: Device splits a host check would reject, for T = 1000: past T, short of it, a negative count
+#: with the right sum, no tokens, a count past T; and a negative count under a whole block.
+MALFORMED = [[1400, 0, 500], [100, 0, 100], [1050, -50, 0], [0, 0, 0], [1000, 1000, -1000],
+             [3, 5, -1, 993]]  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", MALFORMED, ids=str)
+def test_malformed_device_splits_give_nan_not_wrong_values(sizes) -> None:
+    """No host check can see a device ``splits``: the kernels stay inside their tensors, every
+    ``(128, 1)`` scale is NaN, bit for bit the reference's, so its ``dequantize`` and a wgrad
+    of it are NaN; the ``(1, 128)`` form from the same read stays exact; so do the FP8
+    SwiGLU backward's token forms (NaN scales) and rows form."""
+    T, C = 1000, 512
+    x = _inputs(T, C, torch.bfloat16, seed=13)
+    splits = torch.tensor(sizes, device="cuda")
+    _poison()
+    rows, tokens = quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits)
+    _, want_tokens = quantize_fp8_ref(x, block=((1, 128), (128, 1)), splits=splits)
+    torch.cuda.synchronize()  # a fault would surface here
+    _same(rows, quantize_fp8_ref(x, block=(1, 128)))
+    assert tokens.scales.isnan().all()
+    assert torch.equal(tokens.scales.view(torch.int32), want_tokens.scales.view(torch.int32))
+    assert tokens.dequantize().isnan().all()
+    dy = quantize_fp8(_inputs(T, 256, torch.bfloat16, seed=14), block=(128, 1), splits=splits)
+    main_grad = torch.zeros(len(sizes), 256, C, device="cuda")
+    grouped_wgrad(dy, tokens, splits, out=main_grad, accumulate=True)
+    assert main_grad.isnan().any(), "a wgrad of malformed splits' forms is NaN where it ran"
+    assert not (main_grad.isfinite() & (main_grad != 0)).any(), "no finite wrong value"
+
+    h, probs = x.view(T, C)[:, :512], torch.rand(T, device="cuda")
+    h_rows, _ = swiglu_probs_fp8(h, probs)
+    da = _inputs(T, 256, torch.bfloat16, seed=15)
+    got = swiglu_probs_backward_fp8(da, h_rows, probs, splits=splits)
+    good = swiglu_probs_backward_fp8(da, h_rows, probs, splits=torch.tensor([T, 0], device="cuda"))
+    torch.cuda.synchronize()
+    _same(got[0], good[0])
+    torch.testing.assert_close(got[2], good[2], rtol=0, atol=0)
+    for form in (got[1], got[3]):
+        assert form.scales.isnan().all()
+        assert form.dequantize().isnan().all()
 
 
 @pytest.mark.parametrize("E", [1, 3, 300, 8192, 8193])

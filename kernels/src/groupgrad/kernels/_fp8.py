@@ -138,7 +138,9 @@ class Fp8Blocks:
 
         Returns:
             A new fp32 tensor of ``shape`` (a list of ``E`` ``(N, K)`` tensors
-            when the source was a list); a NaN/Inf block comes back all NaN.
+            when the source was a list); a NaN/Inf block comes back all NaN, and
+            so does all of a ``(128, 1)`` form whose device ``splits`` were
+            malformed (negative, or not summing to ``T``).
         """
         if self.block == ROWS:
             T, C = self.shape
@@ -153,7 +155,8 @@ class Fp8Blocks:
         if not all(isinstance(o, Tensor) for o in offsets):
             raise ValueError("a (128, 1) Fp8Blocks needs row_offsets, seg_offsets, block_offsets")
         where = token_map(*offsets, self.shape[0])  # type: ignore[arg-type]
-        return self.data[:, where.column].float().t() * self.scales[where.block_row]
+        out = self.data[:, where.column].float().t() * self.scales[where.block_row]
+        return out.masked_fill_(where.malformed, float("nan"))  # malformed device splits
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,14 @@ rounded to nearest even, with the reciprocal (a power of two) built from bits
 too: the reference here and the Triton kernels (``_fp8_triton``) agree bit for
 bit. All math is fp32 from the input.
 
+Malformed device ``splits`` (a negative count, or counts not summing to
+``T``: a device tensor is never read on the host, so nothing can raise) make
+every scale of the ``(128, 1)`` form NaN, so whatever consumes it (the wgrad,
+``dequantize``) gives NaN rather than a plausible wrong value; its data is
+then unspecified, the ``(1, 128)`` form from the same read stays exact (it
+does not depend on ``splits``), and no kernel reads or writes outside its
+tensors (:func:`malformed`, :func:`token_map`).
+
 Three custom ops — ``groupgrad::quantize_fp8_rows``, ``…_weights`` and
 ``…_segments`` (the last writes the ``(1, 128)`` form too from the same read)
 — run the reference on every device but CUDA, where they run Triton (imported
@@ -127,13 +135,27 @@ def offsets_ref(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
 class TokenMap(NamedTuple):
     column: Tensor  # (T,) each token's column in the (C, Tp) data
     block_row: Tensor  # (T,) its row in the (NB, C) scales
+    malformed: Tensor  # () bool: the offsets' splits are malformed (see malformed())
+
+
+def malformed(row_offsets: Tensor, T: int) -> Tensor:
+    """``()`` bool, on the offsets' device (never read here): the ``(E + 1,)`` running sums
+    of the token counts fall somewhere (a negative count) or do not end at ``T``."""
+    falls = (row_offsets[1:] < row_offsets[:-1]).any()
+    return falls | (row_offsets[-1] != T)
 
 
 def token_map(row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor, T: int) -> TokenMap:
+    """Each token's data column and scale row; for malformed splits, in bounds whatever
+    they say: token ``t`` at column ``t`` and scale row ``t // 128`` (``Tp >= T`` and
+    ``NB >= ceil(T / 128)``), the Triton kernels' stand-in too."""
     token = torch.arange(T, device=row_offsets.device)
-    expert = torch.searchsorted(row_offsets[1:], token, right=True)
+    expert = torch.searchsorted(row_offsets[1:], token, right=True)  # in [0, E]
     local = token - row_offsets[expert]
-    return TokenMap(seg_offsets[expert] + local, block_offsets[expert] + local // 128)
+    bad = malformed(row_offsets, T)
+    column = torch.where(bad, token, seg_offsets[expert] + local)
+    block_row = torch.where(bad, token // 128, block_offsets[expert] + local // 128)
+    return TokenMap(column, block_row, bad)
 
 
 def segments_ref(
@@ -154,7 +176,7 @@ def segments_ref(
     amax_bits.scatter_reduce_(0, where.block_row[:, None].expand(T, C), bits, "amax")
     scale, inverse, finite = scale_rule(amax_bits)
     used = torch.arange(num_blocks, device=x_TC.device) < block_offsets[-1]
-    scales = torch.where(used[:, None], scale, 0.0)
+    scales = torch.where(used[:, None], scale, 0.0).masked_fill_(where.malformed, float("nan"))
     q_TC = _to_e4m3(x_TC, inverse[where.block_row], finite[where.block_row])
     data = torch.zeros(C, padded_tokens, dtype=torch.uint8, device=x_TC.device)
     data.index_copy_(1, where.column, q_TC.view(torch.uint8).t())

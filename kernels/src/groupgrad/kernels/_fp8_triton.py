@@ -17,6 +17,9 @@ of the ``(128, 1)`` form.
   data (zeros past the expert's tokens up to its 16-token padding) and, with
   ``WITH_ROWS``, the ``(1, 128)`` form of the same tile. Programs past the
   last expert zero their scale row and, between them, the data's tail columns.
+  Malformed device ``splits`` (``_fp8_ops.malformed``): every program takes
+  the reference's in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the
+  same columns, :func:`_segment`) and writes NaN scales.
 
 Scales follow the reference's bit rule exactly: ``max |x|`` as integer bits
 (no NaN rules), the power-of-two scale and its reciprocal built from bits, a
@@ -73,6 +76,49 @@ def _e4m3(x, inverse, finite):
 
 
 @triton.jit
+def _poisoned(scale, malformed):
+    """``scale``, or NaN (bits ``0x7FC00000``, as ``torch.nan``) where the splits are malformed."""
+    nan = (malformed.to(tl.int32) * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(malformed, nan, scale)
+
+
+@triton.jit
+def _segment(b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_blocks,  # type: ignore[no-untyped-def]
+             BLOCK_E: tl.constexpr):  # fmt: skip
+    """Where 128-token block row ``b`` lies: ``(active, malformed, row_start, rows, column_start,
+    local)`` — ``active``: ``b`` holds tokens of an expert, or the splits are malformed;
+    the block's first row of ``x``, the expert's rows from it (may be < 128 or <= 0), its
+    first data column, and the tokens' ``(128,)`` int64 positions in the expert's segment.
+
+    Malformed splits (a running sum that falls, or does not end at ``T``; the
+    offsets are ``(E + 1,)`` int64 on the device) get the reference's stand-in
+    (``_fp8_ops.token_map``): block ``b`` holds tokens ``[128 b, 128 b + 128)``
+    at the same columns, so every access stays inside the tensors.
+    """
+    b = b.to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    listed = experts < E
+    ends = tl.load(block_offsets_ptr + 1 + experts, mask=listed, other=num_blocks)
+    e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
+    starts = tl.load(row_offsets_ptr + experts, mask=listed, other=0)
+    nexts = tl.load(row_offsets_ptr + 1 + experts, mask=listed, other=0)
+    falls = tl.max((nexts < starts).to(tl.int32), axis=0) > 0
+    malformed = falls | (tl.load(row_offsets_ptr + E) != T)
+    in_expert = e < E
+    row_start = tl.load(row_offsets_ptr + e, mask=in_expert, other=0)
+    rows = tl.load(row_offsets_ptr + e + 1, mask=in_expert, other=0) - row_start
+    column_start = tl.load(seg_offsets_ptr + e, mask=in_expert, other=0)
+    first_block = tl.load(block_offsets_ptr + e, mask=in_expert, other=0)
+    row_start = tl.where(malformed, b * 128, row_start)
+    rows = tl.where(malformed, T - b * 128, rows)
+    column_start = tl.where(malformed, b * 128, column_start)
+    first_block = tl.where(malformed, b, first_block)
+    local = (b - first_block) * 128 + tl.arange(0, 128)
+    active = in_expert | malformed
+    return active, malformed, row_start, rows, tl.multiple_of(column_start, 16), local
+
+
+@triton.jit
 def _rows_kernel(x_ptr, data_ptr, scales_ptr, T, C, BLOCK_T: tl.constexpr):  # type: ignore[no-untyped-def]
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     block = tl.program_id(1)
@@ -124,14 +170,10 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
     b = tl.program_id(0)
     channel_block = tl.program_id(1)
     channels = (channel_block * 128 + tl.arange(0, 128)).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
-    ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=num_blocks)
-    e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
-    if e < E:
-        row_start = tl.load(row_offsets_ptr + e)
-        rows_e = tl.load(row_offsets_ptr + e + 1) - row_start
-        column_start = tl.multiple_of(tl.load(seg_offsets_ptr + e), 16)
-        local = (b - tl.load(block_offsets_ptr + e)) * 128 + tl.arange(0, 128)  # int64
+    active, malformed, row_start, rows_e, column_start, local = _segment(
+        b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_blocks, BLOCK_E
+    )
+    if active:
         ok = local < rows_e
         rows = row_start + local
         x_offsets = rows[:, None] * C + channels[None, :]
@@ -141,12 +183,13 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
         q = _e4m3(x, inverse[None, :], finite[None, :])  # zero past the expert's tokens
         padded_e = (rows_e + 15) // 16 * 16
         columns = column_start + local
+        keep = (local < padded_e) & (columns < padded_tokens)  # the bound: malformed splits
         tl.store(
             data_ptr + channels[None, :] * padded_tokens + columns[:, None],
             q,
-            mask=(local < padded_e)[:, None],
+            mask=keep[:, None],
         )
-        tl.store(scales_ptr + b.to(tl.int64) * C + channels, scale)
+        tl.store(scales_ptr + b.to(tl.int64) * C + channels, _poisoned(scale, malformed))
         if WITH_ROWS:
             row_scale, row_inverse, row_finite = _scale_rule(tl.max(bits, axis=1))
             q_rows = _e4m3(x, row_inverse[:, None], row_finite[:, None])

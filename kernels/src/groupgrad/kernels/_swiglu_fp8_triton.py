@@ -27,7 +27,9 @@ experts, ``NB`` scale rows and ``Tp`` padded tokens of the ``(128, 1)`` form.
   token-contiguous. Both recompute the SwiGLU from ``da`` and ``h`` (the
   second read mostly from L2). ``dprobs`` is the sum of the ``F/128`` partial
   sums, in a fixed order (no atomics). Token programs past the last expert
-  zero their scale rows and, between them, the data's tail columns.
+  zero their scale rows and, between them, the data's tail columns; malformed
+  device ``splits`` give every token program the quantizer's in-bounds
+  stand-in and NaN scales (``_fp8_triton._segment``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from groupgrad.kernels._fp8_triton import _abs_bits, _e4m3, _scale_rule
+from groupgrad.kernels._fp8_triton import _abs_bits, _e4m3, _poisoned, _scale_rule, _segment
 
 __all__ = ["backward_triton", "forward_triton"]
 
@@ -134,11 +136,13 @@ def _zero_tail(data_ptr, channels, start, padded_tokens, step, CH: tl.constexpr)
 
 
 @triton.jit
-def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep, padded_tokens):
-    """``x`` (``[128 tokens, channels]``) quantized by column: its ``(128, 1)`` scales, and
-    its data token-contiguous in the ``(C, Tp)`` form (the tokens ``keep`` says)."""
+def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep, padded_tokens,  # type: ignore[no-untyped-def]
+                malformed):  # fmt: skip
+    """``x`` (``[128 tokens, channels]``) quantized by column: its ``(128, 1)`` scales (NaN
+    for ``malformed`` splits), and its data token-contiguous in the ``(C, Tp)`` form (the
+    tokens ``keep`` says)."""
     scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=0))
-    tl.store(scales_ptr + scale_offsets, scale)
+    tl.store(scales_ptr + scale_offsets, _poisoned(scale, malformed))
     q = _e4m3(x, inverse[None, :], finite[None, :])
     offsets = channels[None, :] * padded_tokens + columns[:, None]
     tl.store(data_ptr + offsets, q, mask=keep[:, None])
@@ -179,17 +183,14 @@ def _swiglu_fp8_backward_tokens_kernel(  # type: ignore[no-untyped-def]
     b = q // (F // CH)
     j = chunk // (128 // CH)
     channels = chunk * CH + tl.arange(0, CH).to(tl.int64)  # of a, and of g
-    experts = tl.arange(0, BLOCK_E)
-    ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=num_blocks)
-    e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
-    if e < E:
-        row_start = tl.load(row_offsets_ptr + e)
-        rows_e = tl.load(row_offsets_ptr + e + 1) - row_start
-        column_start = tl.multiple_of(tl.load(seg_offsets_ptr + e), 16)
-        local = (b - tl.load(block_offsets_ptr + e)) * 128 + tl.arange(0, 128)
+    active, malformed, row_start, rows_e, column_start, local = _segment(
+        b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_blocks, BLOCK_E
+    )
+    if active:
         ok = local < rows_e
-        keep = local < (rows_e + 15) // 16 * 16  # zeros up to the expert's 16-token padding
         columns = column_start + local
+        # zeros up to the expert's 16-token padding; the bound holds for malformed splits
+        keep = (local < (rows_e + 15) // 16 * 16) & (columns < padded_tokens)
         dg, du, act, _part = _swiglu_grads(
             da_ptr, h_data_ptr, h_scales_ptr, probs_ptr, row_start + local, ok, j, channels,
             T, F, HAS_PROBS,
@@ -197,12 +198,12 @@ def _swiglu_fp8_backward_tokens_kernel(  # type: ignore[no-untyped-def]
         if DH_TOKENS:
             g_scales = b * (2 * F) + channels
             _token_form(dg, dht_scales_ptr, g_scales, dht_data_ptr, channels, columns, keep,
-                        padded_tokens)  # fmt: skip
+                        padded_tokens, malformed)  # fmt: skip
             _token_form(du, dht_scales_ptr, g_scales + F, dht_data_ptr, channels + F, columns,
-                        keep, padded_tokens)  # fmt: skip
+                        keep, padded_tokens, malformed)  # fmt: skip
         if A_TOKENS:
             _token_form(act, at_scales_ptr, b * F + channels, at_data_ptr, channels, columns,
-                        keep, padded_tokens)  # fmt: skip
+                        keep, padded_tokens, malformed)  # fmt: skip
     else:
         zeros = tl.zeros([CH], tl.float32)
         used_blocks = tl.load(block_offsets_ptr + E)

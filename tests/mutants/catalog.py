@@ -407,6 +407,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_build.py",),
     ),
     Mutant(
+        "fp8-malformed-splits-scales-kept",
+        "malformed device splits leave the (128, 1) form's scales finite: it dequantizes to "
+        "plausible wrong values",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        '.masked_fill_(where.malformed, float("nan"))\n',
+        "\n",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
+        "fp8-malformed-splits-dequantized",
+        "dequantize of a (128, 1) form with malformed offsets returns finite values",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        '        return out.masked_fill_(where.malformed, float("nan"))',
+        "        return out",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
         "fp8-operand-strides-unchecked",
         "a hand-built Fp8Blocks whose scales or data have the right shape but another layout "
         "reaches the kernels, which read it as the layout they expect",

@@ -21,7 +21,7 @@ every scale of the ``(128, 1)`` form NaN, so whatever consumes it (the wgrad,
 ``dequantize``) gives NaN rather than a plausible wrong value; its data is
 then unspecified, the ``(1, 128)`` form from the same read stays exact (it
 does not depend on ``splits``), and no kernel reads or writes outside its
-tensors (:func:`malformed`, :func:`token_map`).
+tensors (:func:`malformed`).
 
 Three custom ops — ``groupgrad::quantize_fp8_rows``, ``…_weights`` and
 ``…_segments`` (the last writes the ``(1, 128)`` form too from the same read)
@@ -146,16 +146,15 @@ def malformed(row_offsets: Tensor, T: int) -> Tensor:
 
 
 def token_map(row_offsets: Tensor, seg_offsets: Tensor, block_offsets: Tensor, T: int) -> TokenMap:
-    """Each token's data column and scale row; for malformed splits, in bounds whatever
-    they say: token ``t`` at column ``t`` and scale row ``t // 128`` (``Tp >= T`` and
-    ``NB >= ceil(T / 128)``), the Triton kernels' stand-in too."""
+    """Each token's data column and scale row. For any offsets of ``E`` integer counts
+    (malformed too) they stay in bounds: column in ``[t, t + 15 E)``, scale row below
+    ``ceil(T / 128) + E``; the Triton kernels, which walk blocks rather than tokens, need
+    a stand-in for malformed splits (``_fp8_triton._segment``)."""
     token = torch.arange(T, device=row_offsets.device)
     expert = torch.searchsorted(row_offsets[1:], token, right=True)  # in [0, E]
     local = token - row_offsets[expert]
-    bad = malformed(row_offsets, T)
-    column = torch.where(bad, token, seg_offsets[expert] + local)
-    block_row = torch.where(bad, token // 128, block_offsets[expert] + local // 128)
-    return TokenMap(column, block_row, bad)
+    column, block_row = seg_offsets[expert] + local, block_offsets[expert] + local // 128
+    return TokenMap(column, block_row, malformed(row_offsets, T))
 
 
 def segments_ref(

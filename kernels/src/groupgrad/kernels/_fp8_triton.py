@@ -18,8 +18,8 @@ of the ``(128, 1)`` form.
   ``WITH_ROWS``, the ``(1, 128)`` form of the same tile. Programs past the
   last expert zero their scale row and, between them, the data's tail columns.
   Malformed device ``splits`` (``_fp8_ops.malformed``): every program takes
-  the reference's in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the
-  same columns, :func:`_segment`) and writes NaN scales.
+  an in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the same columns,
+  :func:`_segment`) and writes NaN scales.
 
 Scales follow the reference's bit rule exactly: ``max |x|`` as integer bits
 (no NaN rules), the power-of-two scale and its reciprocal built from bits, a
@@ -91,9 +91,10 @@ def _segment(b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_b
     first data column, and the tokens' ``(128,)`` int64 positions in the expert's segment.
 
     Malformed splits (a running sum that falls, or does not end at ``T``; the
-    offsets are ``(E + 1,)`` int64 on the device) get the reference's stand-in
-    (``_fp8_ops.token_map``): block ``b`` holds tokens ``[128 b, 128 b + 128)``
-    at the same columns, so every access stays inside the tensors.
+    offsets are ``(E + 1,)`` int64 on the device) could send a block past ``T``
+    rows or ``Tp`` columns; they get a stand-in instead: block ``b`` holds tokens
+    ``[128 b, 128 b + 128)`` at the same columns (``NB * 128 >= Tp``), so every
+    access stays inside the tensors. The scales are NaN then, the data unspecified.
     """
     b = b.to(tl.int64)
     experts = tl.arange(0, BLOCK_E)

@@ -136,7 +136,7 @@ def _zero_tail(data_ptr, channels, start, padded_tokens, step, CH: tl.constexpr)
 
 
 @triton.jit
-def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep, padded_tokens,  # type: ignore[no-untyped-def]
+def _token_form(x, scales_ptr, scale_offsets, data_ptr, channels, columns, keep, padded_tokens,
                 malformed):  # fmt: skip
     """``x`` (``[128 tokens, channels]``) quantized by column: its ``(128, 1)`` scales (NaN
     for ``malformed`` splits), and its data token-contiguous in the ``(C, Tp)`` form (the

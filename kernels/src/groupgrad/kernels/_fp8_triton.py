@@ -83,11 +83,6 @@ def _poisoned(scale, malformed):
 
 
 @triton.jit
-def _larger(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _segment(b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_blocks,  # type: ignore[no-untyped-def]
              BLOCK_E: tl.constexpr):  # fmt: skip
     """Where 128-token block row ``b`` lies: ``(active, malformed, row_start, rows, column_start,
@@ -106,10 +101,9 @@ def _segment(b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_b
     listed = experts < E
     ends = tl.load(block_offsets_ptr + 1 + experts, mask=listed, other=num_blocks)
     e = tl.sum((ends <= b).to(tl.int32), axis=0)  # the expert whose blocks hold b (E: none)
-    # a negative count makes a running sum drop below an earlier one (or below 0)
-    sums = tl.load(row_offsets_ptr + 1 + experts, mask=listed, other=T)
-    highest = tl.associative_scan(sums, 0, _larger)
-    falls = tl.max(((sums < highest) | (sums < 0)).to(tl.int32), axis=0) > 0
+    starts = tl.load(row_offsets_ptr + experts, mask=listed, other=0)
+    nexts = tl.load(row_offsets_ptr + 1 + experts, mask=listed, other=0)
+    falls = tl.max((nexts < starts).to(tl.int32), axis=0) > 0
     malformed = falls | (tl.load(row_offsets_ptr + E) != T)
     in_expert = e < E
     row_start = tl.load(row_offsets_ptr + e, mask=in_expert, other=0)

@@ -522,8 +522,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-block-straddles-experts",
         "the (128, 1) quantizer counts 128-token blocks over all tokens, across expert boundaries",
         "kernels/src/groupgrad/kernels/_fp8_ops.py",
-        "    return TokenMap(seg_offsets[expert] + local, block_offsets[expert] + local // 128)",
-        "    return TokenMap(seg_offsets[expert] + local, token // 128)",
+        "    column, block_row = seg_offsets[expert] + local, block_offsets[expert] + local // 128\n",
+        "    column, block_row = seg_offsets[expert] + local, token // 128\n",
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(

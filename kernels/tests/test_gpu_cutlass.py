@@ -338,15 +338,38 @@ def test_many_groups_take_several_setup_launches() -> None:
         _check(y[lo:hi], x[lo:hi].double() @ w[e].double().T, x[lo:hi] @ w[e].T, f"fprop {e}")
 
 
-def test_malformed_device_splits_stay_in_bounds() -> None:
-    """Device splits are not checked on the host; the setup kernel clamps them to T."""
+#: Device splits a host check would reject (E = 5, T = 600): past T, short of it, a negative
+#: count with the right sum, a count past T with the right sum, no tokens at all.
+MALFORMED = [[600, 600, 0, 0, 0], [100, 0, 0, 0, 100], [650, -50, 0, 0, 0],
+             [0, 1200, -600, 0, 0], [0, 0, 0, 0, 0]]  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", MALFORMED, ids=str)
+def test_malformed_device_splits_give_nan_outputs(sizes: list[int]) -> None:
+    """No host check sees a device ``splits``: the setup kernel gives the GEMM no tiles and
+    fills every output with NaN — fprop's and dgrad's whole output, every expert's wgrad,
+    accumulating or overwriting, packed or listed, over several setup launches too —
+    never a finite wrong value; the next well-formed call is exact again."""
     gen = torch.Generator().manual_seed(5)
     E, K, N, T, x, dy, w = _graph_case("fprop", gen)
-    y = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
-    bad = torch.tensor([T, T, -5, T, 7], device="cuda")
+    bad = torch.tensor(sizes, device="cuda")
+    y, dx = torch.zeros(T, N, dtype=torch.bfloat16, device="cuda"), torch.zeros_like(x)
     _cutlass.fprop(x, w, bad, y)
-    _cutlass.wgrad(dy, x, bad, [torch.empty(N, K, device="cuda") for _ in range(E)], False)
-    torch.cuda.synchronize()  # a fault would surface here
+    _cutlass.dgrad(dy, torch.stack(w), bad, dx)
+    packed = torch.zeros(E, N, K, device="cuda")
+    listed = [torch.zeros(N, K, device="cuda") for _ in range(E)]
+    _cutlass.wgrad(dy, x, bad, packed, True)
+    _cutlass.wgrad(dy, x, bad, listed, False)
+    many = [torch.zeros(8, 8, device="cuda") for _ in range(300)]  # three setup launches
+    narrow = [t[:, :8].contiguous() for t in (dy, x)]
+    _cutlass.wgrad(*narrow, torch.tensor(sizes + [0] * 295, device="cuda"), many, True)
+    for name, got in [("fprop", y), ("dgrad", dx), ("wgrad packed", packed),
+                      ("wgrad listed", torch.stack(listed)), ("wgrad, 300", torch.stack(many))]:  # fmt: skip
+        assert got.isnan().all(), f"{name}: {int((~got.isnan()).sum())} elements not NaN"
+    good = [120] * 5
+    _cutlass.fprop(x, w, torch.tensor(good, device="cuda"), y)
+    for e, (lo, hi) in enumerate(_bounds(good)):
+        _check(y[lo:hi], x[lo:hi].double() @ w[e].double().T, x[lo:hi] @ w[e].T, f"fprop {e}")
 
 
 # ---------------------------------------------------------------- support checks

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from groupgrad.kernels import (
+    grouped_dgrad,
+    grouped_fprop,
     grouped_wgrad,
     quantize_fp8,
     quantize_fp8_ref,
@@ -171,19 +173,32 @@ def test_malformed_device_splits_give_nan_not_wrong_values(sizes) -> None:
 
 
 @pytest.mark.parametrize("sizes", MALFORMED, ids=str)
-def test_a_wgrad_of_malformed_device_splits_is_nan_or_nothing(sizes) -> None:
-    """The FP8 wgrad of such forms: each expert's ``main_grad`` all NaN (the experts the GEMM's
-    setup gives tokens: it clamps the splits to ``T``) or untouched; never a finite wrong value."""
+def test_the_fp8_gemms_of_malformed_device_splits_give_nan(sizes) -> None:
+    """The GEMMs' setup sees the same splits: it gives them no tiles and fills every output
+    with NaN — fprop's and dgrad's whole output (their ``(1, 128)`` forms are exact), each
+    expert's ``main_grad`` accumulating or overwriting, packed or listed."""
     T, C, N = 1000, 512, 256
     splits = torch.tensor(sizes, device="cuda")
-    x = quantize_fp8(_inputs(T, C, torch.bfloat16, seed=16), block=(128, 1), splits=splits)
-    dy = quantize_fp8(_inputs(T, N, torch.bfloat16, seed=14), block=(128, 1), splits=splits)
-    main_grad = torch.zeros(len(sizes), N, C, device="cuda")
-    grouped_wgrad(dy, x, splits, out=main_grad, accumulate=True)
-    nan = [bool(m.isnan().all()) for m in main_grad]
-    for e, m in enumerate(main_grad):
-        assert nan[e] or not m.any(), f"expert {e}: neither NaN nor untouched"
-    assert any(nan) == any(n > 0 for n in sizes), nan
+    E = len(sizes)
+    x_rows, x = quantize_fp8(
+        _inputs(T, C, torch.bfloat16, seed=16), block=((1, 128), (128, 1)), splits=splits
+    )
+    dy_rows, dy = quantize_fp8(
+        _inputs(T, N, torch.bfloat16, seed=14), block=((1, 128), (128, 1)), splits=splits
+    )
+    w = quantize_fp8(_inputs(E * N, C, torch.bfloat16, seed=17).view(E, N, C), block=(128, 128))
+    outputs = {
+        "fprop": grouped_fprop(x_rows, w, splits),
+        "dgrad": grouped_dgrad(dy_rows, w, splits),
+        "wgrad accumulating, packed": grouped_wgrad(
+            dy, x, splits, out=torch.zeros(E, N, C, device="cuda"), accumulate=True
+        ),
+        "wgrad overwriting, listed": torch.stack(
+            grouped_wgrad(dy, x, splits, out=[torch.zeros(N, C, device="cuda") for _ in range(E)])
+        ),
+    }
+    for name, got in outputs.items():
+        assert got.isnan().all(), f"{name}: {int((~got.isnan()).sum())} elements not NaN"
 
 
 @pytest.mark.parametrize("E", [1, 3, 300, 8192, 8193])

@@ -185,6 +185,7 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   point_at(buffers, launch);  // the GEMM reads the arrays that the setup kernel writes
   point_at(buffers, setup);
   setup.splits = splits.data_ptr<int64_t>();
+  setup.num_groups = groups;
   const bool packed = is_packed(group);
   if (packed) {
     const at::Tensor& t = group[0];

@@ -1,14 +1,16 @@
 // Builds the FP8 grouped GEMMs' per-group arguments on the device from splits
 // (see fp8_setup.h): packs the rows form's token scales per group, and zeroes
-// the wgrad outputs of empty groups when overwriting.
+// the wgrad outputs of empty groups when overwriting. Malformed splits
+// (setup_common.cuh) give every group M = 0 and NaN outputs.
 #include "fp8_setup.h"
+#include "setup_common.cuh"
 
 #include <algorithm>
 
 namespace groupgrad {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = kSetupThreads;
 constexpr int64_t kScaleBlock = 128;  // channels (rows form) or tokens (segments) per scale
 
 // Where a group starts in each of the operands' token axes.
@@ -21,19 +23,12 @@ struct GroupStart {
 __device__ int64_t round_up_16(int64_t v) { return (v + 15) / 16 * 16; }
 __device__ int64_t scale_blocks(int64_t v) { return (v + kScaleBlock - 1) / kScaleBlock; }
 
-__device__ int64_t warp_sum(int64_t v) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    v += __shfl_down_sync(0xffffffffu, v, offset);
-  }
-  return v;
-}
-
 // The three prefix sums of splits[0:group) over the block; every thread gets them.
 __device__ GroupStart block_group_start(const int64_t* splits, int group) {
   __shared__ int64_t partial[3][kThreads / 32];
   GroupStart mine;
   for (int i = threadIdx.x; i < group; i += kThreads) {
-    const int64_t t = max(splits[i], int64_t{0});
+    const int64_t t = splits[i];
     mine.token += t;
     mine.column += round_up_16(t);
     mine.scale_row += scale_blocks(t);
@@ -75,12 +70,11 @@ __device__ void write_arguments(const Fp8SetupParams& p, int g, int m, int n, in
 
 // Rows form, group g: its arguments (block 0) and its share of the SFA copy
 // (every block): the (k/128, T) scales' columns r_e.. become a packed
-// (k/128, m_e) matrix at sfa_packed + r_e * k/128.
-__device__ void setup_rows(const Fp8SetupParams& p, int g) {
-  // Clamp so that malformed device splits (negative, or summing past T) can
-  // never address memory outside the operands.
-  const int64_t start = min(block_group_start(p.splits, g).token, p.tokens);
-  const int64_t m = min(max(p.splits[g], int64_t{0}), p.tokens - start);
+// (k/128, m_e) matrix at sfa_packed + r_e * k/128. Malformed splits: M = 0,
+// and the first launch's blocks fill D with NaN.
+__device__ void setup_rows(const Fp8SetupParams& p, int g, bool malformed) {
+  const int64_t start = malformed ? 0 : block_group_start(p.splits, g).token;
+  const int64_t m = malformed ? 0 : p.splits[g];
   const int64_t k_blocks = p.k / kScaleBlock;
   float* sfa = p.sfa_packed + start * k_blocks;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -91,6 +85,10 @@ __device__ void setup_rows(const Fp8SetupParams& p, int g) {
                     p.a + start * p.k, p.k, p.b + g * b_matrix, p.k, sfa,
                     p.b_scales + g * b_scale_matrix, p.d + start * p.n * p.out_bytes, p.n);
   }
+  if (malformed && p.group_begin == 0) {
+    fill_matrix(p.d, p.tokens, p.n * p.out_bytes, p.n * p.out_bytes, kNanByte,
+                blockIdx.y * int64_t{gridDim.x} + blockIdx.x, int64_t{gridDim.x} * gridDim.y);
+  }
   const int64_t count = m * k_blocks;
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * kThreads) {
@@ -100,29 +98,13 @@ __device__ void setup_rows(const Fp8SetupParams& p, int g) {
   }
 }
 
-// Zeroes a rows x cols row-major matrix with leading dimension ld (row bytes
-// and ld bytes are multiples of 16, checked on the host).
-__device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
-  const int64_t vecs_per_row = row_bytes / 16;
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    int4* row = reinterpret_cast<int4*>(base + r * ld_bytes);
-    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) {
-      row[v] = zero;
-    }
-  }
-}
-
 // Segments form, group g (local index `local` in this launch's chunk).
-__device__ void setup_segments(const Fp8SetupParams& p, int g, int local) {
-  const GroupStart start = block_group_start(p.splits, g);
-  // Malformed splits must never address memory outside the operands: clamp
-  // to the tokens left, and drop a group that would not fit the padded
-  // columns or the scale rows (possible only past T).
-  int64_t m = min(max(p.splits[g], int64_t{0}), max(p.tokens - start.token, int64_t{0}));
-  if (start.column + m > p.padded_tokens || start.scale_row + scale_blocks(m) > p.scale_rows) {
-    m = 0;
-  }
+// Malformed splits: M = 0 and a NaN output.
+__device__ void setup_segments(const Fp8SetupParams& p, int g, int local, bool malformed) {
+  // Well-formed splits keep every group inside the padded columns and the
+  // scale rows (Tp >= T + 15E, NB >= ceil(T / 128) + E).
+  const GroupStart start = malformed ? GroupStart{} : block_group_start(p.splits, g);
+  const int64_t m = malformed ? 0 : p.splits[g];
   const bool packed = p.packed_base != nullptr;
   char* out = const_cast<char*>(packed ? p.packed_base + g * p.packed_stride_bytes
                                        : p.group_ptr[local]);
@@ -136,8 +118,9 @@ __device__ void setup_segments(const Fp8SetupParams& p, int g, int local) {
                     p.a_scales + start.scale_row * p.out_features,
                     p.b_scales + start.scale_row * p.in_features, out, ld);
   }
-  if (p.zero_empty_outputs && m == 0) {
-    zero_matrix(out, p.out_features, p.in_features * p.out_bytes, ld * p.out_bytes);
+  if (malformed || (p.zero_empty_outputs && m == 0)) {
+    fill_matrix(out, p.out_features, p.in_features * p.out_bytes, ld * p.out_bytes,
+                malformed ? kNanByte : kZeroByte, blockIdx.x, gridDim.x);
   }
 }
 
@@ -147,10 +130,11 @@ __device__ void setup_segments(const Fp8SetupParams& p, int g, int local) {
 __global__ void __launch_bounds__(kThreads) fp8_setup_kernel(const Fp8SetupParams p) {
   const int local = blockIdx.y;
   const int g = p.group_begin + local;
+  const bool malformed = splits_malformed(p.splits, p.num_groups, p.tokens);
   if (p.form == Fp8Form::kRows) {
-    setup_rows(p, g);
+    setup_rows(p, g, malformed);
   } else {
-    setup_segments(p, g, local);
+    setup_segments(p, g, local, malformed);
   }
 }
 
@@ -174,6 +158,7 @@ int blocks_per_group(const Fp8SetupParams& p) {
 cudaError_t launch_fp8_setup(Fp8SetupParams params, int groups, const char* const* listed_ptr,
                              const int64_t* listed_ld, cudaStream_t stream) {
   const bool listed = params.form == Fp8Form::kSegments && params.packed_base == nullptr;
+  params.num_groups = groups;
   for (int begin = 0; begin < groups; begin += kMaxGroupsPerLaunch) {
     params.group_begin = begin;
     params.group_count = std::min(kMaxGroupsPerLaunch, groups - begin);

@@ -45,6 +45,7 @@ enum class Fp8Form : int { kRows = 0, kSegments = 1 };
 struct Fp8SetupParams {
   Fp8Form form = Fp8Form::kRows;
   const int64_t* splits = nullptr;  // (E,) on the device; never read by the host
+  int num_groups = 0;               // E, the length of splits (set by launch_fp8_setup)
   int64_t tokens = 0;               // T
   // Rows form extents (see above).
   int64_t n = 0;

@@ -1,23 +1,23 @@
 // Builds CUTLASS's per-group problem shapes, pointers and strides on the
 // device from splits (see grouped_setup.h), and zeroes the wgrad outputs of
-// empty groups when overwriting.
+// empty groups when overwriting. Malformed splits (setup_common.cuh) give
+// every group M = 0 and NaN outputs.
 #include "grouped_setup.h"
+#include "setup_common.cuh"
 
 namespace groupgrad {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = kSetupThreads;
 
 // Sum of splits[0:count) over the block; every thread gets the result.
 __device__ int64_t block_prefix(const int64_t* splits, int count) {
   __shared__ int64_t warp_sums[kThreads / 32];
   int64_t sum = 0;
   for (int i = threadIdx.x; i < count; i += kThreads) {
-    sum += max(splits[i], int64_t{0});
+    sum += splits[i];
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum += __shfl_down_sync(0xffffffffu, sum, offset);
-  }
+  sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) {
     warp_sums[threadIdx.x / 32] = sum;
   }
@@ -29,20 +29,6 @@ __device__ int64_t block_prefix(const int64_t* splits, int count) {
   return total;
 }
 
-// Zeroes a rows x cols row-major matrix with leading dimension ld (bytes are
-// 16-byte aligned: cols * elem_bytes and ld * elem_bytes are multiples of 16).
-__device__ void zero_matrix(char* base, int64_t rows, int64_t row_bytes, int64_t ld_bytes,
-                            int64_t part, int64_t parts) {
-  const int64_t vecs_per_row = row_bytes / 16;
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int64_t r = part; r < rows; r += parts) {
-    int4* row = reinterpret_cast<int4*>(base + r * ld_bytes);
-    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) {
-      row[v] = zero;
-    }
-  }
-}
-
 __device__ const char* group_matrix(const SetupParams& p, int g, int local) {
   return p.packed_base != nullptr ? p.packed_base + g * p.packed_stride_bytes : p.group_ptr[local];
 }
@@ -51,20 +37,32 @@ __device__ int64_t group_leading_dim(const SetupParams& p, int local) {
   return p.packed_base != nullptr ? p.packed_ld : p.group_ld[local];
 }
 
+// Malformed splits: NaN in every output. fprop and dgrad write one dense D
+// (T rows), filled by the blocks of the first launch; wgrad a matrix per group.
+__device__ void poison_outputs(const SetupParams& p, char* matrix, int64_t ld) {
+  if (p.op == GemmOp::kWgrad) {
+    fill_matrix(matrix, p.out_features, p.in_features * p.out_bytes, ld * p.out_bytes, kNanByte,
+                blockIdx.x, gridDim.x);
+  } else if (p.group_begin == 0) {
+    const int64_t cols = p.op == GemmOp::kFprop ? p.out_features : p.in_features;
+    fill_matrix(p.dense_d, p.tokens, cols * p.out_bytes, p.ld_dense_d * p.out_bytes, kNanByte,
+                blockIdx.y * int64_t{gridDim.x} + blockIdx.x, int64_t{gridDim.x} * gridDim.y);
+  }
+}
+
 // grid = (parts, group_count): block (0, g) writes group g's CUTLASS arguments;
 // when zeroing, every block of a group with no tokens zeroes a share of its rows.
 __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupParams p) {
   const int local = blockIdx.y;
   const int g = p.group_begin + local;
-  // Clamp so that malformed device splits (negative, or summing past T) can
-  // never address memory outside the dense operands.
-  const int64_t rows = max(p.splits[g], int64_t{0});
+  const bool malformed = splits_malformed(p.splits, p.num_groups, p.tokens);
+  // Well-formed splits keep every group inside the dense operands.
+  const int64_t m = malformed ? 0 : p.splits[g];
   const char* matrix = group_matrix(p, g, local);
   const int64_t ld = group_leading_dim(p, local);
 
   if (blockIdx.x == 0) {
-    const int64_t start = min(block_prefix(p.splits, g), p.tokens);
-    const int64_t m = min(rows, p.tokens - start);
+    const int64_t start = malformed ? 0 : block_prefix(p.splits, g);
     if (threadIdx.x == 0) {
       int* shape = p.problem_shapes + 3 * g;
       switch (p.op) {
@@ -98,9 +96,11 @@ __global__ void __launch_bounds__(kThreads) grouped_setup_kernel(const SetupPara
     }
   }
 
-  if (p.zero_empty_outputs && rows == 0) {
-    zero_matrix(const_cast<char*>(matrix), p.out_features, p.in_features * p.out_bytes,
-                ld * p.out_bytes, blockIdx.x, gridDim.x);
+  if (malformed) {
+    poison_outputs(p, const_cast<char*>(matrix), ld);
+  } else if (p.zero_empty_outputs && m == 0) {
+    fill_matrix(const_cast<char*>(matrix), p.out_features, p.in_features * p.out_bytes,
+                ld * p.out_bytes, kZeroByte, blockIdx.x, gridDim.x);
   }
 }
 

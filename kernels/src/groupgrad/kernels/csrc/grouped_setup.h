@@ -21,6 +21,7 @@ enum class GemmOp : int { kFprop = 0, kDgrad = 1, kWgrad = 2 };
 //   wgrad: dw_e(N, K) = dy_e(m_e, N)^T @ x_e(m_e, K)    A = dy column-major, B = x N-major
 struct SetupParams {
   const int64_t* splits = nullptr;  // (E,) on the device; never read by the host
+  int num_groups = 0;               // E, the length of splits
   int64_t tokens = 0;               // T, the rows of the dense operands
   int64_t out_features = 0;         // N
   int64_t in_features = 0;          // K

@@ -128,15 +128,15 @@ def test_the_fp8_wgrad_counts_the_experts_of_packed_and_listed_outputs(monkeypat
 
     class Extension:
         def fp8_wgrad(self, *args: object) -> None:
-            ran.append(str(args[8]))
+            ran.append(str(args[10]))  # the variant's name
 
     monkeypatch.setattr(_cutlass, "_extension", lambda variant: Extension())
     adds = {v.name: v.adds for v in tuning.VARIANT_SETS["default"] if v.name.startswith("fp8_")}
     t = torch.empty(0)
     packed, listed = [torch.empty(128, 128, 128)], [torch.empty(128, 128)] * 128
     for out in (packed, listed):
-        _cutlass.fp8_wgrad(t, t, t, t, t, 128 * 256, out, True)  # 256 tokens per expert
-        _cutlass.fp8_wgrad(t, t, t, t, t, 128 * 2048, out, True)
+        _cutlass.fp8_wgrad(t, t, t, t, t, t, t, 128 * 256, out, True)  # 256 tokens per expert
+        _cutlass.fp8_wgrad(t, t, t, t, t, t, t, 128 * 2048, out, True)
     assert [adds[name] for name in ran] == [False, True, False, True]
 
 

@@ -127,6 +127,37 @@ def test_wgrad_into_fp32_main_grads_matches_fp64(name: str, accumulate: bool, pa
     assert torch.equal(rerun if packed else torch.stack(rerun), result)
 
 
+@pytest.mark.parametrize("x_splits", ["device", "list"])
+def test_a_wgrad_of_operands_quantized_with_other_splits_is_nan(x_splits: str) -> None:
+    """Device ``splits`` are never compared on the host: the setup kernel compares the call's
+    counts with each operand's own running counts and, where they differ (the operand's
+    128-token blocks straddle the call's experts), makes every ``main_grad`` NaN — packed and
+    listed, accumulating and overwriting — instead of a plausible wrong gradient. Equal counts
+    in another tensor agree."""
+    splits, other = SPLIT_SETS["ragged"], [151, 0, 4112, 77]  # the same T
+    T, E, N, K = sum(splits), len(splits), 256, 384
+    assert sum(other) == T
+    dev = torch.tensor(splits, device="cuda")
+    dy8 = quantize_fp8(_randn(T, N, seed=4), block=SEGMENTS, splits=dev)
+    x = _randn(T, K, seed=5)
+    x8 = quantize_fp8(x, block=SEGMENTS, splits=_splits_as(other, x_splits))
+    for accumulate in (True, False):
+        packed = grouped_wgrad(
+            dy8, x8, dev, out=torch.zeros(E, N, K, device="cuda"), accumulate=accumulate
+        )
+        listed = grouped_wgrad(
+            dy8, x8, dev, out=[torch.zeros(N, K, device="cuda") for _ in range(E)],
+            accumulate=accumulate,
+        )  # fmt: skip
+        for got in (packed, torch.stack(listed)):
+            assert got.isnan().all(), f"{int((~got.isnan()).sum())} elements not NaN"
+    agreeing = quantize_fp8(x, block=SEGMENTS, splits=_splits_as(splits, x_splits))
+    got = grouped_wgrad(dy8, agreeing, dev)
+    dy64, x64 = dy8.dequantize().double(), agreeing.dequantize().double()
+    truth = torch.stack([dy64[rows].T @ x64[rows] for rows in _rows_of(splits)])
+    assert _rel(got, truth) <= FP8_REL
+
+
 def test_wgrad_accumulating_by_reduce_add_matches_the_c_loading_kernel_bit_for_bit() -> None:
     """L2's fp32 add (TMA reduce-add) rounds as the epilogue's ``C + result`` does.
 

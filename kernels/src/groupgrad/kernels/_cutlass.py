@@ -406,8 +406,10 @@ def fp8_dgrad(
 def fp8_wgrad(
     dy_data: torch.Tensor,
     dy_scales: torch.Tensor,
+    dy_row_offsets: torch.Tensor,
     x_data: torch.Tensor,
     x_scales: torch.Tensor,
+    x_row_offsets: torch.Tensor,
     splits_E: torch.Tensor,
     tokens: int,
     out: Group,
@@ -428,9 +430,16 @@ def fp8_wgrad(
             ``[off_e, off_e + splits_E[e])``, ``off_e`` the sum of the earlier
             splits each rounded up to 16.
         dy_scales: ``(NB, N)`` float32, expert e's 128-token blocks in consecutive rows.
+        dy_row_offsets: ``(E + 1,)`` int64 on the GPU: the running token counts ``dy``
+            was quantized with (``Fp8Blocks.row_offsets``).
         x_data: ``(K, Tp)`` ``torch.float8_e4m3fn``, laid out like ``dy_data``.
         x_scales: ``(NB, K)`` float32, laid out like ``dy_scales``.
+        x_row_offsets: ``x``'s, like ``dy_row_offsets``.
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
+            The setup kernel checks it on the device: counts that are negative, past
+            ``T`` or not summing to ``T``, that differ from either operand's own, or
+            that need more columns or scale rows than the operands have, make every
+            ``out[e]`` NaN (the GEMM then does nothing).
         tokens: ``T``, the tokens of all experts together.
         out: ``E`` row-major ``(N, K)`` tensors, or one ``(E, N, K)`` tensor in a
             list; float32 or bfloat16, one dtype, 16-byte aligned. Mutated.
@@ -445,6 +454,7 @@ def fp8_wgrad(
         plan = Plan(_fp8_variant(
             "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert))  # fmt: skip
     _extension(plan.variant).fp8_wgrad(
-        dy_data, dy_scales, x_data, x_scales, splits_E, tokens, list(out), accumulate,
+        dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits_E, tokens,
+        list(out), accumulate,
         plan.variant, plan.max_swizzle, plan.raster_along_n,
     )  # fmt: skip

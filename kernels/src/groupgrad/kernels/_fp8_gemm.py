@@ -177,7 +177,10 @@ def wgrad_on_device(
         )  # fmt: skip
         return
     on_device = _group.on_device(splits, dy_data.device)
-    cutlass.fp8_wgrad(dy_data, dy_scales, x_data, x_scales, on_device, tokens, out, accumulate)
+    cutlass.fp8_wgrad(
+        dy_data, dy_scales, dy_offsets[0], x_data, x_scales, x_offsets[0], on_device, tokens,
+        out, accumulate,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- custom ops

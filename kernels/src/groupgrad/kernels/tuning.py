@@ -210,8 +210,8 @@ def run_fp8_cutlass(
     order = {"plan": Plan(variant, raster_along_n, max_swizzle)}
     if op == "wgrad":
         _cutlass.fp8_wgrad(
-            a.data, a.scales, b.data, b.scales, splits, a.shape[0], op_form(out), accumulate,
-            **order,
+            a.data, a.scales, cast(Tensor, a.row_offsets), b.data, b.scales,
+            cast(Tensor, b.row_offsets), splits, a.shape[0], op_form(out), accumulate, **order,
         )  # fmt: skip
     elif op == "fprop":
         _cutlass.fp8_fprop(a.data, a.scales, b.data, b.scales, splits, cast(Tensor, out), **order)

@@ -250,8 +250,10 @@ void fp8_dgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at:
 
 // out[e] = dy_e^T @ x_e from the segments forms (accumulate: out[e] += ...);
 // overwriting zeroes the outputs of experts without tokens.
-void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at::Tensor& x_data,
-               const at::Tensor& x_scales, const at::Tensor& splits_E, int64_t tokens,
+void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales,
+               const at::Tensor& dy_row_offsets, const at::Tensor& x_data,
+               const at::Tensor& x_scales, const at::Tensor& x_row_offsets,
+               const at::Tensor& splits_E, int64_t tokens,
                const std::vector<at::Tensor>& out, bool accumulate,
                const std::string& variant_name, int64_t max_swizzle, bool raster_along_n) {
   const Fp8Raster raster = as_raster(max_swizzle, raster_along_n);
@@ -302,7 +304,17 @@ void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales, const at:
   }
   const int64_t E = group_count(out);
   TORCH_CHECK(E < (int64_t{1} << 31), "groupgrad: too many groups: ", E);
+  for (const auto& [t, name] : {std::pair{&dy_row_offsets, "dy_row_offsets"},
+                                std::pair{&x_row_offsets, "x_row_offsets"}}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == E + 1 && t->scalar_type() == at::kLong &&
+                    t->is_contiguous() && t->device() == device,
+                "groupgrad: ", name, " must be a contiguous int64 tensor of ", E + 1,
+                " elements on ", device, ", got ", t->sizes(), " ", t->scalar_type(), " on ",
+                t->device());
+  }
   setup.form = Fp8Form::kSegments;
+  setup.a_row_offsets = dy_row_offsets.data_ptr<int64_t>();
+  setup.b_row_offsets = x_row_offsets.data_ptr<int64_t>();
   setup.tokens = tokens;
   setup.out_features = N;
   setup.in_features = K;
@@ -336,7 +348,8 @@ void add_fp8_bindings(py::module& m) {
         py::arg("out"), py::arg("variant"), py::arg("max_swizzle") = 1,
         py::arg("raster_along_n") = false);
   m.def("fp8_wgrad", &fp8_wgrad, "grouped FP8 wgrad", py::arg("dy_data"),
-        py::arg("dy_scales"), py::arg("x_data"), py::arg("x_scales"), py::arg("splits"),
+        py::arg("dy_scales"), py::arg("dy_row_offsets"), py::arg("x_data"), py::arg("x_scales"),
+        py::arg("x_row_offsets"), py::arg("splits"),
         py::arg("tokens"), py::arg("out"), py::arg("accumulate"), py::arg("variant"),
         py::arg("max_swizzle") = 1, py::arg("raster_along_n") = false);
 }

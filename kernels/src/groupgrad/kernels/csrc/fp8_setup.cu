@@ -98,11 +98,52 @@ __device__ void setup_rows(const Fp8SetupParams& p, int g, bool malformed) {
   }
 }
 
+// Segments form: whether the operands cannot hold these (well-formed)
+// splits — their own running counts (quantized with other splits: their
+// 128-token blocks straddle these experts) differ, or the counts need more
+// padded columns or scale rows than the operands have. Every thread of the
+// block gets the answer.
+__device__ bool segments_mismatch(const Fp8SetupParams& p) {
+  __shared__ int64_t partial[3][kThreads / 32];
+  int64_t differ = 0;
+  int64_t columns = 0;
+  int64_t blocks = 0;
+  for (int i = threadIdx.x; i <= p.num_groups; i += kThreads) {
+    const int64_t count = i < p.num_groups ? p.splits[i] : 0;
+    const int64_t a_start = p.a_row_offsets[i];
+    const int64_t b_start = p.b_row_offsets[i];
+    if (i == 0) {
+      differ += (a_start != 0) + (b_start != 0);
+    }
+    if (i < p.num_groups) {
+      differ += (p.a_row_offsets[i + 1] - a_start != count) +
+                (p.b_row_offsets[i + 1] - b_start != count);
+      columns += round_up_16(count);
+      blocks += scale_blocks(count);
+    }
+  }
+  differ = warp_sum(differ);
+  columns = warp_sum(columns);
+  blocks = warp_sum(blocks);
+  if (threadIdx.x % 32 == 0) {
+    partial[0][threadIdx.x / 32] = differ;
+    partial[1][threadIdx.x / 32] = columns;
+    partial[2][threadIdx.x / 32] = blocks;
+  }
+  __syncthreads();
+  int64_t total[3] = {0, 0, 0};
+  for (int w = 0; w < kThreads / 32; ++w) {
+    for (int j = 0; j < 3; ++j) {
+      total[j] += partial[j][w];
+    }
+  }
+  return total[0] > 0 || total[1] > p.padded_tokens || total[2] > p.scale_rows;
+}
+
 // Segments form, group g (local index `local` in this launch's chunk).
-// Malformed splits: M = 0 and a NaN output.
+// Malformed splits, or operands that do not fit them: M = 0 and a NaN output.
 __device__ void setup_segments(const Fp8SetupParams& p, int g, int local, bool malformed) {
-  // Well-formed splits keep every group inside the padded columns and the
-  // scale rows (Tp >= T + 15E, NB >= ceil(T / 128) + E).
+  // Past the checks every group lies inside the padded columns and the scale rows.
   const GroupStart start = malformed ? GroupStart{} : block_group_start(p.splits, g);
   const int64_t m = malformed ? 0 : p.splits[g];
   const bool packed = p.packed_base != nullptr;
@@ -134,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) fp8_setup_kernel(const Fp8SetupParam
   if (p.form == Fp8Form::kRows) {
     setup_rows(p, g, malformed);
   } else {
-    setup_segments(p, g, local, malformed);
+    setup_segments(p, g, local, malformed || segments_mismatch(p));
   }
 }
 

@@ -60,6 +60,10 @@ struct Fp8SetupParams {
   const float* a_scales = nullptr;
   const uint8_t* b = nullptr;
   const float* b_scales = nullptr;
+  // Segments form: the operands' own running token counts, (E + 1,) int64 on
+  // the device (the quantizer's row offsets); splits must agree with both.
+  const int64_t* a_row_offsets = nullptr;
+  const int64_t* b_row_offsets = nullptr;
   char* d = nullptr;       // rows form output
   int out_bytes = 2;       // element size of D
   float* sfa_packed = nullptr;  // rows form: T * k/128 floats of workspace

@@ -13,9 +13,8 @@ GPU. A group of ``E`` ``(N, K)`` matrices (the weights ``w``, or the wgrad outpu
 is packed — ``[w_ENK]``, one tensor whose ``E`` matrices the device addresses by
 stride, so the host does no per-expert work — or listed, ``E`` separate matrices.
 
-Which kernels exist and how they are compiled and cached: ``groupgrad.kernels.build``.
-This module loads them (building the default set on first use), says whether they
-can run on a device, and launches the planned one per call.
+Which kernels exist and how they are compiled and cached: ``groupgrad.kernels.build``
+(this module builds the default set on first use).
 """
 
 from __future__ import annotations
@@ -279,15 +278,9 @@ def wgrad(
     if plan is None:
         plan = default_plan("wgrad", dy_TN, x_TK, out)
     _extension(plan.variant).wgrad(
-        dy_TN,
-        x_TK,
-        splits_E,
-        list(out),
-        accumulate,
-        plan.variant,
-        plan.raster_along_n,
-        plan.max_swizzle,
-    )
+        dy_TN, x_TK, splits_E, list(out), accumulate,
+        plan.variant, plan.raster_along_n, plan.max_swizzle,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- FP8
@@ -361,8 +354,8 @@ def fp8_fprop(
         w_data: ``(E, N, K)`` ``torch.float8_e4m3fn``, contiguous.
         w_scales: ``(E, N / 128, K / 128)`` float32, contiguous.
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
-        out: ``(T, N)`` bfloat16 or float16, contiguous; overwritten (rows past
-            ``splits_E.sum()`` are not written).
+        out: ``(T, N)`` bfloat16 or float16, contiguous; overwritten (all NaN for malformed
+            ``splits_E``: csrc/setup_common.cuh).
         plan: the FP8 variant (compiled, for this op and ``out``'s dtype) and
             the scheduler's tile order; ``None``: the default set's kernel,
             swizzle 1, along M.
@@ -392,8 +385,8 @@ def fp8_dgrad(
         wt_data: ``(E, K, N)`` ``torch.float8_e4m3fn``, the weights transposed, contiguous.
         w_scales: ``(E, N / 128, K / 128)`` float32, the weights' scales, contiguous.
         splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
-        out: ``(T, K)`` bfloat16 or float16, contiguous; overwritten (rows past
-            ``splits_E.sum()`` are not written).
+        out: ``(T, K)`` bfloat16 or float16, contiguous; overwritten (all NaN for malformed
+            ``splits_E``: csrc/setup_common.cuh).
         plan: as for :func:`fp8_fprop`.
     """
     plan = plan or Plan(_fp8_variant("dgrad", out.dtype))
@@ -422,24 +415,17 @@ def fp8_wgrad(
     Overwriting never reads ``out``; an expert with no tokens gets exact zeros
     (overwrite) or is left untouched (accumulate). Accumulating into fp32 with
     at least :data:`ADD_FROM_TOKENS_PER_EXPERT` tokens per expert on average
-    runs the kernel that adds by TMA reduce-add (the SMs never load ``out``;
-    L2 adds each fp32 result to it, the same rounding as ``out += result``).
+    runs the kernel that adds by TMA reduce-add (L2 adds each fp32 result to
+    ``out``: the same rounding as ``out += result``).
 
     Args:
-        dy_data: ``(N, Tp)`` ``torch.float8_e4m3fn``, expert e's tokens in columns
-            ``[off_e, off_e + splits_E[e])``, ``off_e`` the sum of the earlier
-            splits each rounded up to 16.
+        dy_data: ``(N, Tp)`` e4m3, expert e's tokens in columns ``[off_e, off_e +
+            splits_E[e])``, ``off_e`` the earlier splits' sum, each rounded up to 16.
         dy_scales: ``(NB, N)`` float32, expert e's 128-token blocks in consecutive rows.
-        dy_row_offsets: ``(E + 1,)`` int64 on the GPU: the running token counts ``dy``
-            was quantized with (``Fp8Blocks.row_offsets``).
-        x_data: ``(K, Tp)`` ``torch.float8_e4m3fn``, laid out like ``dy_data``.
-        x_scales: ``(NB, K)`` float32, laid out like ``dy_scales``.
-        x_row_offsets: ``x``'s, like ``dy_row_offsets``.
-        splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host).
-            The setup kernel checks it on the device: counts that are negative, past
-            ``T`` or not summing to ``T``, that differ from either operand's own, or
-            that need more columns or scale rows than the operands have, make every
-            ``out[e]`` NaN (the GEMM then does nothing).
+        dy_row_offsets: ``dy.row_offsets``, ``(E + 1,)`` int64 on the GPU.
+        x_data, x_scales, x_row_offsets: ``x``'s (``(K, Tp)``, ``(NB, K)``), like ``dy``'s.
+        splits_E: ``(E,)`` int64 tokens per expert, on the GPU (never read by the host);
+            malformed, or other than an operand's own: every ``out[e]`` NaN (fp8_setup.cu).
         tokens: ``T``, the tokens of all experts together.
         out: ``E`` row-major ``(N, K)`` tensors, or one ``(E, N, K)`` tensor in a
             list; float32 or bfloat16, one dtype, 16-byte aligned. Mutated.
@@ -455,6 +441,5 @@ def fp8_wgrad(
             "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert))  # fmt: skip
     _extension(plan.variant).fp8_wgrad(
         dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits_E, tokens,
-        list(out), accumulate,
-        plan.variant, plan.max_swizzle, plan.raster_along_n,
+        list(out), accumulate, plan.variant, plan.max_swizzle, plan.raster_along_n,
     )  # fmt: skip

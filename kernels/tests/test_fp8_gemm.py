@@ -9,6 +9,8 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -214,12 +216,27 @@ def test_splits_that_straddle_the_quantized_blocks(operands: dict[str, Fp8Blocks
 def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     x = operands["x"]
     row_major = Fp8Blocks(x.data, x.scales.contiguous(), block=ROWS, dtype=x.dtype, shape=x.shape)
-    with pytest.raises(ValueError, match=r"^x\.scales is \(488, 3\) \(3, 1\) cpu, expected"):
+    with pytest.raises(
+        ValueError, match=r"^x\.scales is \(488, 3\) \(3, 1\) torch\.float32 cpu, expected"
+    ):
         grouped_fprop(row_major, operands["w"], SPLITS)
     w = operands["w"]
     no_t = Fp8Blocks(w.data, w.scales, block=WEIGHTS, dtype=w.dtype, shape=w.shape)
     with pytest.raises(ValueError, match=r"^weights\.data_t is None, expected \(5, 384, 256\)"):
         grouped_dgrad(operands["dy"], no_t, SPLITS)
+    dy = operands["dy_seg"]
+    int32_offsets = copy.copy(dy)
+    int32_offsets.row_offsets = dy.row_offsets.int()
+    with pytest.raises(
+        ValueError,
+        match=r"^dy\.row_offsets is \(6,\) \(1,\) torch\.int32 cpu, expected \(6,\) with strides "
+        r"\(1,\) torch\.int64",
+    ):
+        grouped_wgrad(int32_offsets, operands["x_seg"], SPLITS)
+    strided = copy.copy(dy)
+    strided.seg_offsets = torch.stack([dy.seg_offsets] * 2, 1)[:, 0]
+    with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \(6,\) \(2,\) torch\.int64"):
+        grouped_wgrad(strided, operands["x_seg"], SPLITS)
     wide = Fp8Blocks(x.data.view(T, 3, 128)[:, :2].reshape(T, 256), x.scales[:, :2], block=ROWS,
                      dtype=x.dtype, shape=(T, 200))  # fmt: skip
     with pytest.raises(ValueError, match=r"expected K and N multiples of 128 for FP8"):

@@ -433,6 +433,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "fp8-operand-dtypes-unchecked",
+        "a hand-built (128, 1) Fp8Blocks with int32 running counts reaches the FP8 wgrad, "
+        "whose setup kernel reads them as int64",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "            and t.dtype == dtype\n",
+        "",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
         "fp8-cutlass-mainloop-uncleared",
         "CUTLASS's FP8 blockwise mainloop adds its first promoted block to the accumulator "
         "registers as allocated (a persistent kernel's previous tile), right only while the "

@@ -273,20 +273,23 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             "torch.float8_e4m3fn and torch.float32"
         )
     device = data.device
-    for part, shape, strides in _fp8_layout(value):
+    for part, shape, strides, dtype in _fp8_layout(value):
         t = getattr(value, part)
         if not (  # one combined test per tensor; the message only for a misfit
             isinstance(t, Tensor)
             and t.shape == shape
             and (strides is None or t.stride() == strides or _same_memory(t, strides))
             and t.device == device
+            and t.dtype == dtype
         ):
             got = (
-                "None" if not isinstance(t, Tensor) else f"{tuple(t.shape)} {t.stride()} {t.device}"
+                "None"
+                if not isinstance(t, Tensor)
+                else f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device}"
             )
             want = f"{shape} with strides {strides}" if strides else f"{shape}"
             raise ValueError(
-                f"{name}.{part} is {got}, expected {want} on {device} for an Fp8Blocks of "
+                f"{name}.{part} is {got}, expected {want} {dtype} on {device} for an Fp8Blocks of "
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
     return value
@@ -301,11 +304,13 @@ def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
 
 
-_Layout = tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...]
+_Layout = tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None, torch.dtype], ...]
+_E4M3, _F32, _I64 = torch.float8_e4m3fn, torch.float32, torch.int64
 
 
 def _fp8_layout(value: Fp8Blocks) -> _Layout:
-    """``(part, shape, strides or None)`` of each tensor of ``value`` (see :class:`Fp8Blocks`)."""
+    """``(part, shape, strides or None, dtype)`` of each tensor of ``value`` (see
+    :class:`Fp8Blocks`); the offsets are what the wgrad's setup kernel reads."""
     shape = value.shape
     if value.block == WEIGHTS:
         if len(shape) != 3:
@@ -316,16 +321,16 @@ def _fp8_layout(value: Fp8Blocks) -> _Layout:
         E, N, K = shape
         _fp8_multiples("weights", shape, (N, K))
         return (
-            ("data", (E, N, K), (N * K, K, 1)),
-            ("data_t", (E, K, N), (N * K, N, 1)),
-            ("scales", (E, N // 128, K // 128), None),
+            ("data", (E, N, K), (N * K, K, 1), _E4M3),
+            ("data_t", (E, K, N), (N * K, N, 1), _E4M3),
+            ("scales", (E, N // 128, K // 128), None, _F32),
         )
     if len(shape) != 2:
         raise ValueError(f"an Fp8Blocks of block {value.block} has shape {shape}, expected (T, C)")
     T, C = shape
     _fp8_multiples("the activation", shape, (C,))
     if value.block == ROWS:
-        return ("data", (T, C), (C, 1)), ("scales", (T, C // 128), (1, T))
+        return ("data", (T, C), (C, 1), _E4M3), ("scales", (T, C // 128), (1, T), _F32)
     offsets = value.row_offsets
     E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
     if E < 1:
@@ -334,13 +339,13 @@ def _fp8_layout(value: Fp8Blocks) -> _Layout:
         )
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     blocks = -(-T // 128) + E
-    offsets_shape = (E + 1,)
+    counts = ((E + 1,), (1,), _I64)
     return (
-        ("data", (C, padded), (padded, 1)),
-        ("scales", (blocks, C), (C, 1)),
-        ("row_offsets", offsets_shape, None),
-        ("seg_offsets", offsets_shape, None),
-        ("block_offsets", offsets_shape, None),
+        ("data", (C, padded), (padded, 1), _E4M3),
+        ("scales", (blocks, C), (C, 1), _F32),
+        ("row_offsets", *counts),
+        ("seg_offsets", *counts),
+        ("block_offsets", *counts),
     )
 
 

@@ -87,8 +87,9 @@ def _segment(b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_b
              BLOCK_E: tl.constexpr):  # fmt: skip
     """Where 128-token block row ``b`` lies: ``(active, malformed, row_start, rows, column_start,
     local)`` — ``active``: ``b`` holds tokens of an expert, or the splits are malformed;
-    the block's first row of ``x``, the expert's rows from it (may be < 128 or <= 0), its
-    first data column, and the tokens' ``(128,)`` int64 positions in the expert's segment.
+    the expert's first row of ``x`` and its number of rows (``<= 0`` possible for a stand-in),
+    its first data column, and the block's tokens' ``(128,)`` int64 positions in the expert's
+    segment (row ``row_start + local``, column ``column_start + local``).
 
     Malformed splits (a running sum that falls, or does not end at ``T``; the
     offsets are ``(E + 1,)`` int64 on the device) could send a block past ``T``

@@ -201,7 +201,7 @@ def _blocks_of(block: object) -> tuple[list[Block], bool]:
             return blocks, True
     raise ValueError(
         f"block is {block!r}, expected (1, 128), (128, 128) or (128, 1), or the tuple "
-        "((1, 128), (128, 1)) (both forms from one read)"
+        "((1, 128), (128, 1)) (both forms in one call)"
     )
 
 
@@ -382,8 +382,8 @@ def quantize_fp8(
     * ``(128, 1)`` with ``splits``: 128 tokens × 1 channel inside each
       expert's segment of a ``(T, C)`` activation, never straddling two
       experts (the wgrad operands); callers never pad token counts.
-    * ``((1, 128), (128, 1))`` (either order) with ``splits``: both forms
-      from one read of ``t``, as a tuple in the order asked.
+    * ``((1, 128), (128, 1))`` (either order) with ``splits``: both forms,
+      each from ``t`` itself, as a tuple in the order asked.
 
     e4m3 data is ``x / scale`` rounded to nearest even (saturating at ±448);
     a zero block gets scale 1 and zero data, a block holding NaN or Inf gets

@@ -210,7 +210,7 @@ def segments_op(
     padded_tokens: int,
     with_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(128, 1)`` blocks (and, ``with_rows``, ``(1, 128)`` blocks) in one read of ``x``."""
+    """``(128, 1)`` blocks (and, ``with_rows``, ``(1, 128)`` blocks) of ``x``."""
     return segments_ref(
         x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows
     )

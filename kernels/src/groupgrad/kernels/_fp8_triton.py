@@ -14,9 +14,11 @@ of the ``(128, 1)`` form.
   segment (block row ``b`` of ``NB``, found from ``block_offsets``; the grid
   is sized from the host bound ``NB = ceil(T/128) + E``, so device ``splits``
   are never read on the host). It writes the column scales, the transposed
-  data (zeros past the expert's tokens up to its 16-token padding) and, with
-  ``WITH_ROWS``, the ``(1, 128)`` form of the same tile. Programs past the
-  last expert zero their scale row and, between them, the data's tail columns.
+  data (zeros past the expert's tokens up to its 16-token padding). Programs
+  past the last expert zero their scale row and, between them, the data's
+  tail columns. Both forms of one tensor come from two kernels, rows then
+  segments: one kernel writing both held 251 registers (2 programs per SM)
+  and ran up to 1.23x slower (DEVICE_RUNS 114).
   Malformed device ``splits`` (``_fp8_ops.malformed``): every program takes
   an in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the same columns,
   :func:`_segment`) and writes NaN scales.
@@ -45,7 +47,7 @@ __all__ = ["offsets_triton", "rows_triton", "segments_triton", "weights_triton"]
 E4M3 = torch.float8_e4m3fn
 ROWS_PER_PROGRAM = 64
 STACK_BYTES = 64 << 20  # small experts' weights stacked per launch, up to this many bytes
-SEGMENT_WARPS = 4  # measured on the H200: 0.40-0.45x the copy rate, 8 warps 0.29-0.37x
+SEGMENT_WARPS = 4  # on the H200 (DEVICE_RUNS 114): 8 warps ran at 0.57-0.62x the speed of 4
 MAX_OFFSETS_EXPERTS = 8192  # experts one program of the offsets kernel sums
 
 
@@ -64,8 +66,7 @@ def _scale_rule(amax_bits):
     zero = amax_bits == 0
     scale = tl.where(zero, 1.0, (exponent << 23).to(tl.float32, bitcast=True))
     inverse = tl.where(zero, 1.0, ((254 - exponent) << 23).to(tl.float32, bitcast=True))
-    nan = (exponent * 0 + 0x7FC00000).to(tl.float32, bitcast=True)
-    return tl.where(finite, scale, nan), inverse, finite
+    return _poisoned(scale, ~finite), inverse, finite
 
 
 @triton.jit
@@ -159,14 +160,11 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
     block_offsets_ptr,
     data_ptr,
     scales_ptr,
-    row_data_ptr,
-    row_scales_ptr,
     T,
     C,
     E,
     padded_tokens,
     num_blocks,
-    WITH_ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -180,8 +178,7 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
         rows = row_start + local
         x_offsets = rows[:, None] * C + channels[None, :]
         x = tl.load(x_ptr + x_offsets, mask=ok[:, None], other=0.0).to(tl.float32)
-        bits = _abs_bits(x)
-        scale, inverse, finite = _scale_rule(tl.max(bits, axis=0))
+        scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=0))
         q = _e4m3(x, inverse[None, :], finite[None, :])  # zero past the expert's tokens
         padded_e = (rows_e + 15) // 16 * 16
         columns = column_start + local
@@ -192,11 +189,6 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
             mask=keep[:, None],
         )
         tl.store(scales_ptr + b.to(tl.int64) * C + channels, _poisoned(scale, malformed))
-        if WITH_ROWS:
-            row_scale, row_inverse, row_finite = _scale_rule(tl.max(bits, axis=1))
-            q_rows = _e4m3(x, row_inverse[:, None], row_finite[:, None])
-            tl.store(row_data_ptr + x_offsets, q_rows, mask=ok[:, None])
-            tl.store(row_scales_ptr + channel_block.to(tl.int64) * T + rows, row_scale, mask=ok)
     else:
         tl.store(scales_ptr + b.to(tl.int64) * C + channels, tl.zeros([128], tl.float32))
         used_blocks = tl.load(block_offsets_ptr + E)
@@ -363,7 +355,9 @@ def segments_triton(
     padded_tokens: int,
     with_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Triton twin of ``_fp8_ops.segments_ref``: one kernel, one read of ``x``, every output written.
+    """Triton twin of ``_fp8_ops.segments_ref``, every output written: the segments kernel,
+    and with ``with_rows`` the rows kernel before it (two reads of ``x``; on the H200 the two
+    run 1.0-1.23x as fast as one kernel writing both forms, DEVICE_RUNS 114).
 
     The offsets are ``(E + 1,)`` int64 on ``x``'s device; they are only read
     by the kernel (no host sync).
@@ -374,29 +368,15 @@ def segments_triton(
     data = torch.empty(C, padded_tokens, dtype=E4M3, device=device)
     scales = torch.empty(num_blocks, C, dtype=torch.float32, device=device)
     if with_rows:
-        row_data = torch.empty(T, C, dtype=E4M3, device=device)
-        row_scales = torch.empty(C // 128, T, dtype=torch.float32, device=device)
+        row_data, row_scales = rows_triton(x_TC)
     else:
         row_data = torch.empty(0, dtype=E4M3, device=device)
         row_scales = torch.empty(0, dtype=torch.float32, device=device)
     if num_blocks and C:
         with _on_device(x_TC):
             _segments_kernel[(num_blocks, C // 128)](
-                x_TC,
-                row_offsets,
-                seg_offsets,
-                block_offsets,
-                data,
-                scales,
-                row_data if with_rows else data,  # unread without WITH_ROWS
-                row_scales if with_rows else scales,
-                T,
-                C,
-                E,
-                padded_tokens,
-                num_blocks,
-                WITH_ROWS=with_rows,
-                BLOCK_E=triton.next_power_of_2(max(E, 1)),
+                x_TC, row_offsets, seg_offsets, block_offsets, data, scales, T, C, E,
+                padded_tokens, num_blocks, BLOCK_E=triton.next_power_of_2(max(E, 1)),
                 num_warps=SEGMENT_WARPS,
-            )
+            )  # fmt: skip
     return data, scales, row_data, row_scales

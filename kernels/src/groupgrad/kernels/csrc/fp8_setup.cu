@@ -25,30 +25,15 @@ __device__ int64_t scale_blocks(int64_t v) { return (v + kScaleBlock - 1) / kSca
 
 // The three prefix sums of splits[0:group) over the block; every thread gets them.
 __device__ GroupStart block_group_start(const int64_t* splits, int group) {
-  __shared__ int64_t partial[3][kThreads / 32];
-  GroupStart mine;
+  int64_t sums[3] = {0, 0, 0};  // tokens, columns, scale rows
   for (int i = threadIdx.x; i < group; i += kThreads) {
     const int64_t t = splits[i];
-    mine.token += t;
-    mine.column += round_up_16(t);
-    mine.scale_row += scale_blocks(t);
+    sums[0] += t;
+    sums[1] += round_up_16(t);
+    sums[2] += scale_blocks(t);
   }
-  mine.token = warp_sum(mine.token);
-  mine.column = warp_sum(mine.column);
-  mine.scale_row = warp_sum(mine.scale_row);
-  if (threadIdx.x % 32 == 0) {
-    partial[0][threadIdx.x / 32] = mine.token;
-    partial[1][threadIdx.x / 32] = mine.column;
-    partial[2][threadIdx.x / 32] = mine.scale_row;
-  }
-  __syncthreads();
-  GroupStart start;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    start.token += partial[0][w];
-    start.column += partial[1][w];
-    start.scale_row += partial[2][w];
-  }
-  return start;
+  block_sums(sums);
+  return GroupStart{sums[0], sums[1], sums[2]};
 }
 
 __device__ void write_arguments(const Fp8SetupParams& p, int g, int m, int n, int k,
@@ -104,40 +89,23 @@ __device__ void setup_rows(const Fp8SetupParams& p, int g, bool malformed) {
 // padded columns or scale rows than the operands have. Every thread of the
 // block gets the answer.
 __device__ bool segments_mismatch(const Fp8SetupParams& p) {
-  __shared__ int64_t partial[3][kThreads / 32];
-  int64_t differ = 0;
-  int64_t columns = 0;
-  int64_t blocks = 0;
+  int64_t sums[3] = {0, 0, 0};  // counts that differ, padded columns, scale rows
   for (int i = threadIdx.x; i <= p.num_groups; i += kThreads) {
     const int64_t count = i < p.num_groups ? p.splits[i] : 0;
     const int64_t a_start = p.a_row_offsets[i];
     const int64_t b_start = p.b_row_offsets[i];
     if (i == 0) {
-      differ += (a_start != 0) + (b_start != 0);
+      sums[0] += (a_start != 0) + (b_start != 0);
     }
     if (i < p.num_groups) {
-      differ += (p.a_row_offsets[i + 1] - a_start != count) +
-                (p.b_row_offsets[i + 1] - b_start != count);
-      columns += round_up_16(count);
-      blocks += scale_blocks(count);
+      sums[0] += (p.a_row_offsets[i + 1] - a_start != count) +
+                 (p.b_row_offsets[i + 1] - b_start != count);
+      sums[1] += round_up_16(count);
+      sums[2] += scale_blocks(count);
     }
   }
-  differ = warp_sum(differ);
-  columns = warp_sum(columns);
-  blocks = warp_sum(blocks);
-  if (threadIdx.x % 32 == 0) {
-    partial[0][threadIdx.x / 32] = differ;
-    partial[1][threadIdx.x / 32] = columns;
-    partial[2][threadIdx.x / 32] = blocks;
-  }
-  __syncthreads();
-  int64_t total[3] = {0, 0, 0};
-  for (int w = 0; w < kThreads / 32; ++w) {
-    for (int j = 0; j < 3; ++j) {
-      total[j] += partial[j][w];
-    }
-  }
-  return total[0] > 0 || total[1] > p.padded_tokens || total[2] > p.scale_rows;
+  block_sums(sums);
+  return sums[0] > 0 || sums[1] > p.padded_tokens || sums[2] > p.scale_rows;
 }
 
 // Segments form, group g (local index `local` in this launch's chunk).

@@ -12,21 +12,12 @@ constexpr int kThreads = kSetupThreads;
 
 // Sum of splits[0:count) over the block; every thread gets the result.
 __device__ int64_t block_prefix(const int64_t* splits, int count) {
-  __shared__ int64_t warp_sums[kThreads / 32];
-  int64_t sum = 0;
+  int64_t sum[1] = {0};
   for (int i = threadIdx.x; i < count; i += kThreads) {
-    sum += splits[i];
+    sum[0] += splits[i];
   }
-  sum = warp_sum(sum);
-  if (threadIdx.x % 32 == 0) {
-    warp_sums[threadIdx.x / 32] = sum;
-  }
-  __syncthreads();
-  int64_t total = 0;
-  for (int w = 0; w < kThreads / 32; ++w) {
-    total += warp_sums[w];
-  }
-  return total;
+  block_sums(sum);
+  return sum[0];
 }
 
 __device__ const char* group_matrix(const SetupParams& p, int g, int local) {

@@ -17,35 +17,44 @@ __device__ inline int64_t warp_sum(int64_t v) {
   return v;
 }
 
+// Sums each of `values` over the block; every thread gets the totals. The
+// block waits until every thread has read the partial sums before it
+// returns, so the next call may write them again. Every thread of the block
+// must call it.
+template <int N>
+__device__ inline void block_sums(int64_t (&values)[N]) {
+  __shared__ int64_t partial[N][kSetupThreads / 32];
+  for (int j = 0; j < N; ++j) {
+    values[j] = warp_sum(values[j]);
+    if (threadIdx.x % 32 == 0) {
+      partial[j][threadIdx.x / 32] = values[j];
+    }
+  }
+  __syncthreads();
+  for (int j = 0; j < N; ++j) {
+    values[j] = 0;
+    for (int w = 0; w < kSetupThreads / 32; ++w) {
+      values[j] += partial[j][w];
+    }
+  }
+  __syncthreads();
+}
+
 // Whether device splits break their contract (every count in [0, tokens],
 // the counts summing to tokens). Such splits could address memory outside
 // the operands, and no host sees them: the setup kernels then give the GEMM
 // no tiles and fill its outputs with NaN. Every thread of the block gets the
 // answer.
 __device__ inline bool splits_malformed(const int64_t* splits, int groups, int64_t tokens) {
-  __shared__ int64_t partial[2][kSetupThreads / 32];
-  int64_t sum = 0;
-  int64_t outside = 0;
+  int64_t sums[2] = {0, 0};  // the counts in [0, tokens], the counts outside it
   for (int i = threadIdx.x; i < groups; i += kSetupThreads) {
     const int64_t count = splits[i];
     const bool ok = count >= 0 && count <= tokens;
-    outside += ok ? 0 : 1;
-    sum += ok ? count : 0;  // at most groups * tokens: no overflow
+    sums[0] += ok ? count : 0;  // at most groups * tokens: no overflow
+    sums[1] += ok ? 0 : 1;
   }
-  sum = warp_sum(sum);
-  outside = warp_sum(outside);
-  if (threadIdx.x % 32 == 0) {
-    partial[0][threadIdx.x / 32] = sum;
-    partial[1][threadIdx.x / 32] = outside;
-  }
-  __syncthreads();
-  int64_t total = 0;
-  int64_t total_outside = 0;
-  for (int w = 0; w < kSetupThreads / 32; ++w) {
-    total += partial[0][w];
-    total_outside += partial[1][w];
-  }
-  return total_outside > 0 || total != tokens;
+  block_sums(sums);
+  return sums[1] > 0 || sums[0] != tokens;
 }
 
 // Sets every byte of a rows x row_bytes matrix (rows ld_bytes apart) to

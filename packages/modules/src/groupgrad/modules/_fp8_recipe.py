@@ -101,7 +101,7 @@ class Fp8Blockwise:
     held: dict[int, Fp8WeightCache] | None = None
 
     def quantize_input(self, x_TK: Tensor, splits: Splits) -> tuple[Fp8Blocks, Fp8Blocks]:
-        """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), from one read."""
+        """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), each from ``x``."""
         both = _quantized(x_TK, "x", block=(ROWS, TOKENS), splits=splits)
         return cast(tuple[Fp8Blocks, Fp8Blocks], both)
 

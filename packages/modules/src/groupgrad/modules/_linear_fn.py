@@ -186,7 +186,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_autocast(x_TK.device):
             x_gemm: Tensor | Fp8Blocks = x_TK
             x_saved: Operand = x_TK
-            if fp8 is not None:  # one read of x: both forms; only the wgrad's is saved
+            if fp8 is not None:  # both forms from x; only the wgrad's is saved
                 x_gemm, x_saved = fp8.quantize_input(x_TK, splits)
             y_TN, ctx.target, num_groups = layer_fprop(
                 x_gemm, splits, spec, weights, cast_dtype, fp8=fp8
@@ -216,7 +216,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_autocast(dy_TN.device):
             dy_gemm: Tensor | Fp8Blocks | None = dy_TN
             dy_wgrad: Operand | None = dy_TN
-            if fp8 is not None:  # one read of dy: the forms its GEMMs need
+            if fp8 is not None:  # from dy: the forms its GEMMs need
                 dy_gemm, dy_wgrad = fp8.quantize_grad(
                     dy_TN, ctx.splits, rows=ctx.needs_input_grad[0], tokens=ctx.target.trainable()
                 )

@@ -14,7 +14,7 @@ never from another FP8 form:
 tensor                 forms (where)                           kept for backward
 =====================  ======================================  ===========================
 ``x``                  ``(1, 128)`` fc1 fprop, ``(128, 1)``    the ``(128, 1)`` form
-                       fc1 wgrad — one read (forward)
+                       fc1 wgrad — one call (forward)
 ``h`` (after bias)     ``(1, 128)`` (forward): the SwiGLU      the ``(1, 128)`` form
                        reads it dequantized, in forward and
                        again in backward
@@ -22,7 +22,7 @@ tensor                 forms (where)                           kept for backward
                        ``(128, 1)`` fc2 wgrad, from the
                        recomputed ``a`` (backward)
 ``dy``                 ``(1, 128)`` fc2 dgrad, ``(128, 1)``    —
-                       fc2 wgrad — one read
+                       fc2 wgrad — one call
 ``dh``                 ``(1, 128)`` fc1 dgrad, ``(128, 1)``    —
                        fc1 wgrad — one read
 =====================  ======================================  ===========================

@@ -3,8 +3,9 @@
 Target (the FP8 kernels issue): (bytes read + written, scales included) / time
 >= 0.70 x the copy rate for tensors of >= 16k rows, both forms counting one
 read of the source (on CUDA two kernels write them, each reading it, since
-DEVICE_RUNS 114); both forms also at T = 65536, C = 7168, E = 32. Prints each case's share of the copy rate and writes JSON with ``--json``; also
-the time per call of 128 one-expert weights packed, as views of one buffer
+DEVICE_RUNS 114); both forms also at T = 65536, C = 7168, E = 32. Prints each
+case's share of the copy rate and writes JSON with ``--json``; also the time
+per call of 128 one-expert weights packed, as views of one buffer
 and in allocations apart (:func:`weight_lists`).
 
 Two times per case: ``gpu_ms``, the GPU's own time per call (calls queued

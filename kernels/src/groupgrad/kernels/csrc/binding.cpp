@@ -48,6 +48,16 @@ int64_t group_count(const std::vector<at::Tensor>& group) {
   return is_packed(group) ? group[0].size(0) : static_cast<int64_t>(group.size());
 }
 
+void check_counts(const at::Tensor& t, const char* name, int64_t elements,
+                  const at::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+              ", got ", t.device());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == elements && t.scalar_type() == at::kLong &&
+                  t.is_contiguous(),
+              "groupgrad: ", name, " must be a contiguous int64 tensor of ", elements,
+              " elements, got ", t.sizes(), " ", t.scalar_type());
+}
+
 // Checks a group of (rows, cols) matrices, packed or listed (see is_packed).
 void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
                  int64_t cols, at::ScalarType dtype, const at::Device& device) {
@@ -159,12 +169,7 @@ void run_grouped(const KernelVariant& variant, SetupParams setup,
   const int64_t group_total = group_count(group);
   TORCH_CHECK(group_total < (int64_t{1} << 31), "groupgrad: too many groups: ", group_total);
   const int groups = static_cast<int>(group_total);
-  TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
-                  splits.is_cuda() && splits.is_contiguous(),
-              "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,
-              " elements, got ", splits.sizes(), " ", splits.scalar_type());
-  TORCH_CHECK(splits.device() == anchor.device(), "groupgrad: splits is on ", splits.device(),
-              " but the operands are on ", anchor.device());
+  check_counts(splits, "splits", groups, anchor.device());
   if (groups == 0) {
     return;
   }

@@ -24,6 +24,10 @@ inline size_t round_up(size_t value, size_t multiple) {
 bool is_packed(const std::vector<at::Tensor>& group);
 int64_t group_count(const std::vector<at::Tensor>& group);
 
+// (elements,) contiguous int64 token counts on `device` (splits, running counts).
+void check_counts(const at::Tensor& t, const char* name, int64_t elements,
+                  const at::Device& device);
+
 // Checks a group of (rows, cols) matrices of `dtype` on `device`, packed or listed.
 void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
                  int64_t cols, at::ScalarType dtype, const at::Device& device);

@@ -104,12 +104,7 @@ void run_fp8(const Fp8KernelVariant& variant, Fp8SetupParams setup, int groups,
               variant.name, " has no C operand and cannot accumulate");
   TORCH_CHECK(accumulate || !variant.adds_to_d, "groupgrad: variant ", variant.name,
               " adds to its output and cannot overwrite it");
-  TORCH_CHECK(splits.dim() == 1 && splits.size(0) == groups && splits.scalar_type() == at::kLong &&
-                  splits.is_cuda() && splits.is_contiguous(),
-              "groupgrad: splits must be a contiguous int64 CUDA tensor of ", groups,
-              " elements, got ", splits.sizes(), " ", splits.scalar_type());
-  TORCH_CHECK(splits.device() == anchor.device(), "groupgrad: splits is on ", splits.device(),
-              " but the operands are on ", anchor.device());
+  check_counts(splits, "splits", groups, anchor.device());
   // Overwriting wgrad zeroes empty groups even when no token is left.
   const bool zeroing = setup.form == Fp8Form::kSegments && !accumulate;
   if (groups == 0 || (setup.tokens == 0 && !zeroing)) {
@@ -304,14 +299,8 @@ void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales,
   }
   const int64_t E = group_count(out);
   TORCH_CHECK(E < (int64_t{1} << 31), "groupgrad: too many groups: ", E);
-  for (const auto& [t, name] : {std::pair{&dy_row_offsets, "dy_row_offsets"},
-                                std::pair{&x_row_offsets, "x_row_offsets"}}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == E + 1 && t->scalar_type() == at::kLong &&
-                    t->is_contiguous() && t->device() == device,
-                "groupgrad: ", name, " must be a contiguous int64 tensor of ", E + 1,
-                " elements on ", device, ", got ", t->sizes(), " ", t->scalar_type(), " on ",
-                t->device());
-  }
+  check_counts(dy_row_offsets, "dy_row_offsets", E + 1, device);
+  check_counts(x_row_offsets, "x_row_offsets", E + 1, device);
   setup.form = Fp8Form::kSegments;
   setup.a_row_offsets = dy_row_offsets.data_ptr<int64_t>();
   setup.b_row_offsets = x_row_offsets.data_ptr<int64_t>();

@@ -262,12 +262,18 @@ def say_once(message: str) -> None:
     logger.warning(message)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """``device``'s compute capability, asked once (about 5 µs of host time a question)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def triton_for(
     x: Tensor, module: str = TRITON_MODULE, what: str = "FP8 quantization"
 ) -> ModuleType | None:
     """``module``'s Triton kernels for ``x``'s device, or ``None`` (said once) to run the reference."""
     kernels, reason = load_triton_kernels(module)
-    if kernels is not None and torch.cuda.get_device_capability(x.device) < (8, 9):
+    if kernels is not None and _capability(x.device) < (8, 9):
         kernels, reason = None, f"{x.device} has no FP8 conversions (sm_89 or later needed)"
     if kernels is None:
         say_once(f"{what} runs on the PyTorch reference on CUDA: {reason}")

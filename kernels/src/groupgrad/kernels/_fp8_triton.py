@@ -10,7 +10,7 @@ of the ``(128, 1)`` form.
 * ``(1, 128)``: a program quantizes ``BLOCK_T`` rows × 128 channels.
 * ``(128, 128)``: a program quantizes one 128×128 tile of a weight and writes
   it twice, ``data`` ``(N, K)`` and ``data_t`` ``(K, N)``.
-* ``(128, 1)``: a program owns 128 tokens × 128 channels inside one expert's
+* ``(128, 1)``: a program owns 128 tokens × 64 channels inside one expert's
   segment (block row ``b`` of ``NB``, found from ``block_offsets``; the grid
   is sized from the host bound ``NB = ceil(T/128) + E``, so device ``splits``
   are never read on the host). It writes the column scales, the transposed
@@ -42,18 +42,28 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["offsets_triton", "rows_triton", "segments_triton", "weights_triton"]
+__all__ = ["offsets_triton", "on_device", "rows_triton", "segments_triton", "weights_triton"]
 
 E4M3 = torch.float8_e4m3fn
 ROWS_PER_PROGRAM = 64
 STACK_BYTES = 64 << 20  # small experts' weights stacked per launch, up to this many bytes
-SEGMENT_WARPS = 4  # on the H200 (DEVICE_RUNS 114): 8 warps ran at 0.57-0.62x the speed of 4
+# The segments kernel's tile: 128 tokens x 64 channels, 2 warps, a bf16 tile kept bf16 until it
+# is quantized (144 registers); on the H200 (DEVICE_RUNS 122) 1.07-1.12x as fast as 128 channels
+# widened to fp32 at 4 warps (168 registers), bitwise equal. 8 warps: slower (DEVICE_RUNS 114).
+SEGMENT_CHANNELS = 64
+SEGMENT_WARPS = 2
 MAX_OFFSETS_EXPERTS = 8192  # experts one program of the offsets kernel sums
 
 
 @triton.jit
 def _abs_bits(x):
-    """``|x|``'s bits as int32 (an integer max of them ranks NaN above Inf above finites)."""
+    """``|x|``'s fp32 bits as int32 (an integer max of them ranks NaN above Inf above finites).
+
+    A bf16 ``x`` is widened by a shift of its own bits (exactly its fp32 bits), so a
+    tile can stay bf16 in registers until it is quantized.
+    """
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF) << 16
     return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
@@ -166,10 +176,11 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
     padded_tokens,
     num_blocks,
     BLOCK_E: tl.constexpr,
+    CH: tl.constexpr,
 ):
     b = tl.program_id(0)
     channel_block = tl.program_id(1)
-    channels = (channel_block * 128 + tl.arange(0, 128)).to(tl.int64)
+    channels = (channel_block * CH + tl.arange(0, CH)).to(tl.int64)
     active, malformed, row_start, rows_e, column_start, local = _segment(
         b, row_offsets_ptr, seg_offsets_ptr, block_offsets_ptr, T, E, num_blocks, BLOCK_E
     )
@@ -177,9 +188,9 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
         ok = local < rows_e
         rows = row_start + local
         x_offsets = rows[:, None] * C + channels[None, :]
-        x = tl.load(x_ptr + x_offsets, mask=ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_offsets, mask=ok[:, None], other=0.0)  # widened only to quantize
         scale, inverse, finite = _scale_rule(tl.max(_abs_bits(x), axis=0))
-        q = _e4m3(x, inverse[None, :], finite[None, :])  # zero past the expert's tokens
+        q = _e4m3(x.to(tl.float32), inverse[None, :], finite[None, :])  # zero past the tokens
         padded_e = (rows_e + 15) // 16 * 16
         columns = column_start + local
         keep = (local < padded_e) & (columns < padded_tokens)  # the bound: malformed splits
@@ -190,10 +201,10 @@ def _segments_kernel(  # type: ignore[no-untyped-def]
         )
         tl.store(scales_ptr + b.to(tl.int64) * C + channels, _poisoned(scale, malformed))
     else:
-        tl.store(scales_ptr + b.to(tl.int64) * C + channels, tl.zeros([128], tl.float32))
+        tl.store(scales_ptr + b.to(tl.int64) * C + channels, tl.zeros([CH], tl.float32))
         used_blocks = tl.load(block_offsets_ptr + E)
         tail_start = tl.load(seg_offsets_ptr + E)
-        zeros = tl.zeros([128, 128], tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        zeros = tl.zeros([CH, 128], tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         # the unused programs (at least one: NB >= used blocks + 1) share the tail columns
         step = (num_blocks - used_blocks) * 128
         stop = tail_start * 0 + padded_tokens
@@ -224,9 +235,17 @@ def _offsets_kernel(  # type: ignore[no-untyped-def]
     tl.store(block_ptr + 1 + e, tl.cumsum((n + 127) // 128, axis=0), mask=ok)
 
 
-def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``t``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
+    """A context in which ``t``'s GPU is current (Triton launches on the current device).
+
+    Entered only when another device is current: ``torch.cuda.device`` costs
+    about 5 µs of host time per launch (DEVICE_RUNS 119). With the device's
+    capability asked once (``_fp8_ops``), a quantizer or SwiGLU call costs the
+    host 6-15 µs less (DEVICE_RUNS 122).
+    """
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def offsets_triton(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -240,7 +259,7 @@ def offsets_triton(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor] |
     # three tensors, not rows of one table: torch 2.11's Inductor fails to lower a
     # searchsorted over a row of such a table (DEVICE_RUNS 82), should compiled code get them
     row, seg, block = (torch.empty(E + 1, dtype=torch.int64, device=sizes.device) for _ in range(3))
-    with _on_device(sizes):
+    with on_device(sizes):
         _offsets_kernel[(1,)](
             sizes.contiguous(), row, seg, block, E,
             ALIGN=align, BLOCK_E=triton.next_power_of_2(max(E, 1)),
@@ -255,7 +274,7 @@ def rows_triton(x_TC: Tensor) -> tuple[Tensor, Tensor]:
     scales = torch.empty(C // 128, T, dtype=torch.float32, device=x_TC.device)
     if T and C:
         grid = (triton.cdiv(T, ROWS_PER_PROGRAM), C // 128)
-        with _on_device(x_TC):
+        with on_device(x_TC):
             _rows_kernel[grid](x_TC, data, scales, T, C, BLOCK_T=ROWS_PER_PROGRAM, num_warps=4)
     return data, scales
 
@@ -275,7 +294,7 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
     scales = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=device)
     first = 0
-    with _on_device(weights[0]):
+    with on_device(weights[0]):
         for w, count, expert_stride in _launches(weights):
             if count and N and K:
                 _weights_kernel[(K // 128, N // 128, count)](
@@ -373,10 +392,10 @@ def segments_triton(
         row_data = torch.empty(0, dtype=E4M3, device=device)
         row_scales = torch.empty(0, dtype=torch.float32, device=device)
     if num_blocks and C:
-        with _on_device(x_TC):
-            _segments_kernel[(num_blocks, C // 128)](
+        with on_device(x_TC):
+            _segments_kernel[(num_blocks, C // SEGMENT_CHANNELS)](
                 x_TC, row_offsets, seg_offsets, block_offsets, data, scales, T, C, E,
                 padded_tokens, num_blocks, BLOCK_E=triton.next_power_of_2(max(E, 1)),
-                num_warps=SEGMENT_WARPS,
+                CH=SEGMENT_CHANNELS, num_warps=SEGMENT_WARPS,
             )  # fmt: skip
     return data, scales, row_data, row_scales

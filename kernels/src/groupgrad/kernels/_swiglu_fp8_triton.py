@@ -34,14 +34,19 @@ experts, ``NB`` scale rows and ``Tp`` padded tokens of the ``(128, 1)`` form.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from groupgrad.kernels._fp8_triton import _abs_bits, _e4m3, _poisoned, _scale_rule, _segment
+from groupgrad.kernels._fp8_triton import (
+    _abs_bits,
+    _e4m3,
+    _poisoned,
+    _scale_rule,
+    _segment,
+    on_device,
+)
 
 __all__ = ["backward_triton", "forward_triton"]
 
@@ -221,11 +226,6 @@ def _swiglu_fp8_backward_tokens_kernel(  # type: ignore[no-untyped-def]
             _zero_tail(at_data_ptr, channels, start, padded_tokens, step, CH)
 
 
-def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``t``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def forward_triton(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Triton twin of ``_swiglu_fp8.forward_ref`` on a contiguous ``(T, 2F)`` ``h``."""
     T, C = h.shape
@@ -234,7 +234,7 @@ def forward_triton(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Ten
     h_data, h_scales = new(T, C, dtype=E4M3), new(C // 128, T, dtype=torch.float32)
     a_data, a_scales = new(T, F, dtype=E4M3), new(F // 128, T, dtype=torch.float32)
     if T and F:
-        with _on_device(h):
+        with on_device(h):
             _swiglu_fp8_forward_kernel[(triton.cdiv(T, FORWARD_ROWS), F // 128)](
                 h, h if probs is None else probs, h_data, h_scales, a_data, a_scales, T, F,
                 HAS_PROBS=probs is not None, BLOCK_T=FORWARD_ROWS, num_warps=FORWARD_WARPS,
@@ -268,7 +268,7 @@ def backward_triton(
     )
     partial = new(F // 128, T, dtype=F32) if probs is not None else new(0, dtype=F32)
     has_probs, p = probs is not None, da if probs is None else probs
-    with _on_device(da):
+    with on_device(da):
         if T and F and (dh_rows or has_probs):
             _swiglu_fp8_backward_rows_kernel[(triton.cdiv(T, ROW_BLOCK), F // 128)](
                 da, h_data, h_scales, p, *dh, partial, T, F,

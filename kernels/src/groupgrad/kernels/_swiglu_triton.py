@@ -20,13 +20,12 @@ with the same expression.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from groupgrad.kernels._fp8_triton import on_device
 from groupgrad.kernels._swiglu_tiles import tile
 
 __all__ = ["swiglu_probs_backward_triton", "swiglu_probs_triton"]
@@ -104,11 +103,6 @@ def _swiglu_probs_bwd_kernel(  # type: ignore[no-untyped-def]
         tl.store(dprobs_ptr + rows, dprobs.to(dprobs_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
-    """Launch on ``t``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def swiglu_probs_triton(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     """Fused Triton twin of ``swiglu_probs_ref``: same arguments and result.
 
@@ -125,7 +119,7 @@ def swiglu_probs_triton(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
         return a_TF
     block_t, block_f = tile(F)
     grid = (triton.cdiv(T, block_t), triton.cdiv(F, block_f))
-    with _on_device(h_T2F):
+    with on_device(h_T2F):
         _swiglu_probs_fwd_kernel[grid](
             h_T2F,
             h_T2F if probs_T is None else probs_T,
@@ -164,7 +158,7 @@ def swiglu_probs_backward_triton(
             dprobs_T.zero_()
         return dh_T2F, dprobs_T, a_TF
     block_t, block_f = tile(F)
-    with _on_device(h_T2F):
+    with on_device(h_T2F):
         _swiglu_probs_bwd_kernel[(triton.cdiv(T, block_t),)](
             da_TF,
             h_T2F,

@@ -121,8 +121,8 @@ def weight_lists(E: int = 128, shapes: tuple[tuple[int, int], ...] = ((1536, 204
     """ms per call (issued from an idle GPU, until done) of E one-expert weights, by layout.
 
     ``packed``: one ``(E, N, K)`` tensor; ``views``: its ``E`` views (evenly
-    spaced: one launch); ``apart``: each in an allocation of its own (runs of
-    small experts stacked per launch). Qwen3-30B-A3B's experts are the default.
+    spaced: one launch); ``apart``: each in an allocation of its own (one launch,
+    through a table of their addresses). Qwen3-30B-A3B's experts are the default.
     """
     found: dict[str, float] = {}
     for N, K in shapes:

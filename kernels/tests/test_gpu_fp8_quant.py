@@ -93,12 +93,13 @@ def _apart(w: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-# Views of one allocation evenly spaced, in either order (a flat parameter buffer), take one
-# launch in all (reading expert e at e × spacing); other lists one launch per run of small
-# experts stacked together (up to STACK_BYTES) or per large expert.
+# Every form takes one launch: views of one allocation evenly spaced, in either order (a flat
+# parameter buffer), read expert e at e × spacing; other lists read each expert's address from
+# a device table (test_listed_weights_routes: the stacked runs under capture).
 FORMS = {
     "packed": lambda w: w,
     "separate": lambda w: [m.clone() for m in w],
+    "strided": lambda w: [m.t().contiguous().t() for m in w],  # copied contiguous, then a table
     "apart": _apart,
     "views": lambda w: list(w.unbind(0)),
     "views reversed": lambda w: list(w.flip(0).contiguous().unbind(0))[::-1],
@@ -114,6 +115,40 @@ def test_weights_match_the_reference_bit_for_bit(dtype, form, E, N, K) -> None:
     source = FORMS[form](w)
     _poison()
     _same(quantize_fp8(source, block=(128, 128)), quantize_fp8_ref(source, block=(128, 128)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_listed_weights_routes(dtype, monkeypatch) -> None:
+    """Weights apart: an address table outside capture (no stacking copy); members not 16-byte
+    aligned, and any list under CUDA-graph capture, take runs stacked by a copy — each bit for
+    bit the reference, the captured graph too when replayed on new weight values."""
+    kernels, _ = load_triton_kernels()
+    stacked: list[int] = []
+    runs = kernels._small_runs
+    monkeypatch.setattr(kernels, "_small_runs", lambda ws: stacked.append(len(ws)) or runs(ws))
+    w = _inputs(3 * 384, 256, dtype, seed=21).view(3, 384, 256)
+    apart = _apart(w)
+    _poison()
+    _same(quantize_fp8(apart, block=(128, 128)), quantize_fp8_ref(apart, block=(128, 128)))
+    assert stacked == [], "weights apart were stacked by a copy, not read through the table"
+    odd = [  # one element past a 16-byte boundary, not evenly spaced
+        torch.empty(m.numel() + 1 + 4096 * e, dtype=dtype, device="cuda")[1 : 1 + m.numel()]
+        for e, m in enumerate(w)
+    ]
+    odd = [m.view_as(source).copy_(source) for m, source in zip(odd, w, strict=True)]
+    _poison()
+    _same(quantize_fp8(odd, block=(128, 128)), quantize_fp8_ref(odd, block=(128, 128)))
+    assert stacked == [3]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = quantize_fp8(apart, block=(128, 128))
+    assert stacked == [3, 3], "a captured call took the address table"
+    for seed in (22, 23):
+        new = _inputs(3 * 384, 256, dtype, seed=seed).view(3, 384, 256)
+        for m, source in zip(apart, new, strict=True):
+            m.copy_(source)
+        graph.replay()
+        _same(got, quantize_fp8_ref(apart, block=(128, 128)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -416,6 +416,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(
+        "fp8-listed-weights-unchecked",
+        "a list of weights goes to the quantizer unchecked: a member of another shape, dtype "
+        "or type fails inside the kernel instead of being named",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "    elif listed_facts(members, first).alike:",
+        "    elif True:",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
         "fp8-malformed-splits-dequantized",
         "dequantize of a (128, 1) form with malformed offsets returns finite values",
         "kernels/src/groupgrad/kernels/_fp8.py",

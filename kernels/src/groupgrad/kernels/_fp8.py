@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
 from groupgrad.kernels import _fp8_ops
 from groupgrad.kernels._fp8_ops import token_map
+from groupgrad.kernels._group import listed_facts
 
 __all__ = ["Fp8Blocks", "check_splits", "quantize_fp8", "quantize_fp8_ref", "segment_offsets"]
 
@@ -276,6 +277,19 @@ def segment_offsets(
 # ---------------------------------------------------------------- the three forms
 
 
+def _member(w: object, i: int, first: Tensor) -> Tensor:
+    """Listed weight ``t[i]``, checked against ``t[0]``."""
+    member = _check_tensor(w, f"t[{i}]")
+    if member.dtype != first.dtype:
+        raise TypeError(f"t[{i}] has dtype {member.dtype}, expected {first.dtype} like t[0]")
+    if member.shape != first.shape or member.device != first.device:
+        raise ValueError(
+            f"t[{i}] is {tuple(member.shape)} on {member.device}, expected "
+            f"{tuple(first.shape)} on {first.device} like t[0]"
+        )
+    return member
+
+
 def _activation(t: object, block: Block) -> Tensor:
     x = _check_tensor(t, "t")
     if x.dim() != 2:
@@ -290,31 +304,23 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
     members = list(t) if isinstance(t, list | tuple) else [t]
     if not members:
         raise ValueError("t is an empty list, expected E (N, K) weights")
-    names = [f"t[{i}]" for i in range(len(members))] if listed else ["t"]
-    first = _check_tensor(members[0], names[0])
+    name = "t[0]" if listed else "t"
+    first = _check_tensor(members[0], name)
     if first.dim() not in ((2,) if listed else (2, 3)):
         want = "(N, K)" if listed else "(E, N, K) or (N, K)"
-        raise ValueError(f"{names[0]} has shape {tuple(first.shape)}, expected {want}")
+        raise ValueError(f"{name} has shape {tuple(first.shape)}, expected {want}")
     N, K = first.shape[-2:]
     if N % 128 or K % 128:
         raise ValueError(
-            f"{names[0]} has shape {tuple(first.shape)}, expected N and K multiples of 128"
+            f"{name} has shape {tuple(first.shape)}, expected N and K multiples of 128"
         )
-    for name, member in zip(names[1:], members[1:], strict=True):
-        w = _check_tensor(member, name)
-        if w.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype}, expected {first.dtype} like t[0]")
-        if w.shape != first.shape or w.device != first.device:
-            raise ValueError(
-                f"{name} is {tuple(w.shape)} on {w.device}, expected "
-                f"{tuple(first.shape)} on {first.device} like t[0]"
-            )
-    stacked = (
-        [_check_tensor(w, "t").contiguous()[None] for w in members]
-        if listed
-        else [first.contiguous().view(-1, N, K)]
-    )
-    data, data_t, scales = impl.weights(stacked)
+    if not listed:
+        group = [first.contiguous().view(-1, N, K)]
+    elif listed_facts(members, first).alike:  # one pass, not 128 members checked one by one
+        group = cast("list[Tensor]", members)
+    else:
+        group = [_member(w, i, first).contiguous() for i, w in enumerate(members)]
+    data, data_t, scales = impl.weights(group)
     if first.dim() == 2 and not listed:
         data, data_t, scales = data[0], data_t[0], scales[0]
     shape = (len(members), N, K) if listed else tuple(first.shape)

@@ -110,9 +110,11 @@ def rows_ref(x_TC: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def weights_ref(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(128, 128)`` blocks of ``(E_i, N, K)`` tensors, stacked: ``data``, ``data_t``, ``scales``."""
-    x = torch.cat([w.float() for w in weights])
-    E, N, K = x.shape
+    """``(128, 128)`` blocks of a group in op form (``[w_ENK]``, or ``E`` contiguous ``(N, K)``
+    matrices), stacked: ``data``, ``data_t``, ``scales``."""
+    N, K = weights[0].shape[-2:]
+    x = torch.cat([w.float().view(-1, N, K) for w in weights])
+    E = x.shape[0]
     blocks = x.reshape(E, N // 128, 128, K // 128, 128)
     scale, inverse, finite = scale_rule(_abs_bits(blocks).amax(dim=(2, 4)))
     spread = (slice(None), slice(None), None, slice(None), None)
@@ -196,7 +198,8 @@ def rows_op(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("groupgrad::quantize_fp8_weights", mutates_args=())
 def weights_op(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(128, 128)`` blocks of contiguous ``(E_i, N, K)`` tensors: ``data``, ``data_t``, ``scales``."""
+    """``(128, 128)`` blocks of ``[w_ENK]`` or ``E`` ``(N, K)`` matrices, contiguous: ``data``,
+    ``data_t``, ``scales``."""
     return weights_ref(weights)
 
 
@@ -224,7 +227,7 @@ def _rows_fake(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @weights_op.register_fake
 def _weights_fake(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    E, (N, K) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    E, (N, K) = sum(w.shape[0] if w.dim() == 3 else 1 for w in weights), weights[0].shape[-2:]
     new = weights[0].new_empty
     return (
         new(E, N, K, dtype=E4M3),

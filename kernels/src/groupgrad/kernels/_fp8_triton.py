@@ -9,7 +9,8 @@ of the ``(128, 1)`` form.
 
 * ``(1, 128)``: a program quantizes ``BLOCK_T`` rows × 128 channels.
 * ``(128, 128)``: a program quantizes one 128×128 tile of a weight and writes
-  it twice, ``data`` ``(N, K)`` and ``data_t`` ``(K, N)``.
+  it twice, ``data`` ``(N, K)`` and ``data_t`` ``(K, N)``; one launch for all
+  experts, listed ones apart in memory read through a table of their addresses.
 * ``(128, 1)``: a program owns 128 tokens × 64 channels inside one expert's
   segment (block row ``b`` of ``NB``, found from ``block_offsets``; the grid
   is sized from the host bound ``NB = ceil(T/128) + E``, so device ``splits``
@@ -18,7 +19,8 @@ of the ``(128, 1)`` form.
   past the last expert zero their scale row and, between them, the data's
   tail columns. Both forms of one tensor come from two kernels, rows then
   segments: one kernel writing both held 251 registers (2 programs per SM)
-  and ran up to 1.23x slower (DEVICE_RUNS 114).
+  and ran up to 1.23x slower (DEVICE_RUNS 114); with the tile kept bf16 it
+  still ran 0.60-0.93x as fast as the two (DEVICE_RUNS 126).
   Malformed device ``splits`` (``_fp8_ops.malformed``): every program takes
   an in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the same columns,
   :func:`_segment`) and writes NaN scales.
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
 
 import torch
 import triton
@@ -144,15 +145,22 @@ def _rows_kernel(x_ptr, data_ptr, scales_ptr, T, C, BLOCK_T: tl.constexpr):  # t
 
 
 @triton.jit
-def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K, expert_stride):
+def _weights_kernel(w_ptr, data_ptr, data_t_ptr, scales_ptr, N, K, expert_stride,  # type: ignore[no-untyped-def]
+                    TABLE: tl.constexpr, SOURCE: tl.constexpr):  # fmt: skip
+    """``TABLE``: ``w_ptr`` holds each expert's address (int64), ``SOURCE`` their dtype; else
+    expert ``e``'s weight starts ``expert_stride * e`` elements after ``w_ptr``'s (negative:
+    before it)."""
     k_block, n_block, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = (n_block * 128 + tl.arange(0, 128)).to(tl.int64)
     k = (k_block * 128 + tl.arange(0, 128)).to(tl.int64)
     base = e.to(tl.int64) * N * K
     tile = n[:, None] * K + k[None, :]
     nk = base + tile
-    # expert e's weight starts expert_stride * e elements after w_ptr's (negative: before it)
-    x = tl.load(w_ptr + e.to(tl.int64) * expert_stride + tile).to(tl.float32)
+    if TABLE:
+        source = tl.multiple_of(tl.load(w_ptr + e).to(tl.pointer_type(SOURCE)), 16)
+    else:
+        source = w_ptr + e.to(tl.int64) * expert_stride
+    x = tl.load(source + tile).to(tl.float32)
     amax_bits = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     scale, inverse, finite = _scale_rule(amax_bits)
     q = _e4m3(x, inverse, finite)
@@ -280,54 +288,82 @@ def rows_triton(x_TC: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Triton twin of ``_fp8_ops.weights_ref`` on contiguous ``(E_i, N, K)`` tensors.
+    """Triton twin of ``_fp8_ops.weights_ref`` on a group in op form (``[w_ENK]`` or ``E``
+    ``(N, K)`` matrices, contiguous), in one launch:
 
-    One launch in all for an ``(E, N, K)`` weight, and for a list of one-expert
-    weights evenly spaced in memory (the views of one allocation, such as a
-    framework's flat parameter buffer, in either order); else one launch per
-    run of small weights stacked together (:func:`_small_runs`) or per larger
-    tensor, each writing its experts' slice of the stacked results.
+    * an ``(E, N, K)`` weight, or matrices evenly spaced in memory (the views of
+      one allocation, such as a framework's flat parameter buffer, in either
+      order): expert ``e`` read at ``e`` × the spacing;
+    * other matrices (each in an allocation of its own): each expert's address
+      from a table copied to the device (:func:`_address_table`).
+
+    Under CUDA-graph capture (or for an address not 16-byte aligned) the
+    table is not used: one launch per run of small matrices stacked together
+    (:func:`_small_runs`) or per larger one.
     """
-    E, (N, K) = sum(w.shape[0] for w in weights), weights[0].shape[1:]
+    counts = [w.shape[0] if w.dim() == 3 else 1 for w in weights]
+    E, (N, K) = sum(counts), weights[0].shape[-2:]
     device = weights[0].device
     data = torch.empty(E, N, K, dtype=E4M3, device=device)
     data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
     scales = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=device)
-    first = 0
+    if not (E and N and K):
+        return data, data_t, scales
+    outputs = (data, data_t, scales)
     with on_device(weights[0]):
-        for w, count, expert_stride in _launches(weights):
-            if count and N and K:
-                _weights_kernel[(K // 128, N // 128, count)](
-                    w,
-                    data[first : first + count],
-                    data_t[first : first + count],
-                    scales[first : first + count],
-                    N,
-                    K,
-                    expert_stride,
-                    num_warps=8,
-                )
-            first += count
+        spacing = _even_spacing(weights, N * K)
+        table = None if spacing is not None else _address_table(weights, N * K)
+        if spacing is not None:
+            _launch_weights(weights[0], outputs, 0, E, spacing)
+        elif table is not None:
+            _launch_weights(table, outputs, 0, E, 0, weights[0].dtype)
+        else:
+            first = 0
+            for run in _small_runs(weights):
+                w = run[0] if len(run) == 1 else torch.stack(run)
+                count = w.shape[0] if w.dim() == 3 else 1
+                _launch_weights(w, outputs, first, count, N * K)
+                first += count
     return data, data_t, scales
 
 
-def _launches(weights: list[Tensor]) -> Iterator[tuple[Tensor, int, int]]:
-    """``(weight, experts, elements from one expert's start to the next)`` per launch.
+SOURCE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    Made one at a time, so a stacked run's copy is freed once the next one is made.
-    """
-    N, K = weights[0].shape[1:]
-    spacing = _even_spacing(weights)
-    if spacing is not None:
-        yield weights[0], sum(w.shape[0] for w in weights), spacing
-        return
-    for run in _small_runs(weights):
-        w = run[0] if len(run) == 1 else torch.cat(run)
-        yield w, w.shape[0], N * K
+
+def _launch_weights(
+    w: Tensor, outputs: tuple[Tensor, Tensor, Tensor], first: int, count: int, stride: int,
+    table_of: torch.dtype | None = None,
+) -> None:  # fmt: skip
+    """Quantize ``count`` experts into ``outputs``' slice from ``first``: ``w`` and the
+    spacing of its experts, or with ``table_of`` (their dtype) ``w`` their address table."""
+    data, data_t, scales = (t[first : first + count] for t in outputs)
+    N, K = data.shape[1:]
+    source = SOURCE_TYPES[table_of] if table_of is not None else tl.bfloat16
+    _weights_kernel[(K // 128, N // 128, count)](
+        w, data, data_t, scales, N, K, stride,
+        TABLE=table_of is not None, SOURCE=source, num_warps=8,
+    )  # fmt: skip
+
+
+def _address_table(weights: list[Tensor], matrix: int) -> Tensor | None:
+    """Each expert's address, ``(E,)`` int64 on the weights' device (one small copy from
+    pinned memory), or ``None``: under CUDA-graph capture (a captured copy would read the
+    host buffer again at every replay, after it was freed) or when an address is not
+    16-byte aligned (the kernel's loads assume it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    step = matrix * weights[0].element_size()
+    addresses = [
+        w.data_ptr() + i * step for w in weights for i in range(w.shape[0] if w.dim() == 3 else 1)
+    ]
+    if any(a % 16 for a in addresses):
+        return None
+    table = torch.tensor(addresses, dtype=torch.int64, pin_memory=True)
+    return table.to(weights[0].device, non_blocking=True)
 
 
 def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:
-    """Consecutive one-expert weights grouped up to ``STACK_BYTES`` (a larger one stays alone).
+    """Consecutive ``(N, K)`` matrices grouped up to ``STACK_BYTES`` (an ``(E, N, K)`` stays alone).
 
     A launch costs the host more than copying a small expert's weight costs
     the GPU (profiled on the H200 at E = 128 experts of 1536 × 2048: about
@@ -338,7 +374,7 @@ def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:
     size = 0
     for w in weights:
         nbytes = w.numel() * w.element_size()
-        if runs and w.shape[0] == 1 and size + nbytes <= STACK_BYTES and runs[-1][0].shape[0] == 1:
+        if runs and w.dim() == 2 and size + nbytes <= STACK_BYTES and runs[-1][0].dim() == 2:
             runs[-1].append(w)
             size += nbytes
         else:
@@ -347,16 +383,15 @@ def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:
     return runs
 
 
-def _even_spacing(weights: list[Tensor]) -> int | None:
-    """Elements from one weight's first element to the next's, if the same for all, else ``None``.
+def _even_spacing(weights: list[Tensor], matrix: int) -> int | None:
+    """Elements from one expert's first element to the next's, if the same for all, else ``None``.
 
-    ``weights`` are contiguous ``(E_i, N, K)`` tensors; one of them: ``N * K``.
-    A list qualifies only if each holds one expert.
+    ``weights``: a group in op form, ``matrix`` elements per expert; one tensor: ``matrix``.
     """
     first = weights[0]
     if len(weights) == 1:
-        return first.shape[1] * first.shape[2]
-    if any(w.shape[0] != 1 for w in weights):
+        return matrix
+    if first.dim() == 3:
         return None
     starts = [w.data_ptr() for w in weights]
     step = starts[1] - starts[0]

@@ -301,8 +301,8 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     table is not used: one launch per run of small matrices stacked together
     (:func:`_small_runs`) or per larger one.
     """
-    counts = [w.shape[0] if w.dim() == 3 else 1 for w in weights]
-    E, (N, K) = sum(counts), weights[0].shape[-2:]
+    E = sum(w.shape[0] if w.dim() == 3 else 1 for w in weights)
+    N, K = weights[0].shape[-2:]
     device = weights[0].device
     data = torch.empty(E, N, K, dtype=E4M3, device=device)
     data_t = torch.empty(E, K, N, dtype=E4M3, device=device)
@@ -311,8 +311,10 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         return data, data_t, scales
     outputs = (data, data_t, scales)
     with on_device(weights[0]):
-        spacing = _even_spacing(weights, N * K)
-        table = None if spacing is not None else _address_table(weights, N * K)
+        # a list of (N, K) matrices: their addresses, read once for the spacing and the table
+        starts = [w.data_ptr() for w in weights] if 1 < len(weights) == E else []
+        spacing = N * K if len(weights) == 1 else _even_spacing(starts, weights[0].element_size())
+        table = _address_table(starts, device) if spacing is None and starts else None
         if spacing is not None:
             _launch_weights(weights[0], outputs, 0, E, spacing)
         elif table is not None:
@@ -345,21 +347,15 @@ def _launch_weights(
     )  # fmt: skip
 
 
-def _address_table(weights: list[Tensor], matrix: int) -> Tensor | None:
-    """Each expert's address, ``(E,)`` int64 on the weights' device (one small copy from
-    pinned memory), or ``None``: under CUDA-graph capture (a captured copy would read the
-    host buffer again at every replay, after it was freed) or when an address is not
+def _address_table(starts: list[int], device: torch.device) -> Tensor | None:
+    """The matrices' addresses ``starts`` as an int64 tensor on ``device`` (one small copy
+    from pinned memory), or ``None``: under CUDA-graph capture (a captured copy would read
+    the host buffer again at every replay, after it was freed) or when an address is not
     16-byte aligned (the kernel's loads assume it)."""
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing() or any(a % 16 for a in starts):
         return None
-    step = matrix * weights[0].element_size()
-    addresses = [
-        w.data_ptr() + i * step for w in weights for i in range(w.shape[0] if w.dim() == 3 else 1)
-    ]
-    if any(a % 16 for a in addresses):
-        return None
-    table = torch.tensor(addresses, dtype=torch.int64, pin_memory=True)
-    return table.to(weights[0].device, non_blocking=True)
+    table = torch.tensor(starts, dtype=torch.int64, pin_memory=True)
+    return table.to(device, non_blocking=True)
 
 
 def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:
@@ -383,21 +379,15 @@ def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:
     return runs
 
 
-def _even_spacing(weights: list[Tensor], matrix: int) -> int | None:
-    """Elements from one expert's first element to the next's, if the same for all, else ``None``.
-
-    ``weights``: a group in op form, ``matrix`` elements per expert; one tensor: ``matrix``.
-    """
-    first = weights[0]
-    if len(weights) == 1:
-        return matrix
-    if first.dim() == 3:
+def _even_spacing(starts: list[int], element_size: int) -> int | None:
+    """Elements from one matrix's first element to the next's, if the same for all (at least
+    two ``starts``, their addresses), else ``None``."""
+    if len(starts) < 2:
         return None
-    starts = [w.data_ptr() for w in weights]
     step = starts[1] - starts[0]
-    if step % first.element_size() or any(b - a != step for a, b in itertools.pairwise(starts)):
+    if step % element_size or any(b - a != step for a, b in itertools.pairwise(starts)):
         return None
-    return step // first.element_size()
+    return step // element_size
 
 
 def segments_triton(

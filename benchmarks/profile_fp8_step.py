@@ -12,7 +12,10 @@ backward with fp32 ``main_grad`` accumulated, and:
   step whose ``host_ms`` is near its ``step_ms`` waits on the host);
 * ``kernels``: the CUDA kernels one step runs (``torch.profiler``);
 * ``groupgrad_ops``: how often the step calls each ``groupgrad::`` op;
-* ``top``: the operators with the most self CPU time in that step.
+* ``top``: the operators with the most self CPU time in that step;
+* ``host_functions``: calls and inclusive host ms per step of groupgrad's
+  functions on the way (``host_functions.py``: wrapped by ``perf_counter``
+  pairs, not profiled, so many small calls are not inflated).
 
 Usage (H200, kernels prebuilt): ``python benchmarks/profile_fp8_step.py [--config 2]
 [--out benchmarks/results]``; ``--quick --device cpu`` is a smoke run (reference
@@ -34,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_fp8_mlp
 import bench_mlp
+import host_functions
 import results_files
 
 from groupgrad.modules import GroupedMLP
@@ -47,6 +51,7 @@ VARIANTS = {  # name: (packed weights, fp8_recipe, is_first_microbatch at every 
     "fp8_cached per-expert": (False, "blockwise", False),
 }
 QUICK_CONFIG = (4, 256, 256, 512)
+HOST_STEPS = 10  # steps timed with host_functions' wrappers
 
 
 def make_step(case: bench_mlp.Case, mlp: GroupedMLP, flag: bool | None) -> Callable[[int], None]:
@@ -106,6 +111,17 @@ def profile(step: Callable[[int], None], device: torch.device, top: int) -> dict
     }
 
 
+def functions_ms(step: Callable[[int], None], device: torch.device) -> dict[str, dict]:
+    """Inclusive host ms and calls per step of groupgrad's functions (``host_functions``)."""
+    step(0)
+    _sync(device)
+    with host_functions.timed() as totals:
+        for i in range(HOST_STEPS):
+            step(i % bench_mlp.N_SETS)
+        _sync(device)
+    return host_functions.per_step(totals, HOST_STEPS)
+
+
 def run(case: bench_mlp.Case, device: torch.device, top: int) -> dict[str, dict]:
     rows = {}
     for name, (packed, recipe, flag) in VARIANTS.items():
@@ -115,6 +131,7 @@ def run(case: bench_mlp.Case, device: torch.device, top: int) -> dict[str, dict]
             "step_ms": step_ms(step, device),
             "host_ms": bench_fp8_mlp.host_ms(step, device),
             **profile(step, device, top),
+            "host_functions": functions_ms(step, device),
         }
         del mlp, step
         if device.type == "cuda":
@@ -133,6 +150,10 @@ def table(rows: dict[str, dict]) -> str:
     for name, r in rows.items():
         ops = ", ".join(f"{o['op']} ×{o['calls']} {o['self_cpu_us'] / 1e3:.2f}" for o in r["top"])
         lines.append(f"- {name}, most self CPU (ms): {ops}")
+    for name, r in rows.items():
+        slowest = list(r["host_functions"].items())[: len(r["top"])]
+        calls = ", ".join(f"{f} ×{v['calls']:g} {v['ms']:.2f}" for f, v in slowest)
+        lines.append(f"- {name}, host ms per step (calls nested): {calls}")
     return "\n".join(lines)
 
 

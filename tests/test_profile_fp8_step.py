@@ -5,6 +5,8 @@ profiler: bf16 the bf16 GEMMs only; FP8 the FP8 GEMMs and one quantization of
 ``x`` and of ``dy``; uncached FP8 also the weights (at forward, both layers:
 2; each layer keeps them for its dgrad), cached FP8 none — so a cached
 variant that missed its cache, or a bf16 variant that ran FP8, fails here.
+The wrapped host timings (``host_functions``) count the same calls from the
+Python side: the weight cache's lookups and the held weights' hand-over.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def test_smoke_run_profiles_each_variant(tmp_path: Path) -> None:
             assert quantized.get("groupgrad::quantize_fp8_weights", 0) == weights, (name, ops)
             assert quantized["groupgrad::quantize_fp8_segments"] == 2, (name, ops)
         assert row["host_ms"] > 0, name
+        calls = {f: v["calls"] for f, v in row["host_functions"].items()}
+        assert calls["GroupedMLP.forward"] == calls["backward"] == 1, (name, calls)
+        if not fp8:
+            assert "quantize_fp8" not in calls, (name, calls)
+        elif name.startswith("fp8_cached"):  # x and dy only; fprop and dgrad served by the cache
+            assert (calls["quantize_fp8"], calls["Fp8WeightCache.get"]) == (2, 4), (name, calls)
+            assert "Fp8WeightCache.put" not in calls, (name, calls)
+        else:  # each layer's forward quantizes and holds its weights, its dgrad takes them
+            assert (calls["quantize_fp8"], calls["Fp8WeightCache.put"]) == (4, 2), (name, calls)
+            assert calls["Fp8WeightCache.get"] == 2, (name, calls)
         assert row["step_ms"] is None, name  # no CUDA time on the CPU
         assert row["top"], name
     assert "| fp8_cached per-expert | — |" in result.stdout

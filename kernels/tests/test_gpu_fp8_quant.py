@@ -151,6 +151,39 @@ def test_listed_weights_routes(dtype, monkeypatch) -> None:
         _same(got, quantize_fp8_ref(apart, block=(128, 128)))
 
 
+def test_a_listed_weights_table_is_copied_once_per_stream() -> None:
+    """A list's address table reaches the device once and serves later calls on that stream
+    (a layer's weights keep their addresses), also after the weights' values change; a call
+    on another stream copies its own. Every call bit for bit the reference."""
+    kernels, _ = load_triton_kernels()
+    w = _inputs(3 * 384, 256, torch.bfloat16, seed=31).view(3, 384, 256)
+    apart = _apart(w)
+    starts = tuple(m.data_ptr() for m in apart)
+
+    def table(stream: torch.cuda.Stream) -> torch.Tensor | None:
+        return kernels._TABLES.get((apart[0].device.index, stream.cuda_stream, starts))
+
+    main = torch.cuda.current_stream()
+    _poison()
+    _same(quantize_fp8(apart, block=(128, 128)), quantize_fp8_ref(apart, block=(128, 128)))
+    first = table(main)
+    assert first is not None, "the list was not read through a kept address table"
+    new = _inputs(3 * 384, 256, torch.bfloat16, seed=32).view(3, 384, 256)
+    for m, source in zip(apart, new, strict=True):
+        m.copy_(source)
+    _poison()
+    _same(quantize_fp8(apart, block=(128, 128)), quantize_fp8_ref(apart, block=(128, 128)))
+    assert table(main) is first, "the same list's table was copied to the device again"
+    side = torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        got = quantize_fp8(apart, block=(128, 128))
+    main.wait_stream(side)
+    assert table(side) is not None, "a call on another stream kept no table of its own"
+    assert table(side) is not first, "another stream shared a table"
+    _same(got, quantize_fp8_ref(apart, block=(128, 128)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"E{len(s)}T{sum(s)}")
 @pytest.mark.parametrize("splits_form", ["device int64", "device int32", "list"])

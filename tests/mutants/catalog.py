@@ -618,8 +618,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the FP8 weight cache ignores the version counter: after an optimizer step "
         "is_first_microbatch=False reuses weights quantized before it",
         "packages/modules/src/groupgrad/modules/_fp8_cache.py",
-        "    return param.data_ptr(), param._version, tuple(param.shape)",
-        "    return param.data_ptr(), 0, tuple(param.shape)",
+        "    return [(p.data_ptr(), p._version, p.shape) for p in params]",
+        "    return [(p.data_ptr(), 0, p.shape) for p in params]",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
     Mutant(

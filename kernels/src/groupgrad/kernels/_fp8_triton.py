@@ -54,6 +54,10 @@ STACK_BYTES = 64 << 20  # small experts' weights stacked per launch, up to this 
 SEGMENT_CHANNELS = 64
 SEGMENT_WARPS = 2
 MAX_OFFSETS_EXPERTS = 8192  # experts one program of the offsets kernel sums
+# listed weights' address tables kept (8 bytes an expert: 1024 tables of 128 experts are 1 MiB),
+# enough for both layers of every MoE layer of a large model
+MAX_TABLES = 1024
+_TABLES: dict[tuple[int | None, int, tuple[int, ...]], Tensor] = {}
 
 
 @triton.jit
@@ -295,7 +299,7 @@ def weights_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
       one allocation, such as a framework's flat parameter buffer, in either
       order): expert ``e`` read at ``e`` × the spacing;
     * other matrices (each in an allocation of its own): each expert's address
-      from a table copied to the device (:func:`_address_table`).
+      from a table copied to the device once and kept (:func:`_address_table`).
 
     Under CUDA-graph capture (or for an address not 16-byte aligned) the
     table is not used: one launch per run of small matrices stacked together
@@ -348,14 +352,28 @@ def _launch_weights(
 
 
 def _address_table(starts: list[int], device: torch.device) -> Tensor | None:
-    """The matrices' addresses ``starts`` as an int64 tensor on ``device`` (one small copy
-    from pinned memory), or ``None``: under CUDA-graph capture (a captured copy would read
-    the host buffer again at every replay, after it was freed) or when an address is not
-    16-byte aligned (the kernel's loads assume it)."""
+    """The matrices' addresses ``starts`` as an int64 tensor on ``device``, or ``None``:
+    under CUDA-graph capture (a captured copy would read the host buffer again at every
+    replay, after it was freed) or when an address is not 16-byte aligned (the kernel's
+    loads assume it).
+
+    A layer's weights keep their addresses from step to step, so the tables are kept
+    (:data:`_TABLES`, by device, stream and addresses; the least recently used goes
+    first): the first call makes one small copy from pinned memory, later ones none. A
+    table holds addresses only, so it stays right whatever is written at them; it is
+    used on the stream that copied it, behind that copy.
+    """
     if torch.cuda.is_current_stream_capturing() or any(a % 16 for a in starts):
         return None
-    table = torch.tensor(starts, dtype=torch.int64, pin_memory=True)
-    return table.to(device, non_blocking=True)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream, tuple(starts))
+    table = _TABLES.pop(key, None)
+    if table is None:
+        if len(_TABLES) >= MAX_TABLES:
+            del _TABLES[next(iter(_TABLES))]
+        host = torch.tensor(starts, dtype=torch.int64, pin_memory=True)
+        table = host.to(device, non_blocking=True)
+    _TABLES[key] = table  # last: the most recently used
+    return table
 
 
 def _small_runs(weights: list[Tensor]) -> list[list[Tensor]]:

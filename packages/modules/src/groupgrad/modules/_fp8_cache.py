@@ -27,9 +27,13 @@ from groupgrad.kernels import Fp8Blocks
 __all__ = ["Fp8WeightCache"]
 
 
-def _stamp(param: Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """What the cache compares of a parameter: its data pointer, version and shape."""
-    return param.data_ptr(), param._version, tuple(param.shape)
+_Stamp = tuple[int, int, torch.Size]
+
+
+def _stamps(params: Sequence[Tensor]) -> list[_Stamp]:
+    """What the cache compares of each parameter: its data pointer, version and shape
+    (one comprehension: at 128 experts a layer's stamps are taken twice a step)."""
+    return [(p.data_ptr(), p._version, p.shape) for p in params]
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class _Entry:
     """One cached FP8 weight and what it was quantized from."""
 
     refs: tuple[weakref.ref[Tensor], ...]
-    stamps: tuple[tuple[int, int, tuple[int, ...]], ...]
+    stamps: list[_Stamp]
     dtype: torch.dtype
     blocks: Fp8Blocks
 
@@ -47,7 +51,7 @@ class _Entry:
             dtype == self.dtype
             and len(params) == len(self.refs)
             and all(ref() is p for ref, p in zip(self.refs, params, strict=True))
-            and tuple(_stamp(p) for p in params) == self.stamps
+            and _stamps(params) == self.stamps
         )
 
 
@@ -80,7 +84,7 @@ class Fp8WeightCache:
     def put(self, params: Sequence[Tensor], dtype: torch.dtype, blocks: Fp8Blocks) -> None:
         """Hold ``blocks``, the weights ``params`` quantized from ``dtype`` (replacing any entry)."""
         refs = tuple(weakref.ref(p) for p in params)
-        self._entry = _Entry(refs, tuple(_stamp(p) for p in params), dtype, blocks)
+        self._entry = _Entry(refs, _stamps(params), dtype, blocks)
 
     def clear(self) -> None:
         """Drop the entry (its memory goes when no backward holds it)."""

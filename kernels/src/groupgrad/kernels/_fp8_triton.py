@@ -363,11 +363,13 @@ def _address_table(starts: list[int], device: torch.device) -> Tensor | None:
     table holds addresses only, so it stays right whatever is written at them; it is
     used on the stream that copied it, behind that copy.
     """
-    if torch.cuda.is_current_stream_capturing() or any(a % 16 for a in starts):
+    if torch.cuda.is_current_stream_capturing():
         return None
     key = (device.index, torch.cuda.current_stream(device).cuda_stream, tuple(starts))
     table = _TABLES.pop(key, None)
     if table is None:
+        if any(a % 16 for a in starts):  # a kept table's addresses were checked when it was made
+            return None
         if len(_TABLES) >= MAX_TABLES:
             del _TABLES[next(iter(_TABLES))]
         host = torch.tensor(starts, dtype=torch.int64, pin_memory=True)

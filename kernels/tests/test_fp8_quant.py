@@ -554,6 +554,33 @@ def test_cuda_kernels_fall_back_to_the_reference_once_without_triton(monkeypatch
     assert torch.equal(scales, want[1])
 
 
+def test_the_one_read_cuda_quantizer_takes_aligned_16_bit_activations_only(monkeypatch) -> None:
+    """``_segments_cuda`` hands an activation to the CUTLASS extension's one-read kernel
+    only when that kernel can read it (16-bit, contiguous, 16-byte aligned, padded tokens a
+    multiple of 16) and the backend runs on its device; else Triton quantizes it. Checked
+    here with the backend's answer stood in; on the GPU by test_gpu_fp8_quant.py."""
+    from groupgrad.kernels import _cutlass
+
+    monkeypatch.setattr(_cutlass, "unavailable_reason", lambda device: None)
+    x = _randn(256, 256, dtype=torch.bfloat16, seed=31)
+    flat = x.new_zeros(256 * 256 + 8)
+    assert _fp8_ops.cuda_quantizer(x, 304) is _cutlass
+    assert _fp8_ops.cuda_quantizer(x.half(), 304) is _cutlass
+    assert _fp8_ops.cuda_quantizer(flat[8:].view(256, 256), 304) is _cutlass
+    assert _fp8_ops.cuda_quantizer(x.float(), 304) is None
+    assert _fp8_ops.cuda_quantizer(x.t(), 304) is None  # not contiguous
+    assert _fp8_ops.cuda_quantizer(flat[1 : 1 + 256 * 256].view(256, 256), 304) is None
+    assert _fp8_ops.cuda_quantizer(x, 296) is None  # padded tokens not a multiple of 16
+    monkeypatch.setattr(_cutlass, "unavailable_reason", lambda device: "not sm_90")
+    assert _fp8_ops.cuda_quantizer(x, 304) is None
+
+    def tools_missing(device: torch.device) -> str:
+        raise RuntimeError("install the GPU extra")
+
+    monkeypatch.setattr(_cutlass, "unavailable_reason", tools_missing)
+    assert _fp8_ops.cuda_quantizer(x, 304) is None  # Triton quantizes; the GEMMs will say why
+
+
 def test_importing_the_package_imports_neither_triton_nor_the_triton_kernels() -> None:
     code = (
         "import sys, groupgrad.kernels as k; k.quantize_fp8; "

@@ -1,4 +1,5 @@
-"""The Triton FP8 quantizers on a CUDA device: bit-identical to the reference, graphs, compile.
+"""The FP8 quantizers on a CUDA device (Triton, and the CUTLASS extension's one-read
+activation quantizer): bit-identical to the reference, graphs, compile.
 
 Run with ``nox -s tests-gpu`` or ``pytest -m gpu kernels/tests/test_gpu_fp8_quant.py``.
 Data is compared as uint8, scales as int32 (NaN scales included). Outputs are
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from groupgrad.kernels import (
+    _fp8_ops,
     grouped_dgrad,
     grouped_fprop,
     grouped_wgrad,
@@ -33,7 +35,18 @@ SPLITS = [
     [0, 0, 0, 5],
     [0, 0],
     [33] * 64,
+    [7] * 150 + [0] * 150,  # more experts than the CUDA kernel's threads
 ]
+#: Who quantizes an activation into its (128, 1) form (with or without its (1, 128) form):
+#: on sm_90 the CUTLASS extension's one-read kernel for 16-bit inputs, else Triton.
+ROUTES = ["cuda kernel if it takes x", "triton"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch) -> str:
+    if request.param == "triton":
+        monkeypatch.setattr(_fp8_ops, "cuda_quantizer", lambda x, padded_tokens: None)
+    return request.param
 
 
 def _poison() -> None:
@@ -188,7 +201,9 @@ def test_a_listed_weights_table_is_copied_once_per_stream() -> None:
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"E{len(s)}T{sum(s)}")
 @pytest.mark.parametrize("splits_form", ["device int64", "device int32", "list"])
 @pytest.mark.parametrize("with_rows", [False, True])
-def test_segments_match_the_reference_bit_for_bit(dtype, splits, splits_form, with_rows) -> None:
+def test_segments_match_the_reference_bit_for_bit(
+    dtype, splits, splits_form, with_rows, route
+) -> None:
     x = _inputs(sum(splits), 512, dtype, seed=len(splits))
     given = {
         "device int64": torch.tensor(splits, device="cuda"),
@@ -210,7 +225,7 @@ MALFORMED = [[1400, 0, 500], [100, 0, 100], [1050, -50, 0], [0, 0, 0], [1000, 10
 
 
 @pytest.mark.parametrize("sizes", MALFORMED, ids=str)
-def test_malformed_device_splits_give_nan_not_wrong_values(sizes) -> None:
+def test_malformed_device_splits_give_nan_not_wrong_values(sizes, route) -> None:
     """No host check can see a device ``splits``: the kernels stay inside their tensors, every
     ``(128, 1)`` scale is NaN, bit for bit the reference's, so its ``dequantize`` is NaN; the
     ``(1, 128)`` form from the same read stays exact; so do the FP8 SwiGLU backward's token
@@ -283,6 +298,30 @@ def test_device_offsets_in_one_launch_match_the_reference(E, dtype) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.int64
         assert torch.equal(g.cpu(), w)
+
+
+def test_the_cuda_kernel_takes_16_bit_activations_and_leaves_the_rest_to_triton() -> None:
+    """On sm_90 a contiguous, 16-byte aligned bfloat16 or float16 activation goes to the
+    one-read kernel (so the route tests above test it); fp32 and a misaligned view go to
+    Triton, and all give the reference's bits."""
+    T, C = 1000, 256
+    flat = torch.randn(T * C + 8, device="cuda").bfloat16()
+    cases = {
+        "bf16": (_inputs(T, C, torch.bfloat16, seed=7), True),
+        "fp16": (_inputs(T, C, torch.float16, seed=8), True),
+        "fp32": (_inputs(T, C, torch.float32, seed=9), False),
+        "bf16 2 bytes off": (flat[1 : 1 + T * C].view(T, C), False),
+        "bf16 16 bytes off": (flat[8 : 8 + T * C].view(T, C), True),
+    }
+    for name, (x, takes) in cases.items():
+        padded = 1056  # T + 15 E rounded up to 16
+        assert (_fp8_ops.cuda_quantizer(x, padded) is not None) == takes, name
+        splits = [400, 0, 600]
+        got = quantize_fp8(x, block=((1, 128), (128, 1)), splits=torch.tensor(splits).cuda())
+        want = quantize_fp8_ref(x, block=((1, 128), (128, 1)), splits=splits)
+        for g, w in zip(got, want, strict=True):
+            _same(g, w)
+    assert _fp8_ops.cuda_quantizer(cases["bf16"][0], 1048) is None  # not a multiple of 16
 
 
 def test_a_cuda_graph_replays_with_new_device_splits() -> None:

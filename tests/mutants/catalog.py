@@ -545,6 +545,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(
+        "fp8-cuda-quantizer-takes-fp32",
+        "the one-read CUDA quantizer is handed fp32 activations, which it reads as 16-bit values",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():",
+        "    if not x.is_contiguous():",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
+        "fp8-cuda-quantizer-unaligned",
+        "the one-read CUDA quantizer is handed a view 2 bytes off 16-byte alignment (its "
+        "16-byte loads fault) or padded tokens not a multiple of 16",
+        "kernels/src/groupgrad/kernels/_fp8_ops.py",
+        "    if cutlass is None or x.data_ptr() % 16 or padded_tokens % 16:",
+        "    if cutlass is None:",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
         "fp8-ops-direct-even-when-traced",
         "the FP8 quantizers and SwiGLU call their kernels directly for fake tensors and under "
         "tracing too (compiled code would lose the ops)",

@@ -52,6 +52,7 @@ __all__ = [
     "dgrad",
     "fp8_dgrad",
     "fp8_fprop",
+    "fp8_segments",
     "fp8_unsupported_reason",
     "fp8_wgrad",
     "fprop",
@@ -97,8 +98,8 @@ def build(
     return module, time.perf_counter() - start, compiled
 
 
-def _extension(variant: str) -> ModuleType:
-    """The loaded extension holding ``variant`` (the default set builds on first use)."""
+def _extension(variant: str = "") -> ModuleType:
+    """The loaded extension holding ``variant`` (none: the default set's; it builds on first use)."""
     variant_set = "tuning" if variant in _TUNING_NAMES else "default"
     if variant_set not in _modules:
         if variant_set != "default":
@@ -302,15 +303,9 @@ _FP8_ADDING: dict[tuple[str, torch.dtype], str] = {
 
 
 def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
-    """Why no FP8 kernel runs ``op`` into ``out_dtype``, or ``None`` when one is compiled.
-
-    Args:
-        op: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
-        out_dtype: dtype of the output (fprop, dgrad: ``torch.bfloat16`` or
-            ``torch.float16``; wgrad: ``torch.float32`` or ``torch.bfloat16``).
-
-    Returns ``None``, or a reason such as ``"no FP8 wgrad kernel writes torch.float16"``.
-    """
+    """Why no FP8 kernel runs ``op`` (``"fprop"``, ``"dgrad"`` or ``"wgrad"``) into
+    ``out_dtype`` (fprop, dgrad: bfloat16 or float16; wgrad: float32 or bfloat16), such as
+    ``"no FP8 wgrad kernel writes torch.float16"``, or ``None`` when one is compiled."""
     if (op, out_dtype) in _FP8_KERNELS:
         return None
     if op not in {o for o, _ in _FP8_KERNELS}:
@@ -443,3 +438,13 @@ def fp8_wgrad(
         dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits_E, tokens,
         list(out), accumulate, plan.variant, plan.max_swizzle, plan.raster_along_n,
     )  # fmt: skip
+
+
+def fp8_segments(
+    x: torch.Tensor, row_offsets: torch.Tensor, seg_offsets: torch.Tensor,
+    block_offsets: torch.Tensor, outputs: Sequence[torch.Tensor],
+) -> None:  # fmt: skip
+    """``x``'s ``(128, 1)`` form (and ``(1, 128)`` form if ``outputs[2]`` has elements) in
+    one read into ``outputs``, ``_fp8_ops.segments_ref``'s four results bit for bit
+    (csrc/fp8_quantize.cu: bfloat16 or float16 ``x``, contiguous, 16-byte aligned)."""
+    _extension().fp8_segments(x, row_offsets, seg_offsets, block_offsets, *outputs)

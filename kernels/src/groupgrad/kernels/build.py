@@ -29,6 +29,8 @@ from types import ModuleType
 import torch
 
 CSRC_DIR = Path(__file__).parent / "csrc"
+#: The hand-written sources in CSRC_DIR compiled beside the generated kernels.
+SOURCES = ("binding.cpp", "fp8_binding.cpp", "grouped_setup.cu", "fp8_setup.cu", "fp8_quantize.cu")
 CACHE_ENV = "GROUPGRAD_KERNELS_CACHE"
 #: How to get what a build needs beside nvcc: the CUTLASS headers, pybind11 and ninja.
 CUDA_EXTRA_INSTALL = "pip install 'groupgrad-kernels[cuda]'"
@@ -386,10 +388,7 @@ def load_or_build(spec: BuildSpec, verbose: bool = False) -> tuple[ModuleType, b
     generated = spec.directory / "generated"
     generated.mkdir(parents=True, exist_ok=True)
     build_dir.mkdir(parents=True, exist_ok=True)
-    sources = [
-        str(CSRC_DIR / name)
-        for name in ("binding.cpp", "fp8_binding.cpp", "grouped_setup.cu", "fp8_setup.cu")
-    ]
+    sources = [str(CSRC_DIR / name) for name in SOURCES]
     for variant in spec.variants:
         path = generated / f"{variant.name}.cu"
         text = variant.translation_unit()

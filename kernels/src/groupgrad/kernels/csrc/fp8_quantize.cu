@@ -1,0 +1,373 @@
+// The (128, 1) + (1, 128) FP8 quantizer of a 16-bit activation in one read
+// (interface and layouts: fp8_quantize.h; the math: _fp8_ops.py, bit for bit).
+//
+// A CTA of 256 threads owns 128 tokens x 128 channels: block row b of the
+// (128, 1) form (128 tokens of one expert's segment, found from the block
+// offsets as _fp8_triton._segment does) and one 128-channel block of the
+// (1, 128) form for the same tokens. Thread (tg, cg) = (tid / 16, tid % 16)
+// holds tokens 8 tg .. 8 tg + 7 x channels 8 cg .. 8 cg + 7 as 16-bit values
+// (eight 16-byte loads), so
+// * a token's max over its 128 channels is an in-thread max over 8 and a
+//   butterfly over the 16 lanes of its half-warp;
+// * a channel's max over the 128 tokens is an in-thread max over 8, one
+//   shuffle across the half-warps, and 8 warps' maxima through shared memory;
+// * each channel's 8 tokens are 8 adjacent bytes of the token-contiguous
+//   (128, 1) data, and each token's 8 channels 8 adjacent bytes of the
+//   (1, 128) data: every store is 8 bytes.
+// The maxima are taken on the 16-bit |x| bits two at a time (an unsigned max
+// ranks NaN above Inf above finite values in bf16 and fp16 alike) and widened
+// to fp32 bits only for the scale rule.
+//
+// CTAs past the last expert's blocks zero their scale row and, between them,
+// the data's tail columns. Malformed splits (a running sum that falls or does
+// not end at T) give every CTA a stand-in (tokens [128 b, 128 b + 128) at the
+// same columns), NaN (128, 1) scales and unspecified (128, 1) data; the
+// (1, 128) form stays exact, each token still covered once.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "fp8_quantize.h"
+
+namespace groupgrad {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr uint32_t kNanBits = 0x7FC00000u;  // torch.nan
+constexpr int kRowVectors = 16;  // 16-byte vectors of a token's 128 channels
+
+// 16 bytes from global to shared memory, asynchronously; zeros if !ok.
+__device__ __forceinline__ void load_16_bytes(uint4* smem, const void* gmem, bool ok) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem),
+               "r"(ok ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t abs2(uint32_t w) { return w & 0x7FFF7FFFu; }
+
+__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
+
+__device__ __forceinline__ uint4 max2(uint4 a, uint4 b) {
+  return make_uint4(max2(a.x, b.x), max2(a.y, b.y), max2(a.z, b.z), max2(a.w, b.w));
+}
+
+// The fp32 bits of the non-negative 16-bit value with bits `h`.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t fp32_bits(uint32_t h) {
+  if constexpr (kBf16) {
+    return h << 16;
+  } else {
+    return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+}
+
+// The two 16-bit values of `w` (the lower half first) as fp32.
+template <bool kBf16>
+__device__ __forceinline__ float2 widen(uint32_t w) {
+  if constexpr (kBf16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+  }
+}
+
+struct BlockScale {
+  float scale;
+  float inverse;
+  bool finite;
+};
+
+// _fp8_ops.scale_rule of a block whose max |x| has the fp32 bits `amax`.
+__device__ __forceinline__ BlockScale scale_rule(uint32_t amax) {
+  int exponent = static_cast<int>(amax >> 23) - 8 + ((amax & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  exponent = max(exponent, 1);
+  const bool zero = amax == 0;
+  BlockScale s;
+  s.finite = amax < 0x7F800000u;
+  s.scale = !s.finite ? __uint_as_float(kNanBits)
+            : zero    ? 1.0f
+                      : __uint_as_float(static_cast<uint32_t>(exponent) << 23);
+  s.inverse = zero ? 1.0f : __uint_as_float(static_cast<uint32_t>(254 - exponent) << 23);
+  return s;
+}
+
+// x / scale, zero in a non-finite block (kChecked: such blocks may occur). No
+// clamp is needed before the saturating conversion: in a finite block
+// |x| / scale <= 448.
+template <bool kChecked>
+__device__ __forceinline__ float scaled(float x, const BlockScale& s) {
+  return !kChecked || s.finite ? x * s.inverse : 0.0f;
+}
+
+// Two e4m3 bytes, `a` in the lower one; round to nearest even, saturating.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Where a thread's tokens lie: its expert's first row and rows, its first
+// token's data column and place in the segment, its first channel and lane.
+struct Tile {
+  int64_t row_start;
+  int64_t rows;
+  int64_t column;
+  int64_t local;
+  int64_t channel;
+  int cg;
+};
+
+// Quantizes a thread's 8 tokens x 8 channels into both forms, tokens two at a
+// time: each token's (1, 128) bytes are stored at once, each channel's (128, 1)
+// bytes gathered for the 8 tokens into tq[channel]. kChecked: some block is not
+// finite.
+template <bool kBf16, bool kRows, bool kChecked>
+__device__ __forceinline__ void quantize(const Fp8SegmentsParams& p, const Tile& t,
+                                         const uint4* v, const BlockScale (&cs)[8],
+                                         const uint32_t (&rmax)[4], uint32_t (&tq)[8][2]) {
+  const int64_t C = p.channels;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float f[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 w = v[(2 * j + h) * kRowVectors];
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 pair = widen<kBf16>(words[k]);
+        f[h][2 * k] = pair.x;
+        f[h][2 * k + 1] = pair.y;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      tq[c][j / 2] |= e4m3x2(scaled<kChecked>(f[0][c], cs[c]), scaled<kChecked>(f[1][c], cs[c]))
+                      << (16 * (j % 2));
+    }
+    if constexpr (kRows) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * j + h;
+        if (t.local + i < t.rows) {
+          const BlockScale rs = scale_rule(fp32_bits<kBf16>((rmax[j] >> (16 * h)) & 0xFFFFu));
+          const int64_t row = t.row_start + t.local + i;
+          uint32_t q[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            q[k] = e4m3x2(scaled<kChecked>(f[h][2 * k], rs), scaled<kChecked>(f[h][2 * k + 1], rs));
+          }
+          *reinterpret_cast<uint2*>(p.row_data + row * C + t.channel) =
+              make_uint2(q[0] | q[1] << 16, q[2] | q[3] << 16);
+          if (t.cg == i) {
+            p.row_scales[static_cast<int64_t>(blockIdx.y) * p.tokens + row] = rs.scale;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A block row past the last expert's blocks: a zero scale row and, shared
+// with the other such CTAs, zero tail columns of the data.
+__device__ void zero_tail(const Fp8SegmentsParams& p, int64_t b, int64_t channel, int tid) {
+  const int E = static_cast<int>(p.experts);
+  if (tid < 16) {
+    float4* scales = reinterpret_cast<float4*>(p.scales + b * p.channels + channel);
+    scales[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    scales[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int64_t used = p.block_offsets[E];
+  const int64_t step = (p.num_blocks - used) * 128;  // >= 128: NB > the used block rows
+  const int64_t Tp = p.padded_tokens;
+  uint8_t* row = p.data + (static_cast<int64_t>(blockIdx.y) * 128 + tid / 2) * Tp;
+  for (int64_t start = p.seg_offsets[E] + (b - used) * 128 + (tid % 2) * 64; start < Tp;
+       start += step) {
+#pragma unroll
+    for (int j = 0; j < 64; j += 16) {
+      if (start + j < Tp) {
+        *reinterpret_cast<uint4*>(row + start + j) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
+template <bool kBf16, bool kRows>
+__global__ void __launch_bounds__(kThreads) segments_kernel(const Fp8SegmentsParams p) {
+  __shared__ uint4 warp_max[kWarps][16];
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int cg = tid % 16;  // channels 8 cg .. 8 cg + 7 of the tile
+  const int tg = tid / 16;  // tokens 8 tg .. 8 tg + 7 of the block
+  const int64_t b = blockIdx.x;
+  const int64_t T = p.tokens, C = p.channels;
+  const int64_t channel = static_cast<int64_t>(blockIdx.y) * 128 + cg * 8;
+  const int E = static_cast<int>(p.experts);
+
+  // The expert whose blocks hold b: the number of experts whose blocks end at
+  // or before it (E: none); and whether the running sums fall anywhere.
+  int e = 0;
+  int falls = 0;
+  for (int first = 0; first < E; first += kThreads) {
+    const int k = first + tid;
+    const bool listed = k < E;
+    e += __syncthreads_count(listed && p.block_offsets[k + 1] <= b);
+    falls |= __syncthreads_or(listed && p.row_offsets[k + 1] < p.row_offsets[k]);
+  }
+  const bool malformed = falls || p.row_offsets[E] != T;
+  const bool in_expert = e < E;
+  if (!in_expert && !malformed) {
+    zero_tail(p, b, channel, tid);
+    return;
+  }
+  int64_t row_start = b * 128, rows = T - b * 128, column_start = b * 128, first_block = b;
+  if (!malformed) {
+    row_start = p.row_offsets[e];
+    rows = p.row_offsets[e + 1] - row_start;
+    column_start = p.seg_offsets[e];
+    first_block = p.block_offsets[e];
+  }
+  const int64_t local = (b - first_block) * 128 + tg * 8;  // the thread's first token
+
+  // The tile through shared memory (zeros past the expert's tokens): the
+  // loads hold no registers while they fly, so more CTAs fit on an SM.
+  __shared__ uint4 tile[128 * kRowVectors];
+  uint4* const v = tile + tg * 8 * kRowVectors + cg;  // the thread's 8 tokens, kRowVectors apart
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool ok = local + i < rows;
+    const auto* x = static_cast<const uint16_t*>(p.x) + (ok ? (row_start + local + i) * C + channel : 0);
+    load_16_bytes(v + i * kRowVectors, x, ok);
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+
+  // Channel maxima over the block's tokens: the thread's 8, the other
+  // half-warp's, then the 8 warps' through shared memory.
+  uint4 cmax = make_uint4(0, 0, 0, 0);
+  uint32_t rmax[4] = {0, 0, 0, 0};  // tokens 2j and 2j + 1 in word j's halves
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint4 w = v[i * kRowVectors];
+    const uint4 a = make_uint4(abs2(w.x), abs2(w.y), abs2(w.z), abs2(w.w));
+    cmax = max2(cmax, a);
+    if constexpr (kRows) {
+      const uint32_t m = max2(max2(a.x, a.y), max2(a.z, a.w));
+      rmax[i / 2] |= max(m & 0xFFFFu, m >> 16) << (16 * (i % 2));
+    }
+  }
+  cmax.x = max2(cmax.x, __shfl_xor_sync(0xFFFFFFFFu, cmax.x, 16));
+  cmax.y = max2(cmax.y, __shfl_xor_sync(0xFFFFFFFFu, cmax.y, 16));
+  cmax.z = max2(cmax.z, __shfl_xor_sync(0xFFFFFFFFu, cmax.z, 16));
+  cmax.w = max2(cmax.w, __shfl_xor_sync(0xFFFFFFFFu, cmax.w, 16));
+  if (lane < 16) {
+    warp_max[tid / 32][cg] = cmax;
+  }
+
+  // Token maxima over the 128 channels: the 16 lanes of the half-warp.
+  if constexpr (kRows) {
+#pragma unroll
+    for (int lanes = 1; lanes < 16; lanes *= 2) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        rmax[j] = max2(rmax[j], __shfl_xor_sync(0xFFFFFFFFu, rmax[j], lanes));
+      }
+    }
+  }
+  __syncthreads();
+  cmax = warp_max[0][cg];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    cmax = max2(cmax, warp_max[w][cg]);
+  }
+  const uint32_t cwords[4] = {cmax.x, cmax.y, cmax.z, cmax.w};
+  BlockScale cs[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    cs[c] = scale_rule(fp32_bits<kBf16>((cwords[c / 2] >> (16 * (c % 2))) & 0xFFFFu));
+  }
+  if (tg == 0) {
+    float s[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      s[c] = malformed ? __uint_as_float(kNanBits) : cs[c].scale;
+    }
+    float4* scales = reinterpret_cast<float4*>(p.scales + b * C + channel);
+    scales[0] = make_float4(s[0], s[1], s[2], s[3]);
+    scales[1] = make_float4(s[4], s[5], s[6], s[7]);
+  }
+
+  bool finite = true;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    finite = finite && cs[c].finite;
+  }
+  if constexpr (kRows) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      finite = finite && fp32_bits<kBf16>((rmax[i / 2] >> (16 * (i % 2))) & 0xFFFFu) < 0x7F800000u;
+    }
+  }
+  const Tile where{row_start, rows, column_start + local, local, channel, cg};
+  uint32_t tq[8][2] = {};
+  if (finite) {
+    quantize<kBf16, kRows, false>(p, where, v, cs, rmax, tq);
+  } else {
+    quantize<kBf16, kRows, true>(p, where, v, cs, rmax, tq);
+  }
+
+  // The (128, 1) bytes leave through shared memory (the tile's, read by now):
+  // each channel's 128 tokens as eight 16-byte pieces, the pieces XOR-swizzled
+  // by channel group so that a half-warp's 8-byte writes spread over the
+  // banks; then whole 128-byte rows of the data.
+  __syncthreads();
+  auto* bytes = reinterpret_cast<uint8_t*>(tile);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int piece = (tg / 2) ^ (cg % 8);
+    *reinterpret_cast<uint2*>(bytes + (cg * 8 + c) * 128 + piece * 16 + (tg % 2) * 8) =
+        make_uint2(tq[c][0], tq[c][1]);
+  }
+  __syncthreads();
+  // The expert's columns run to its token count rounded up to 16 (zeros past
+  // its tokens); a stand-in's may pass Tp. Both bounds are multiples of 16.
+  const int64_t padded_rows = (rows + 15) / 16 * 16;
+  const int64_t first = (b - first_block) * 128;  // the block's first token in the segment
+  const int64_t Tp = p.padded_tokens;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int q = tid + k * kThreads;
+    const int row = q / 8, piece = q % 8;
+    const int64_t column = column_start + first + piece * 16;
+    if (first + piece * 16 < padded_rows && column < Tp) {
+      const uint4 value =
+          *reinterpret_cast<const uint4*>(bytes + row * 128 + (piece ^ ((row / 8) % 8)) * 16);
+      *reinterpret_cast<uint4*>(p.data + (static_cast<int64_t>(blockIdx.y) * 128 + row) * Tp +
+                                column) = value;
+    }
+  }
+}
+
+template <bool kBf16>
+auto* segments_kernel_for(bool rows) {
+  return rows ? segments_kernel<kBf16, true> : segments_kernel<kBf16, false>;
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_segments(const Fp8SegmentsParams& params, cudaStream_t stream) {
+  if (params.num_blocks == 0 || params.channels == 0) {
+    return cudaSuccess;
+  }
+  const bool rows = params.row_data != nullptr;
+  auto* kernel = params.bf16 ? segments_kernel_for<true>(rows) : segments_kernel_for<false>(rows);
+  const dim3 grid(static_cast<unsigned>(params.num_blocks),
+                  static_cast<unsigned>(params.channels / 128));
+  kernel<<<grid, kThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace groupgrad

@@ -52,9 +52,10 @@ SPLITS = ("uniform", "heavy")
 VARIANTS = ("bf16", "fp8", "fp8_cached")
 FAMILIES = (  # (family, substrings of a kernel name), first match wins
     ("swiglu_fp8", ("swiglu_fp8",)),  # the fused FP8 SwiGLU (Triton), before "fp8" and "swiglu"
-    ("fp8_gemm", ("fp8", "Fp8", "e4m3", "FP8")),
-    # the Triton quantizers and the offsets of their (128, 1) form
+    # the quantizers (Triton's; the CUDA one-read quantize_segments_kernel, whose signature
+    # names Fp8SegmentsParams, so before "Fp8") and the offsets of the (128, 1) form
     ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel", "_offsets_kernel")),
+    ("fp8_gemm", ("fp8", "Fp8", "e4m3", "FP8")),
     ("gemm", ("cutlass", "gemm", "Gemm", "nvjet", "sm90")),
     ("swiglu", ("swiglu",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")),

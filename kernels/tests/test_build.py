@@ -149,6 +149,21 @@ def test_an_fp8_launch_rejects_a_swizzle_the_scheduler_has_not() -> None:
         )
 
 
+def test_the_build_compiles_every_hand_written_source_and_binds_every_launch() -> None:
+    """Each ``.cu``/``.cpp`` in csrc is compiled (a file left out links without its kernels
+    until an import fails on the GPU), and every launcher the bindings call is defined."""
+    from groupgrad.kernels import build
+
+    on_disk = {p.name for p in build.CSRC_DIR.iterdir() if p.suffix in {".cu", ".cpp"}}
+    assert set(build.SOURCES) == on_disk
+    bindings = "".join((build.CSRC_DIR / n).read_text() for n in build.SOURCES if n.endswith("cpp"))
+    launched = set(re.findall(r"\b(launch_\w+)\(", bindings))
+    defined = "".join((build.CSRC_DIR / n).read_text() for n in build.SOURCES if n.endswith(".cu"))
+    assert launched, "the reader found no launcher"
+    for name in launched:
+        assert re.search(rf"cudaError_t {name}\(", defined), f"{name} is not defined in a .cu file"
+
+
 def test_variant_names_are_unique_across_the_sets() -> None:
     names = [v.name for v in tuning.VARIANTS + tuning.TUNING_VARIANTS]
     assert len(names) == len(set(names))

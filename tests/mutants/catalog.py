@@ -545,6 +545,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(
+        "build-leaves-out-the-quantizer",
+        "the extension is built without csrc/fp8_quantize.cu (its binding then fails to load)",
+        "kernels/src/groupgrad/kernels/build.py",
+        '"fp8_setup.cu", "fp8_quantize.cu")',
+        '"fp8_setup.cu")',
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
         "fp8-cuda-quantizer-takes-fp32",
         "the one-read CUDA quantizer is handed fp32 activations, which it reads as 16-bit values",
         "kernels/src/groupgrad/kernels/_fp8_ops.py",

@@ -395,8 +395,9 @@ def quantize_fp8(
     a zero block gets scale 1 and zero data, a block holding NaN or Inf gets
     scale NaN (it dequantizes to NaN). On CUDA, Triton kernels run (the
     reference when triton cannot be imported or the GPU predates sm_89, said
-    once through :mod:`logging`), bit-identical to :func:`quantize_fp8_ref`;
-    elsewhere the reference. Runs as custom ops (``groupgrad::quantize_fp8_*``),
+    once through :mod:`logging`; on sm_90 a bf16 or fp16 activation's token
+    forms come from one CUDA kernel of the CUTLASS extension, built on first
+    use), bit-identical to :func:`quantize_fp8_ref`; elsewhere the reference. Runs as custom ops (``groupgrad::quantize_fp8_*``),
     so ``torch.compile(fullgraph=True)`` and CUDA graphs see it. Nothing is
     mutated.
 

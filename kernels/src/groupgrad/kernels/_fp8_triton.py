@@ -20,7 +20,9 @@ of the ``(128, 1)`` form.
   tail columns. Both forms of one tensor come from two kernels, rows then
   segments: one kernel writing both held 251 registers (2 programs per SM)
   and ran up to 1.23x slower (DEVICE_RUNS 114); with the tile kept bf16 it
-  still ran 0.60-0.93x as fast as the two (DEVICE_RUNS 126).
+  still ran 0.60-0.93x as fast as the two (DEVICE_RUNS 126). On sm_90 a
+  16-bit activation goes to the CUTLASS extension's one-read CUDA kernel
+  instead (``_fp8_ops.cuda_quantizer``; 1.5x as fast, the same bits).
   Malformed device ``splits`` (``_fp8_ops.malformed``): every program takes
   an in-bounds stand-in (tokens ``[128 b, 128 b + 128)`` at the same columns,
   :func:`_segment`) and writes NaN scales.

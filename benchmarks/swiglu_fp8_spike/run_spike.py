@@ -6,7 +6,7 @@ Run on the GPU machine from the repository root (the packages on ``PYTHONPATH``)
 
 It builds the kernel twice (``__launch_bounds__`` minimum 1 and 2 CTAs per SM)
 with ``torch.utils.cpp_extension.load``, then checks every output against
-``_swiglu_fp8_triton.backward_triton`` and ``_swiglu_fp8.backward_ref`` with the
+the public op (on the GPU Triton's two kernels) and its reference twin with the
 GPU test's tolerance (``kernels/tests/test_gpu_swiglu_fp8.py``: bytes ≥ 97 %
 equal, scales equal or a factor 2 apart for ≤ 2 %, ``dprobs`` within 1 %),
 on ragged, empty, skewed and 300-expert splits, bf16 and fp16, with and
@@ -30,8 +30,13 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from groupgrad.kernels import _fp8_ops, _swiglu_fp8
-from groupgrad.kernels import _swiglu_fp8_triton as triton_kernels
+from groupgrad.kernels import (
+    Fp8Blocks,
+    quantize_fp8_ref,
+    swiglu_probs_backward_fp8,
+    swiglu_probs_backward_fp8_ref,
+    swiglu_probs_fp8_ref,
+)
 
 HERE = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DSWB_NS=swb"]
@@ -63,8 +68,8 @@ def poison() -> None:
 
 
 def inputs(splits: list[int], F: int, dtype: torch.dtype, seed: int, probs: bool = True) -> list:
-    """The op's arguments before its three flags: da, h's (1, 128) form, probs, offsets, NB, Tp."""
-    T, E = sum(splits), len(splits)
+    """``[da, h's (1, 128) form, probs, splits]``: the public op's arguments."""
+    T = sum(splits)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(T, 2 * F, device="cuda", generator=gen)
     h *= torch.logspace(-2, 1, 2 * F, device="cuda")[
@@ -72,9 +77,42 @@ def inputs(splits: list[int], F: int, dtype: torch.dtype, seed: int, probs: bool
     ]
     da = torch.randn(T, F, device="cuda", generator=gen).to(dtype)
     p = torch.rand(T, device="cuda", generator=gen) if probs else None
-    h_data, h_scales, _, _ = _swiglu_fp8.forward_ref(h.to(dtype), p)
-    offsets = _fp8_ops.offsets_ref(torch.tensor(splits, device="cuda"), 16)
-    return [da, h_data, h_scales, p, *offsets, -(-T // 128) + E, -(-(T + 15 * E) // 16) * 16]
+    h_rows, _ = swiglu_probs_fp8_ref(h.to(dtype), p)
+    return [da, h_rows, p, torch.tensor(splits, device="cuda")]
+
+
+def spike(ext: object, args: list, asked: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+    """The spike kernel's seven outputs (``backward_triton``'s order) for the public arguments."""
+    da, h_rows, p, splits = args
+    cut = quantize_fp8_ref(da.new_zeros(da.shape[0], 128), block=(128, 1), splits=splits)
+    offsets = (cut.row_offsets, cut.seg_offsets, cut.block_offsets)
+    NB, Tp = cut.scales.shape[0], cut.data.shape[1]
+    return ext.backward(da, h_rows.data, h_rows.scales.t(), p, *offsets, NB, Tp, *asked)
+
+
+def flat(found: tuple, asked: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+    """The public op's results as the spike's seven outputs."""
+    dh, dht, dprobs, at = found
+    empty8 = torch.empty(0, dtype=torch.float8_e4m3fn, device="cuda")
+    empty = torch.empty(0, device="cuda")
+
+    def pair(q: Fp8Blocks | None, rows: bool) -> list[torch.Tensor]:
+        if q is None:
+            return [empty8, empty]
+        return [q.data, q.scales.t() if rows else q.scales]
+
+    return [
+        *pair(dh, True),
+        *pair(dht, False),
+        *pair(at, False),
+        empty if dprobs is None else dprobs,
+    ]
+
+
+def public(fn: Callable, args: list, asked: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+    da, h_rows, p, splits = args
+    flags = dict(zip(("dh_rows", "dh_tokens", "a_tokens"), asked, strict=True))
+    return flat(fn(da, h_rows, p, splits=splits, **flags), asked)
 
 
 def problems(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[str]:
@@ -112,30 +150,31 @@ def check(exts: dict[str, object]) -> int:
         failures += bool(found)
         print("ok  " if not found else "FAIL", name, "; ".join(found), flush=True)
 
+    every = (True, True, True)
     for version, ext in exts.items():
         for splits in SPLITS:
             for dtype in (torch.bfloat16, torch.float16):
                 for probs in (True, False):
                     args = inputs(splits, 384, dtype, seed=len(splits), probs=probs)
                     poison()
-                    got = ext.backward(*args, True, True, True)
+                    got = spike(ext, args, every)
                     name = f"{version} E={len(splits)} {dtype} probs={probs}"
-                    say(
-                        name + " vs triton",
-                        problems(got, triton_kernels.backward_triton(*args, True, True, True)),
-                    )
-                    say(name + " vs reference", problems(got, _swiglu_fp8.backward_ref(*args, True, True, True)))  # fmt: skip
+                    triton = public(swiglu_probs_backward_fp8, args, every)
+                    say(name + " vs triton", problems(got, triton))
+                    reference = public(swiglu_probs_backward_fp8_ref, args, every)
+                    say(name + " vs reference", problems(got, reference))
         for asked in [(True, False, False), (False, True, False), (False, False, True)]:
             args = inputs([100, 0, 300], 256, torch.bfloat16, seed=9)
             poison()
-            got = ext.backward(*args, *asked)
-            say(f"{version} asked {asked}", problems(got, _swiglu_fp8.backward_ref(*args, *asked)))
+            got = spike(ext, args, asked)
+            say(
+                f"{version} asked {asked}",
+                problems(got, public(swiglu_probs_backward_fp8_ref, args, asked)),
+            )
         good = inputs([500, 500], 256, torch.bfloat16, seed=13)
         for bad in ([1400, 0, 500], [1050, -50, 0], [3, 5, -1, 993]):
-            args = list(good)
-            args[4:7] = _fp8_ops.offsets_ref(torch.tensor(bad, device="cuda"), 16)
-            args[7], args[8] = -(-1000 // 128) + len(bad), -(-(1000 + 15 * len(bad)) // 16) * 16
-            got, base = ext.backward(*args, True, True, True), ext.backward(*good, True, True, True)
+            args = [*good[:3], torch.tensor(bad, device="cuda")]
+            got, base = spike(ext, args, every), spike(ext, good, every)
             torch.cuda.synchronize()
             found = (
                 [] if got[3].isnan().all() and got[5].isnan().all() else ["token scales not NaN"]
@@ -168,14 +207,14 @@ def timing(exts: dict[str, object]) -> None:
     src, dst = torch.empty(2**28, device="cuda"), torch.empty(2**28, device="cuda")
     copy = 2 * src.numel() * 4 / (gpu_ms(lambda: dst.copy_(src)) / 1e3)
     print(f"copy {copy / 1e12:.2f} TB/s", flush=True)
+    every = (True, True, True)
     for name, splits, F in SHAPES:
         args = inputs(splits, F, torch.bfloat16, seed=1)
         moved = sum(splits) * F * 9
-        calls = {
-            "triton": lambda args=args: triton_kernels.backward_triton(*args, True, True, True)
-        }
+        calls = {"triton": lambda args=args: swiglu_probs_backward_fp8(
+            *args[:3], splits=args[3], dh_rows=True, dh_tokens=True, a_tokens=True)}  # fmt: skip
         for version, ext in exts.items():
-            calls[version] = lambda ext=ext, args=args: ext.backward(*args, True, True, True)
+            calls[version] = lambda ext=ext, args=args: spike(ext, args, every)
         times: dict[str, list[float]] = {k: [] for k in calls}
         for _ in range(3):
             for k, fn in calls.items():

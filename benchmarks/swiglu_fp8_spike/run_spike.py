@@ -51,11 +51,13 @@ SHAPES = [
 
 def build() -> dict[str, object]:
     sources = [str(HERE / "binding.cpp"), str(HERE / "swiglu_backward_spike.cu")]
+    csrc = HERE.parents[1] / "kernels" / "src" / "groupgrad" / "kernels" / "csrc"
     return {
         f"cuda{blocks}": cpp_extension.load(
             f"gg_swiglu_spike_{blocks}",
             sources,
             extra_cuda_cflags=[*FLAGS, f"-DSWB_MIN_BLOCKS={blocks}"],
+            extra_include_paths=[str(csrc)],
         )
         for blocks in (1, 2)
     }

@@ -5,6 +5,8 @@
 #include <cuda_fp8.h>
 #include <cstdint>
 
+#include "fp8_blocks.cuh"  // kernels/src/groupgrad/kernels/csrc: the scale rule, e4m3x2
+
 #ifndef SWB_MIN_BLOCKS
 #define SWB_MIN_BLOCKS 1
 #endif
@@ -31,36 +33,17 @@ struct Params {
 
 namespace {
 
+using groupgrad::BlockScale;
+using groupgrad::e4m3x2;
+using groupgrad::kNanBits;
+using groupgrad::scale_rule;
+
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
-constexpr uint32_t kNanBits = 0x7FC00000u;
 constexpr int kSmemBytes = 64 * 1024 + 128 * 8 * 4 + kWarps * 3 * 16 * 32;
-
-struct BlockScale {
-  float scale;
-  float inverse;
-  bool finite;
-};
-
-__device__ __forceinline__ BlockScale scale_rule(uint32_t amax) {
-  int exponent = static_cast<int>(amax >> 23) - 8 + ((amax & 0x7FFFFFu) > 0x600000u ? 1 : 0);
-  exponent = max(exponent, 1);
-  const bool zero = amax == 0;
-  BlockScale s;
-  s.finite = amax < 0x7F800000u;
-  s.scale = !s.finite ? __uint_as_float(kNanBits)
-            : zero    ? 1.0f
-                      : __uint_as_float(static_cast<uint32_t>(exponent) << 23);
-  s.inverse = zero ? 1.0f : __uint_as_float(static_cast<uint32_t>(254 - exponent) << 23);
-  return s;
-}
 
 __device__ __forceinline__ float scaled(float x, float inverse, bool finite) {
   return finite ? x * inverse : 0.0f;
-}
-
-__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }

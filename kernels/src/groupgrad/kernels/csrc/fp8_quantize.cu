@@ -32,6 +32,7 @@
 
 #include <cstdint>
 
+#include "fp8_blocks.cuh"
 #include "fp8_quantize.h"
 
 namespace groupgrad {
@@ -39,7 +40,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr uint32_t kNanBits = 0x7FC00000u;  // torch.nan
 constexpr int kRowVectors = 16;  // 16-byte vectors of a token's 128 channels
 
 // 16 bytes from global to shared memory, asynchronously; zeros if !ok.
@@ -80,37 +80,12 @@ __device__ __forceinline__ float2 widen(uint32_t w) {
   }
 }
 
-struct BlockScale {
-  float scale;
-  float inverse;
-  bool finite;
-};
-
-// _fp8_ops.scale_rule of a block whose max |x| has the fp32 bits `amax`.
-__device__ __forceinline__ BlockScale scale_rule(uint32_t amax) {
-  int exponent = static_cast<int>(amax >> 23) - 8 + ((amax & 0x7FFFFFu) > 0x600000u ? 1 : 0);
-  exponent = max(exponent, 1);
-  const bool zero = amax == 0;
-  BlockScale s;
-  s.finite = amax < 0x7F800000u;
-  s.scale = !s.finite ? __uint_as_float(kNanBits)
-            : zero    ? 1.0f
-                      : __uint_as_float(static_cast<uint32_t>(exponent) << 23);
-  s.inverse = zero ? 1.0f : __uint_as_float(static_cast<uint32_t>(254 - exponent) << 23);
-  return s;
-}
-
 // x / scale, zero in a non-finite block (kChecked: such blocks may occur). No
 // clamp is needed before the saturating conversion: in a finite block
 // |x| / scale <= 448.
 template <bool kChecked>
 __device__ __forceinline__ float scaled(float x, const BlockScale& s) {
   return !kChecked || s.finite ? x * s.inverse : 0.0f;
-}
-
-// Two e4m3 bytes, `a` in the lower one; round to nearest even, saturating.
-__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
 // Where a thread's tokens lie: its expert's first row and rows, its first

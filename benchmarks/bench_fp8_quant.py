@@ -3,7 +3,10 @@
 Target (the FP8 kernels issue): (bytes read + written, scales included) / time
 >= 0.70 x the copy rate for tensors of >= 16k rows, both forms counting one
 read of the source (on CUDA two kernels write them, each reading it, since
-DEVICE_RUNS 114); both forms also at T = 65536, C = 7168, E = 32. Prints each
+DEVICE_RUNS 114); both forms also at T = 65536, C = 7168, E = 32. Also the
+FP8 SwiGLU backward (``swiglu_probs_backward_fp8``, every form asked: about
+9 bytes per element of ``a``), at the fused MLP's E = 8 and E = 32 shapes,
+its inputs and outputs each counted once. Prints each
 case's share of the copy rate and writes JSON with ``--json``; also the time
 per call of 128 one-expert weights packed, as views of one buffer
 and in allocations apart (:func:`weight_lists`).
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from groupgrad.kernels import quantize_fp8
+from groupgrad.kernels import quantize_fp8, swiglu_probs_backward_fp8, swiglu_probs_fp8
 
 
 def _idle_seconds(fn: Callable[[], object], repeats: int = 50) -> float:
@@ -75,6 +78,23 @@ def _both_forms(x: torch.Tensor, splits: torch.Tensor) -> tuple[Callable[[], obj
     return lambda: quantize_fp8(x, block=((1, 128), (128, 1)), splits=splits), moved
 
 
+def _swiglu_backward(E: int, T: int, F: int) -> tuple[Callable[[], object], int]:
+    """The FP8 SwiGLU backward of ``E`` equal experts writing every form, and its bytes."""
+    h = torch.randn(T, 2 * F, device="cuda").bfloat16()
+    da = torch.randn(T, F, device="cuda").bfloat16()
+    probs = torch.rand(T, device="cuda")
+    h_rows, _ = swiglu_probs_fp8(h, probs)
+    splits = torch.full((E,), T // E, device="cuda")
+
+    def call() -> tuple:
+        return swiglu_probs_backward_fp8(da, h_rows, probs, splits=splits)
+
+    dh, dh_tokens, dprobs, a_tokens = call()
+    forms = (t for q in (dh, dh_tokens, a_tokens) if q is not None for t in (q.data, q.scales))
+    assert dprobs is not None
+    return call, _nbytes(da, h_rows.data, h_rows.scales, probs, dprobs, *forms)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None)
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: quantize_fp8(w, block=(128, 128)),
             _nbytes(w, weights.data, weights.data_t, weights.scales),
         ),
+        "swiglu backward E=8 T=16384 F=14336": _swiglu_backward(8, 16384, 14336),
+        "swiglu backward E=32 T=65536 F=2048": _swiglu_backward(32, 65536, 2048),
     }
     report = {}
     print(f"copy rate {copy / 1e12:.2f} TB/s; T={T} C={C} E={E}, weights ({E}, 2048, 4096)")

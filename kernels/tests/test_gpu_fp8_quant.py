@@ -16,6 +16,7 @@ import torch
 
 from groupgrad.kernels import (
     _fp8_ops,
+    _swiglu_fp8,
     grouped_dgrad,
     grouped_fprop,
     grouped_wgrad,
@@ -44,8 +45,9 @@ ROUTES = ["cuda kernel if it takes x", "triton"]
 
 @pytest.fixture(params=ROUTES)
 def route(request, monkeypatch) -> str:
-    if request.param == "triton":
+    if request.param == "triton":  # the quantizers' and the FP8 SwiGLU backward's
         monkeypatch.setattr(_fp8_ops, "cuda_quantizer", lambda x, padded_tokens: None)
+        monkeypatch.setattr(_swiglu_fp8, "cuda_quantizer", lambda x, padded_tokens: None)
     return request.param
 
 

@@ -1,8 +1,9 @@
-"""The fused Triton FP8 SwiGLU kernels on a CUDA device against the reference chain.
+"""The fused FP8 SwiGLU kernels on a CUDA device against the reference chain.
 
 Run with ``nox -s tests-gpu`` or ``pytest -m gpu kernels/tests/test_gpu_swiglu_fp8.py``.
-The kernels quantize exactly as the quantizers do, but their fp32 ``sigmoid``
-is Triton's, so a rounded ``a`` or ``dh`` may sit one bf16 step from the
+The backward runs on both of its routes (the ``route`` fixture): the one CUDA
+kernel and Triton's two. The kernels quantize exactly as the quantizers do,
+but their fp32 ``sigmoid`` is Triton's (the CUDA kernel computes it alike), so a rounded ``a`` or ``dh`` may sit one bf16 step from the
 reference's and, rarely, its block's scale one power of two away. Hence:
 ``h``'s form bit for bit; the others with every scale equal or a factor of 2
 apart (at most 2 % of them), at least 97 % of the bytes equal, and the
@@ -19,6 +20,7 @@ import torch
 
 from groupgrad.kernels import (
     Fp8Blocks,
+    _swiglu_fp8,
     swiglu_probs_backward_fp8,
     swiglu_probs_backward_fp8_ref,
     swiglu_probs_fp8,
@@ -34,7 +36,17 @@ SPLITS = [
     [1, 0, 127, 128, 129, 0, 3000, 7],
     [0, 0, 0, 5],
     [33] * 64,
+    [7] * 150 + [0] * 150,  # more experts than the CUDA kernel's threads
 ]
+ROUTES = ["cuda", "triton"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch) -> str:
+    """The backward's route: the one CUDA kernel (where it takes the operands) or Triton's."""
+    if request.param == "triton":
+        monkeypatch.setattr(_swiglu_fp8, "cuda_quantizer", lambda x, padded_tokens: None)
+    return request.param
 
 
 def _poison() -> None:
@@ -87,7 +99,7 @@ def test_triton_kernels_import() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: f"E{len(s)}")
-def test_fused_kernels_match_the_reference_chain(splits, with_probs, dtype) -> None:
+def test_fused_kernels_match_the_reference_chain(splits, with_probs, dtype, route) -> None:
     T, F = sum(splits), 384
     h, da, probs = _inputs(T, F, dtype, seed=len(splits))
     probs = probs if with_probs else None
@@ -114,7 +126,7 @@ def test_fused_kernels_match_the_reference_chain(splits, with_probs, dtype) -> N
 @pytest.mark.parametrize(
     "asked", [(True, False, False), (False, True, False), (False, False, True)]
 )
-def test_only_the_asked_forms_are_written(asked) -> None:
+def test_only_the_asked_forms_are_written(asked, route) -> None:
     splits = [100, 0, 300]
     h, da, probs = _inputs(400, 256, torch.bfloat16, seed=9)
     h_rows, _ = swiglu_probs_fp8_ref(h, probs)
@@ -127,7 +139,7 @@ def test_only_the_asked_forms_are_written(asked) -> None:
         _close(g, w, name)
 
 
-def test_a_cuda_graph_replays_with_new_device_splits() -> None:
+def test_a_cuda_graph_replays_with_new_device_splits(route) -> None:
     T, F = 1024, 256
     h, da, probs = _inputs(T, F, torch.bfloat16, seed=3)
     splits = torch.tensor([512, 0, 512], device="cuda")
@@ -147,7 +159,7 @@ def test_a_cuda_graph_replays_with_new_device_splits() -> None:
         _close(outs[3], want[3], f"a (128, 1) after replay with {new}")
 
 
-def test_torch_compile_fullgraph_runs_the_kernels() -> None:
+def test_torch_compile_fullgraph_runs_the_kernels(route) -> None:
     torch._dynamo.reset()
     h, da, probs = _inputs(512, 256, torch.bfloat16, seed=4)
     splits = torch.tensor([256, 256], device="cuda")
@@ -162,3 +174,40 @@ def test_torch_compile_fullgraph_runs_the_kernels() -> None:
     compiled = torch.compile(step, fullgraph=True)
     for got, want in zip(compiled(h, da, probs, splits), step(h, da, probs, splits), strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_one_kernel_takes_16_bit_aligned_operands_and_leaves_the_rest_to_triton(
+    monkeypatch,
+) -> None:
+    """On sm_90 a bfloat16 or float16 backward with ``h``'s data 16-byte aligned runs as the one
+    CUDA kernel (so the route tests above test it); fp32 and a misaligned ``h`` go to Triton's
+    kernels, and all match the reference chain."""
+    took: list[str] = []
+    one_kernel = _swiglu_fp8._backward_one_kernel
+    monkeypatch.setattr(
+        _swiglu_fp8,
+        "_backward_one_kernel",
+        lambda *args: took.append("cuda") or one_kernel(*args),
+    )
+    splits = [400, 0, 600]
+    for name, dtype, aligned, takes in [
+        ("bf16", torch.bfloat16, True, True),
+        ("fp16", torch.float16, True, True),
+        ("fp32", torch.float32, True, False),
+        ("bf16, h 8 bytes off", torch.bfloat16, False, False),
+    ]:
+        h, da, probs = _inputs(sum(splits), 256, dtype, seed=11)
+        h_rows, _ = swiglu_probs_fp8_ref(h, probs)
+        if not aligned:
+            data = torch.empty(h_rows.data.numel() + 8, dtype=h_rows.data.dtype, device="cuda")
+            data = data[8:].view_as(h_rows.data).copy_(h_rows.data)
+            h_rows = Fp8Blocks(data, h_rows.scales, block=(1, 128), dtype=dtype, shape=h.shape)
+        took.clear()
+        _poison()
+        got = swiglu_probs_backward_fp8(da, h_rows, probs, splits=torch.tensor(splits).cuda())
+        want = swiglu_probs_backward_fp8_ref(da, h_rows, probs, splits=splits)
+        assert took == (["cuda"] if takes else []), name
+        forms = ("dh (1, 128)", "dh (128, 1)", "a (128, 1)")
+        for g, w, form in zip(got[:2] + got[3:], want[:2] + want[3:], forms, strict=True):
+            _close(g, w, f"{name}: {form}")
+        torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-3)

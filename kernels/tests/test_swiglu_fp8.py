@@ -260,3 +260,46 @@ def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypa
     )
     compiled(da, h_rows)  # traced: the op
     assert calls == ["forward_op", "backward_op"]
+
+
+def test_the_one_kernel_backward_takes_aligned_16_bit_operands_only(monkeypatch) -> None:
+    """``_backward_cuda`` hands the backward to the CUTLASS extension's one kernel only when it
+    can read the operands (``da`` as the one-read quantizer takes an activation; ``h``'s data
+    16-byte aligned) and the backend runs on its device; else Triton's kernels (here, with no
+    Triton, the reference). Checked with the backend's answer stood in; on the GPU by
+    test_gpu_swiglu_fp8.py."""
+    from groupgrad.kernels import _cutlass
+
+    monkeypatch.setattr(_cutlass, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(_swiglu_fp8, "_triton_for", lambda t: None)
+    took: list[torch.dtype] = []
+
+    def one_kernel(cutlass, da, *args):
+        took.append(da.dtype)
+        return _swiglu_fp8.backward_ref(da, *args)
+
+    monkeypatch.setattr(_swiglu_fp8, "_backward_one_kernel", one_kernel)
+    offsets = quantize_fp8_ref(_randn(T, 128), block=TOKENS, splits=SPLITS)
+    E = len(SPLITS)
+    tail = (offsets.row_offsets, offsets.seg_offsets, offsets.block_offsets)
+    sizes = (-(-T // 128) + E, -(-(T + 15 * E) // 16) * 16, True, True, True)
+    for dtype, aligned, takes in [
+        (torch.bfloat16, True, True),
+        (torch.float16, True, True),
+        (torch.float32, True, False),
+        (torch.bfloat16, False, False),
+    ]:
+        h = quantize_fp8_ref(_h(dtype=dtype), block=ROWS)
+        data = h.data
+        if not aligned:  # the same bytes, 8 bytes past a 16-byte boundary
+            data = h.data.new_empty(h.data.numel() + 8)[8:].view_as(h.data).copy_(h.data)
+        da = _randn(T, F, dtype=dtype, seed=5)
+        took.clear()
+        got = _swiglu_fp8._backward_cuda(da, data, h.scales.t(), _probs(), *tail, *sizes)
+        assert took == ([dtype] if takes else []), (dtype, aligned)
+        want = _swiglu_fp8.backward_ref(da, h.data, h.scales.t(), _probs(), *tail, *sizes)
+        for g, w in zip(got, want, strict=True):
+            fp8 = g.dtype == torch.float8_e4m3fn
+            assert (
+                torch.equal(g.view(torch.uint8), w.view(torch.uint8)) if fp8 else torch.equal(g, w)
+            )

@@ -51,8 +51,8 @@ __all__ = [
     "default_plan",
     "dgrad",
     "fp8_dgrad",
+    "fp8_elementwise",
     "fp8_fprop",
-    "fp8_segments",
     "fp8_unsupported_reason",
     "fp8_wgrad",
     "fprop",
@@ -440,11 +440,8 @@ def fp8_wgrad(
     )  # fmt: skip
 
 
-def fp8_segments(
-    x: torch.Tensor, row_offsets: torch.Tensor, seg_offsets: torch.Tensor,
-    block_offsets: torch.Tensor, outputs: Sequence[torch.Tensor],
-) -> None:  # fmt: skip
-    """``x``'s ``(128, 1)`` form (and ``(1, 128)`` form if ``outputs[2]`` has elements) in
-    one read into ``outputs``, ``_fp8_ops.segments_ref``'s four results bit for bit
-    (csrc/fp8_quantize.cu: bfloat16 or float16 ``x``, contiguous, 16-byte aligned)."""
-    _extension().fp8_segments(x, row_offsets, seg_offsets, block_offsets, *outputs)
+def fp8_elementwise(kernel: str, *args: object) -> None:
+    """Runs the hand-written FP8 kernel bound as ``kernel`` (csrc/fp8_elementwise_binding.cpp:
+    ``fp8_segments``, the one-read activation quantizer, ``_fp8_ops.segments_ref``'s results bit
+    for bit; ``fp8_swiglu_backward``, ``_swiglu_fp8.backward_ref``'s) into the caller's outputs."""
+    getattr(_extension(), kernel)(*args)

@@ -317,7 +317,9 @@ def _segments_cuda(
         outputs = _segments_fake(
             x, row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, with_rows
         )  # the outputs' shapes, allocated; the kernel writes every element
-        cutlass.fp8_segments(x, row_offsets, seg_offsets, block_offsets, outputs)
+        cutlass.fp8_elementwise(
+            "fp8_segments", x, row_offsets, seg_offsets, block_offsets, *outputs
+        )
         return outputs
     kernels = triton_for(x)
     run = segments_ref if kernels is None else kernels.segments_triton
@@ -327,6 +329,7 @@ def _segments_cuda(
 def cuda_quantizer(x: Tensor, padded_tokens: int) -> ModuleType | None:
     """The CUTLASS backend when its one-read quantizer takes ``x``, else ``None`` (Triton's two
     kernels then: the same bits; on the H200 the one read is 1.5x as fast, DEVICE_RUNS 141).
+    The FP8 SwiGLU backward asks it too, for ``da`` (``_swiglu_fp8._backward_cuda``).
 
     It takes a contiguous, 16-byte aligned bfloat16 or float16 ``x`` on an sm_90
     device, and a ``padded_tokens`` multiple of 16, where the extension is loaded

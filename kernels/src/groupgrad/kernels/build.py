@@ -30,7 +30,8 @@ import torch
 
 CSRC_DIR = Path(__file__).parent / "csrc"
 #: The hand-written sources in CSRC_DIR compiled beside the generated kernels.
-SOURCES = ("binding.cpp", "fp8_binding.cpp", "grouped_setup.cu", "fp8_setup.cu", "fp8_quantize.cu")
+SOURCES: tuple[str, ...] = ("binding.cpp", "fp8_binding.cpp", "fp8_elementwise_binding.cpp")
+SOURCES += ("grouped_setup.cu", "fp8_setup.cu", "fp8_quantize.cu", "swiglu_fp8_backward.cu")
 CACHE_ENV = "GROUPGRAD_KERNELS_CACHE"
 #: How to get what a build needs beside nvcc: the CUTLASS headers, pybind11 and ninja.
 CUDA_EXTRA_INSTALL = "pip install 'groupgrad-kernels[cuda]'"

@@ -365,6 +365,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("splits"), py::arg("out"), py::arg("accumulate"), py::arg("variant"), py::arg("raster_along_n"),
         py::arg("max_swizzle"));
   groupgrad::add_fp8_bindings(m);
+  groupgrad::add_fp8_elementwise_bindings(m);
   m.def("variants", &groupgrad::variant_names, "names of the compiled kernel variants");
   m.def("listed_group_facts", &groupgrad::listed_group_facts,
         "(alike, requires_grad, sorted addresses) of a listed group, or None", py::arg("members"));

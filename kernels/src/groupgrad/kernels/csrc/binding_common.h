@@ -1,4 +1,4 @@
-// Helpers the grouped GEMMs' bindings share (binding.cpp, fp8_binding.cpp).
+// Helpers the bindings share (binding.cpp, fp8_binding.cpp, fp8_elementwise_binding.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -32,8 +32,22 @@ void check_counts(const at::Tensor& t, const char* name, int64_t elements,
 void check_group(const std::vector<at::Tensor>& group, const char* name, int64_t rows,
                  int64_t cols, at::ScalarType dtype, const at::Device& device);
 
+bool aligned_16(const void* ptr);
+
+// A contiguous, 16-byte aligned e4m3 tensor of `sizes` on `device` (fp8_binding.cpp).
+void check_fp8_data(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
+                    const at::Device& device);
+
+// fp32 scales of `sizes` on `device`; `transposed`: contiguous as sizes reversed
+// (the rows form's (T, C/128) with strides (1, T)), else contiguous.
+void check_scales(const at::Tensor& t, const char* name, at::IntArrayRef sizes, bool transposed,
+                  const at::Device& device);
+
 // The FP8 binding (fp8_binding.cpp): its compiled variants and its Python entry points.
 std::vector<std::string> fp8_variant_names();
 void add_fp8_bindings(py::module& m);
+
+// The hand-written FP8 elementwise kernels' entry points (fp8_elementwise_binding.cpp).
+void add_fp8_elementwise_bindings(py::module& m);
 
 }  // namespace groupgrad

@@ -1,6 +1,5 @@
 // The FP8 grouped GEMMs' PyTorch binding: host checks, setup kernel(s) from
 // splits, the CUTLASS kernel; all on torch's current stream, no host sync.
-// Also the activations' (128, 1) + (1, 128) quantizer (fp8_quantize.h).
 // Registered into the extension by binding.cpp (add_fp8_bindings).
 //
 // Legend: T tokens, E groups, K in_features, N out_features.
@@ -15,7 +14,6 @@
 #include <vector>
 
 #include "binding_common.h"
-#include "fp8_quantize.h"
 #include "fp8_setup.h"
 #include "launch_api.h"
 
@@ -25,6 +23,32 @@ namespace groupgrad {
 // e4m3 operands with fp32 block scales (layouts: fp8_setup.h). Same flow as
 // above: host checks, setup kernel(s) from splits, CUTLASS kernel, all on the
 // current stream, no host sync.
+
+bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+void check_fp8_data(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
+                    const at::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+              ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "groupgrad: ", name, " has dtype ",
+              t.scalar_type(), ", expected Float8_e4m3fn");
+  TORCH_CHECK(t.sizes() == sizes && t.is_contiguous(), "groupgrad: ", name,
+              " must be contiguous of sizes ", sizes, ", got sizes ", t.sizes(), " strides ",
+              t.strides());
+  TORCH_CHECK(aligned_16(t.data_ptr()), "groupgrad: ", name, " must be 16-byte aligned");
+}
+
+void check_scales(const at::Tensor& t, const char* name, at::IntArrayRef sizes, bool transposed,
+                  const at::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
+              ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "groupgrad: ", name, " has dtype ", t.scalar_type(),
+              ", expected Float");
+  const bool layout_ok = transposed ? (t.dim() == 2 && t.t().is_contiguous()) : t.is_contiguous();
+  TORCH_CHECK(t.sizes() == sizes && layout_ok, "groupgrad: ", name, " must be of sizes ", sizes,
+              transposed ? " with strides (1, rows)" : ", contiguous", ", got sizes ", t.sizes(),
+              " strides ", t.strides());
+}
 
 namespace {
 
@@ -38,35 +62,6 @@ const Fp8KernelVariant& find_fp8_variant(const std::string& name) {
   TORCH_CHECK(it != fp8_registry().end(), "groupgrad: FP8 kernel variant '", name,
               "' is not compiled into this build");
   return it->second;
-}
-
-bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// A contiguous e4m3 tensor of `sizes` on `device` whose data TMA can read.
-void check_fp8_data(const at::Tensor& t, const char* name, at::IntArrayRef sizes,
-                    const at::Device& device) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
-              ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "groupgrad: ", name, " has dtype ",
-              t.scalar_type(), ", expected Float8_e4m3fn");
-  TORCH_CHECK(t.sizes() == sizes && t.is_contiguous(), "groupgrad: ", name,
-              " must be contiguous of sizes ", sizes, ", got sizes ", t.sizes(), " strides ",
-              t.strides());
-  TORCH_CHECK(aligned_16(t.data_ptr()), "groupgrad: ", name, " must be 16-byte aligned");
-}
-
-// fp32 scales of `sizes` on `device`; `transposed`: contiguous as sizes reversed
-// (the rows form's (T, C/128) with strides (1, T)), else contiguous.
-void check_scales(const at::Tensor& t, const char* name, at::IntArrayRef sizes, bool transposed,
-                  const at::Device& device) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, "groupgrad: ", name, " must be on ", device,
-              ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "groupgrad: ", name, " has dtype ", t.scalar_type(),
-              ", expected Float");
-  const bool layout_ok = transposed ? (t.dim() == 2 && t.t().is_contiguous()) : t.is_contiguous();
-  TORCH_CHECK(t.sizes() == sizes && layout_ok, "groupgrad: ", name, " must be of sizes ", sizes,
-              transposed ? " with strides (1, rows)" : ", contiguous", ", got sizes ", t.sizes(),
-              " strides ", t.strides());
 }
 
 // The variant must address the scales as the op's operands lay them out
@@ -325,53 +320,6 @@ void fp8_wgrad(const at::Tensor& dy_data, const at::Tensor& dy_scales,
 // when row_data has elements, the (1, 128) form into row_data (T, C) and
 // row_scales (C / 128, T); the offsets are (E + 1,) int64 running sums
 // (_fp8_ops.offsets_ref). Every output is written (fp8_quantize.cu).
-void fp8_segments(const at::Tensor& x, const at::Tensor& row_offsets,
-                  const at::Tensor& seg_offsets, const at::Tensor& block_offsets,
-                  const at::Tensor& data, const at::Tensor& scales, const at::Tensor& row_data,
-                  const at::Tensor& row_scales) {
-  TORCH_CHECK(x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-              "groupgrad: x must be a CUDA bfloat16 or float16 tensor, got ", x.scalar_type(),
-              " on ", x.device());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && aligned_16(x.data_ptr()) &&
-                  x.size(1) % 128 == 0,
-              "groupgrad: x must be contiguous (T, C), 16-byte aligned, C a multiple of 128, "
-              "got sizes ", x.sizes(), " strides ", x.strides());
-  const at::Device device = x.device();
-  const int64_t T = x.size(0), C = x.size(1), E = row_offsets.numel() - 1;
-  const int64_t NB = scales.size(0), Tp = data.size(1);
-  TORCH_CHECK(E >= 0 && E < (int64_t{1} << 31), "groupgrad: row_offsets must have E + 1 elements");
-  check_counts(row_offsets, "row_offsets", E + 1, device);
-  check_counts(seg_offsets, "seg_offsets", E + 1, device);
-  check_counts(block_offsets, "block_offsets", E + 1, device);
-  TORCH_CHECK(NB >= (T + 127) / 128 + E && Tp >= T + 15 * E && Tp % 16 == 0,
-              "groupgrad: the (128, 1) form needs at least ceil(T / 128) + E = ",
-              (T + 127) / 128 + E, " scale rows and T + 15 E = ", T + 15 * E,
-              " padded tokens (a multiple of 16), got ", NB, " and ", Tp);
-  check_fp8_data(data, "data", {C, Tp}, device);
-  check_scales(scales, "scales", {NB, C}, false, device);
-  Fp8SegmentsParams params;
-  params.x = x.data_ptr();
-  params.bf16 = x.scalar_type() == at::kBFloat16;
-  params.row_offsets = row_offsets.data_ptr<int64_t>();
-  params.seg_offsets = seg_offsets.data_ptr<int64_t>();
-  params.block_offsets = block_offsets.data_ptr<int64_t>();
-  params.tokens = T;
-  params.channels = C;
-  params.experts = E;
-  params.num_blocks = NB;
-  params.padded_tokens = Tp;
-  params.data = static_cast<uint8_t*>(data.data_ptr());
-  params.scales = scales.data_ptr<float>();
-  if (row_data.numel() > 0) {
-    check_fp8_data(row_data, "row_data", {T, C}, device);
-    check_scales(row_scales, "row_scales", {C / 128, T}, false, device);
-    params.row_data = static_cast<uint8_t*>(row_data.data_ptr());
-    params.row_scales = row_scales.data_ptr<float>();
-  }
-  const c10::cuda::CUDAGuard guard(device);
-  C10_CUDA_CHECK(launch_fp8_segments(params, c10::cuda::getCurrentCUDAStream()));
-}
-
 std::vector<std::string> fp8_variant_names() {
   std::vector<std::string> names;
   for (const auto& entry : fp8_registry()) {
@@ -394,9 +342,6 @@ void add_fp8_bindings(py::module& m) {
         py::arg("x_row_offsets"), py::arg("splits"),
         py::arg("tokens"), py::arg("out"), py::arg("accumulate"), py::arg("variant"),
         py::arg("max_swizzle") = 1, py::arg("raster_along_n") = false);
-  m.def("fp8_segments", &fp8_segments, "FP8 (128, 1) + (1, 128) quantizer of an activation",
-        py::arg("x"), py::arg("row_offsets"), py::arg("seg_offsets"), py::arg("block_offsets"),
-        py::arg("data"), py::arg("scales"), py::arg("row_data"), py::arg("row_scales"));
 }
 
 }  // namespace groupgrad

@@ -42,42 +42,10 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowVectors = 16;  // 16-byte vectors of a token's 128 channels
 
-// 16 bytes from global to shared memory, asynchronously; zeros if !ok.
-__device__ __forceinline__ void load_16_bytes(uint4* smem, const void* gmem, bool ok) {
-  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(gmem),
-               "r"(ok ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ uint32_t abs2(uint32_t w) { return w & 0x7FFF7FFFu; }
-
-__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
+using groupgrad::max2;  // the 32-bit one, beside this one
 
 __device__ __forceinline__ uint4 max2(uint4 a, uint4 b) {
   return make_uint4(max2(a.x, b.x), max2(a.y, b.y), max2(a.z, b.z), max2(a.w, b.w));
-}
-
-// The fp32 bits of the non-negative 16-bit value with bits `h`.
-template <bool kBf16>
-__device__ __forceinline__ uint32_t fp32_bits(uint32_t h) {
-  if constexpr (kBf16) {
-    return h << 16;
-  } else {
-    return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
-  }
-}
-
-// The two 16-bit values of `w` (the lower half first) as fp32.
-template <bool kBf16>
-__device__ __forceinline__ float2 widen(uint32_t w) {
-  if constexpr (kBf16) {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
-  } else {
-    __half2 h;
-    memcpy(&h, &w, sizeof(h));
-    return __half22float2(h);
-  }
 }
 
 // x / scale, zero in a non-finite block (kChecked: such blocks may occur). No
@@ -153,25 +121,14 @@ __device__ __forceinline__ void quantize(const Fp8SegmentsParams& p, const Tile&
 // A block row past the last expert's blocks: a zero scale row and, shared
 // with the other such CTAs, zero tail columns of the data.
 __device__ void zero_tail(const Fp8SegmentsParams& p, int64_t b, int64_t channel, int tid) {
-  const int E = static_cast<int>(p.experts);
   if (tid < 16) {
     float4* scales = reinterpret_cast<float4*>(p.scales + b * p.channels + channel);
     scales[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     scales[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const int64_t used = p.block_offsets[E];
-  const int64_t step = (p.num_blocks - used) * 128;  // >= 128: NB > the used block rows
-  const int64_t Tp = p.padded_tokens;
-  uint8_t* row = p.data + (static_cast<int64_t>(blockIdx.y) * 128 + tid / 2) * Tp;
-  for (int64_t start = p.seg_offsets[E] + (b - used) * 128 + (tid % 2) * 64; start < Tp;
-       start += step) {
-#pragma unroll
-    for (int j = 0; j < 64; j += 16) {
-      if (start + j < Tp) {
-        *reinterpret_cast<uint4*>(row + start + j) = make_uint4(0, 0, 0, 0);
-      }
-    }
-  }
+  uint8_t* row = p.data + (static_cast<int64_t>(blockIdx.y) * 128 + tid / 2) * p.padded_tokens;
+  zero_tail_row(row, p.seg_offsets, p.block_offsets, static_cast<int>(p.experts), p.num_blocks,
+                p.padded_tokens, b, tid % 2);
 }
 
 template <bool kBf16, bool kRows>
@@ -184,31 +141,15 @@ __global__ void __launch_bounds__(kThreads) quantize_segments_kernel(const Fp8Se
   const int64_t b = blockIdx.x;
   const int64_t T = p.tokens, C = p.channels;
   const int64_t channel = static_cast<int64_t>(blockIdx.y) * 128 + cg * 8;
-  const int E = static_cast<int>(p.experts);
-
-  // The expert whose blocks hold b: the number of experts whose blocks end at
-  // or before it (E: none); and whether the running sums fall anywhere.
-  int e = 0;
-  int falls = 0;
-  for (int first = 0; first < E; first += kThreads) {
-    const int k = first + tid;
-    const bool listed = k < E;
-    e += __syncthreads_count(listed && p.block_offsets[k + 1] <= b);
-    falls |= __syncthreads_or(listed && p.row_offsets[k + 1] < p.row_offsets[k]);
-  }
-  const bool malformed = falls || p.row_offsets[E] != T;
-  const bool in_expert = e < E;
-  if (!in_expert && !malformed) {
+  const BlockRow r = find_block_row<kThreads>(p.row_offsets, p.seg_offsets, p.block_offsets,
+                                              static_cast<int>(p.experts), T, b);
+  if (r.past) {
     zero_tail(p, b, channel, tid);
     return;
   }
-  int64_t row_start = b * 128, rows = T - b * 128, column_start = b * 128, first_block = b;
-  if (!malformed) {
-    row_start = p.row_offsets[e];
-    rows = p.row_offsets[e + 1] - row_start;
-    column_start = p.seg_offsets[e];
-    first_block = p.block_offsets[e];
-  }
+  const int64_t row_start = r.row_start, rows = r.rows, column_start = r.column_start;
+  const int64_t first_block = r.first_block;
+  const bool malformed = r.malformed;
   const int64_t local = (b - first_block) * 128 + tg * 8;  // the thread's first token
 
   // The tile through shared memory (zeros past the expert's tokens): the
@@ -219,9 +160,9 @@ __global__ void __launch_bounds__(kThreads) quantize_segments_kernel(const Fp8Se
   for (int i = 0; i < 8; ++i) {
     const bool ok = local + i < rows;
     const int64_t offset = ok ? (row_start + local + i) * C + channel : 0;
-    load_16_bytes(v + i * kRowVectors, static_cast<const uint16_t*>(p.x) + offset, ok);
+    copy_async<16>(v + i * kRowVectors, static_cast<const uint16_t*>(p.x) + offset, ok);
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  wait_copies();
 
   // Channel maxima over the block's tokens: the thread's 8, the other
   // half-warp's, then the 8 warps' through shared memory.

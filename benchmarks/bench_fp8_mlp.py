@@ -51,7 +51,7 @@ QUICK_CONFIGS = [(4, 256, 256, 512)]
 SPLITS = ("uniform", "heavy")
 VARIANTS = ("bf16", "fp8", "fp8_cached")
 FAMILIES = (  # (family, substrings of a kernel name), first match wins
-    ("swiglu_fp8", ("swiglu_fp8",)),  # the fused FP8 SwiGLU (Triton), before "fp8" and "swiglu"
+    ("swiglu_fp8", ("swiglu_fp8",)),  # the fused FP8 SwiGLU (Triton; CUDA), before "fp8", "swiglu"
     # the quantizers (Triton's; the CUDA one-read quantize_segments_kernel, whose signature
     # names Fp8SegmentsParams, so before "Fp8") and the offsets of the (128, 1) form
     ("quantize", ("_rows_kernel", "_weights_kernel", "_segments_kernel", "_offsets_kernel")),

@@ -548,9 +548,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "build-leaves-out-the-quantizer",
         "the extension is built without csrc/fp8_quantize.cu (its binding then fails to load)",
         "kernels/src/groupgrad/kernels/build.py",
-        '"fp8_setup.cu", "fp8_quantize.cu")',
-        '"fp8_setup.cu")',
+        '"fp8_setup.cu", "fp8_quantize.cu", "swiglu_fp8_backward.cu")',
+        '"fp8_setup.cu", "swiglu_fp8_backward.cu")',
         (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
+        "build-leaves-out-the-swiglu-backward",
+        "the extension is built without csrc/swiglu_fp8_backward.cu (its binding then fails "
+        "to load)",
+        "kernels/src/groupgrad/kernels/build.py",
+        '"fp8_quantize.cu", "swiglu_fp8_backward.cu")',
+        '"fp8_quantize.cu")',
+        (f"{KERNELS}/test_build.py",),
+    ),
+    Mutant(
+        "fp8-swiglu-one-kernel-misaligned-h",
+        "the FP8 SwiGLU backward's CUDA kernel is handed h's data off 16-byte alignment (its "
+        "8-byte cp.async loads of h need it)",
+        "kernels/src/groupgrad/kernels/_swiglu_fp8.py",
+        "cuda_quantizer(da, padded_tokens) if h_data.data_ptr() % 16 == 0 else None",
+        "cuda_quantizer(da, padded_tokens)",
+        (f"{KERNELS}/test_swiglu_fp8.py",),
     ),
     Mutant(
         "fp8-cuda-quantizer-takes-fp32",

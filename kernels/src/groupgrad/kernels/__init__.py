@@ -4,10 +4,12 @@ Three GEMMs with one argument order — :func:`grouped_fprop`,
 :func:`grouped_dgrad`, :func:`grouped_wgrad` — run CUTLASS sm_90a grouped GEMMs
 on CUDA tensors and a pure-PyTorch reference elsewhere. The fused MLP's
 elementwise step, SwiGLU × router probabilities (:func:`swiglu_probs`,
-:func:`swiglu_probs_backward`), runs fused Triton kernels on CUDA and the
-reference elsewhere. FP8 blockwise quantization for Hopper's FP8 GEMMs,
-:func:`quantize_fp8` into :class:`Fp8Blocks`, runs Triton on CUDA and the
-reference elsewhere. Each kernel has a twin (``*_ref``) with the same
+:func:`swiglu_probs_backward`, and their FP8 forms), runs fused Triton
+kernels on CUDA and the reference elsewhere. FP8 blockwise quantization for
+Hopper's FP8 GEMMs, :func:`quantize_fp8` into :class:`Fp8Blocks`, runs
+Triton on CUDA and the reference elsewhere. On sm_90 the activations' FP8
+quantizer and the FP8 SwiGLU backward run hand-written CUDA kernels of the
+CUTLASS backend instead, where it builds. Each kernel has a twin (``*_ref``) with the same
 signature and semantics that always runs the reference. Importing this
 package neither initializes CUDA nor compiles nor imports Triton; the
 CUTLASS backend is built on first GPU use. Kernel plans, variants, builds

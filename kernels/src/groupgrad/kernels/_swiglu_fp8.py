@@ -192,7 +192,7 @@ def _backward_cuda(da: Tensor, *args: Any) -> list[Tensor]:
 
 def _backward_one_kernel(cutlass: ModuleType, da: Tensor, *args: Any) -> list[Tensor]:
     """The backward in one CUDA kernel (csrc/swiglu_fp8_backward.cu: da and h read once; about
-    1.5x as fast as Triton's two kernels on the H200, DEVICE_RUNS 145), into the fake's outputs;
+    1.5x as fast as Triton's two kernels on the H200, DEVICE_RUNS 146), into the fake's outputs;
     then ``dprobs``, Triton's fixed-order sum of the kernel's per-block sums."""
     outs = _backward_fake(da, *args)
     h_data, h_scales, probs, row, seg, block, num_blocks, padded_tokens = args[:8]
@@ -367,8 +367,9 @@ def swiglu_probs_backward_fp8(
     to its dtype) gives ``dh`` and the forward's ``a``, each rounded to
     ``h``'s dtype and quantized: ``dh`` into ``(1, 128)`` blocks (fc1's
     dgrad) and ``(128, 1)`` blocks of ``splits`` (fc1's wgrad), ``a`` into
-    ``(128, 1)`` blocks (fc2's wgrad). On CUDA one fused Triton kernel runs,
-    elsewhere the reference. Custom op ``groupgrad::swiglu_probs_backward_fp8``.
+    ``(128, 1)`` blocks (fc2's wgrad). On an H100/H200 one CUDA kernel runs
+    for a bf16 or fp16 ``h`` (where the GEMMs' extension builds), on other
+    CUDA devices and for fp32 two fused Triton kernels, elsewhere the reference. Custom op ``groupgrad::swiglu_probs_backward_fp8``.
     Device ``splits`` are never read on the host. Nothing is mutated.
 
     Args:

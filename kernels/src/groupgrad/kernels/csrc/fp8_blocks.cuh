@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "fp8_segments.h"
+
 namespace groupgrad {
 
 constexpr uint32_t kNanBits = 0x7FC00000u;  // torch.nan
@@ -100,10 +102,11 @@ struct BlockRow {
 };
 
 template <int kThreads>
-__device__ __forceinline__ BlockRow find_block_row(const int64_t* row_offsets,
-                                                   const int64_t* seg_offsets,
-                                                   const int64_t* block_offsets, int E,
-                                                   int64_t T, int64_t b) {
+__device__ __forceinline__ BlockRow find_block_row(const Fp8SegmentsLayout& s, int64_t b) {
+  const int64_t* row_offsets = s.row_offsets;
+  const int64_t* block_offsets = s.block_offsets;
+  const int E = static_cast<int>(s.experts);
+  const int64_t T = s.tokens;
   int e = 0;
   int falls = 0;
   for (int first = 0; first < E; first += kThreads) {
@@ -118,7 +121,7 @@ __device__ __forceinline__ BlockRow find_block_row(const int64_t* row_offsets,
     if (!r.past) {
       r.row_start = row_offsets[e];
       r.rows = row_offsets[e + 1] - r.row_start;
-      r.column_start = seg_offsets[e];
+      r.column_start = s.seg_offsets[e];
       r.first_block = block_offsets[e];
     }
   }
@@ -128,12 +131,13 @@ __device__ __forceinline__ BlockRow find_block_row(const int64_t* row_offsets,
 // A CTA past the last expert's blocks (block row b of NB) zeroes its share of
 // the data's tail columns in one (Tp)-long row: 64 columns from `half` (0 or
 // 1) on, every (NB - used) * 128 columns, shared with the other such CTAs.
-__device__ __forceinline__ void zero_tail_row(uint8_t* row, const int64_t* seg_offsets,
-                                              const int64_t* block_offsets, int E, int64_t NB,
-                                              int64_t Tp, int64_t b, int half) {
-  const int64_t used = block_offsets[E];
-  const int64_t step = (NB - used) * 128;  // >= 128: NB > the used block rows
-  for (int64_t start = seg_offsets[E] + (b - used) * 128 + half * 64; start < Tp; start += step) {
+__device__ __forceinline__ void zero_tail_row(uint8_t* row, const Fp8SegmentsLayout& s, int64_t b,
+                                              int half) {
+  const int E = static_cast<int>(s.experts);
+  const int64_t used = s.block_offsets[E];
+  const int64_t step = (s.num_blocks - used) * 128;  // >= 128: NB > the used block rows
+  const int64_t Tp = s.padded_tokens;
+  for (int64_t start = s.seg_offsets[E] + (b - used) * 128 + half * 64; start < Tp; start += step) {
 #pragma unroll
     for (int j = 0; j < 64; j += 16) {
       if (start + j < Tp) {

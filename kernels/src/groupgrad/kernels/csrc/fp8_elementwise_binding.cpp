@@ -32,10 +32,10 @@ void check_activation(const at::Tensor& x, const char* name) {
               "of 128, got sizes ", x.sizes(), " strides ", x.strides());
 }
 
-// The three (E + 1,) running sums, and room for the (128, 1) form of T tokens.
-int64_t check_offsets(const at::Tensor& row_offsets, const at::Tensor& seg_offsets,
-                      const at::Tensor& block_offsets, int64_t T, int64_t NB, int64_t Tp,
-                      const at::Device& device) {
+// The (128, 1) form's layout: the three (E + 1,) running sums, and room for T tokens.
+Fp8SegmentsLayout segments_layout(const at::Tensor& row_offsets, const at::Tensor& seg_offsets,
+                                  const at::Tensor& block_offsets, int64_t T, int64_t NB,
+                                  int64_t Tp, const at::Device& device) {
   const int64_t E = row_offsets.numel() - 1;
   TORCH_CHECK(E >= 0 && E < (int64_t{1} << 31), "groupgrad: row_offsets must have E + 1 elements");
   check_counts(row_offsets, "row_offsets", E + 1, device);
@@ -45,7 +45,15 @@ int64_t check_offsets(const at::Tensor& row_offsets, const at::Tensor& seg_offse
               "groupgrad: the (128, 1) form needs at least ceil(T / 128) + E = ",
               (T + 127) / 128 + E, " scale rows and T + 15 E = ", T + 15 * E,
               " padded tokens (a multiple of 16), got ", NB, " and ", Tp);
-  return E;
+  Fp8SegmentsLayout layout;
+  layout.row_offsets = row_offsets.data_ptr<int64_t>();
+  layout.seg_offsets = seg_offsets.data_ptr<int64_t>();
+  layout.block_offsets = block_offsets.data_ptr<int64_t>();
+  layout.tokens = T;
+  layout.experts = E;
+  layout.num_blocks = NB;
+  layout.padded_tokens = Tp;
+  return layout;
 }
 
 void fp8_segments(const at::Tensor& x, const at::Tensor& row_offsets,
@@ -55,20 +63,13 @@ void fp8_segments(const at::Tensor& x, const at::Tensor& row_offsets,
   check_activation(x, "x");
   const at::Device device = x.device();
   const int64_t T = x.size(0), C = x.size(1), NB = scales.size(0), Tp = data.size(1);
-  const int64_t E = check_offsets(row_offsets, seg_offsets, block_offsets, T, NB, Tp, device);
+  Fp8SegmentsParams params;
+  params.segments = segments_layout(row_offsets, seg_offsets, block_offsets, T, NB, Tp, device);
   check_fp8_data(data, "data", {C, Tp}, device);
   check_scales(scales, "scales", {NB, C}, false, device);
-  Fp8SegmentsParams params;
   params.x = x.data_ptr();
   params.bf16 = x.scalar_type() == at::kBFloat16;
-  params.row_offsets = row_offsets.data_ptr<int64_t>();
-  params.seg_offsets = seg_offsets.data_ptr<int64_t>();
-  params.block_offsets = block_offsets.data_ptr<int64_t>();
-  params.tokens = T;
   params.channels = C;
-  params.experts = E;
-  params.num_blocks = NB;
-  params.padded_tokens = Tp;
   params.data = static_cast<uint8_t*>(data.data_ptr());
   params.scales = scales.data_ptr<float>();
   if (row_data.numel() > 0) {
@@ -103,10 +104,10 @@ void fp8_swiglu_backward(const at::Tensor& da, const at::Tensor& h_data,
   check_activation(da, "da");
   const at::Device device = da.device();
   const int64_t T = da.size(0), F = da.size(1);
-  const int64_t E = check_offsets(row_offsets, seg_offsets, block_offsets, T, NB, Tp, device);
+  Fp8SwigluBackwardParams params;
+  params.segments = segments_layout(row_offsets, seg_offsets, block_offsets, T, NB, Tp, device);
   check_fp8_data(h_data, "h_data", {T, 2 * F}, device);
   check_scales(h_scales, "h_scales", {2 * F / 128, T}, false, device);
-  Fp8SwigluBackwardParams params;
   if (probs.has_value()) {
     const at::Tensor& p = *probs;
     TORCH_CHECK(p.is_cuda() && p.device() == device && p.scalar_type() == at::kFloat &&
@@ -135,14 +136,7 @@ void fp8_swiglu_backward(const at::Tensor& da, const at::Tensor& h_data,
   params.bf16 = da.scalar_type() == at::kBFloat16;
   params.h_data = static_cast<const uint8_t*>(h_data.data_ptr());
   params.h_scales = h_scales.data_ptr<float>();
-  params.row_offsets = row_offsets.data_ptr<int64_t>();
-  params.seg_offsets = seg_offsets.data_ptr<int64_t>();
-  params.block_offsets = block_offsets.data_ptr<int64_t>();
-  params.tokens = T;
   params.ffn = F;
-  params.experts = E;
-  params.num_blocks = NB;
-  params.padded_tokens = Tp;
   const c10::cuda::CUDAGuard guard(device);
   C10_CUDA_CHECK(launch_fp8_swiglu_backward(params, c10::cuda::getCurrentCUDAStream()));
 }

@@ -110,7 +110,7 @@ __device__ __forceinline__ void quantize(const Fp8SegmentsParams& p, const Tile&
           *reinterpret_cast<uint2*>(p.row_data + row * C + t.channel) =
               make_uint2(q[0] | q[1] << 16, q[2] | q[3] << 16);
           if (t.cg == i) {
-            p.row_scales[static_cast<int64_t>(blockIdx.y) * p.tokens + row] = rs.scale;
+            p.row_scales[static_cast<int64_t>(blockIdx.y) * p.segments.tokens + row] = rs.scale;
           }
         }
       }
@@ -126,9 +126,8 @@ __device__ void zero_tail(const Fp8SegmentsParams& p, int64_t b, int64_t channel
     scales[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     scales[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  uint8_t* row = p.data + (static_cast<int64_t>(blockIdx.y) * 128 + tid / 2) * p.padded_tokens;
-  zero_tail_row(row, p.seg_offsets, p.block_offsets, static_cast<int>(p.experts), p.num_blocks,
-                p.padded_tokens, b, tid % 2);
+  const int64_t channel_row = static_cast<int64_t>(blockIdx.y) * 128 + tid / 2;
+  zero_tail_row(p.data + channel_row * p.segments.padded_tokens, p.segments, b, tid % 2);
 }
 
 template <bool kBf16, bool kRows>
@@ -139,10 +138,9 @@ __global__ void __launch_bounds__(kThreads) quantize_segments_kernel(const Fp8Se
   const int cg = tid % 16;  // channels 8 cg .. 8 cg + 7 of the tile
   const int tg = tid / 16;  // tokens 8 tg .. 8 tg + 7 of the block
   const int64_t b = blockIdx.x;
-  const int64_t T = p.tokens, C = p.channels;
+  const int64_t T = p.segments.tokens, C = p.channels;
   const int64_t channel = static_cast<int64_t>(blockIdx.y) * 128 + cg * 8;
-  const BlockRow r = find_block_row<kThreads>(p.row_offsets, p.seg_offsets, p.block_offsets,
-                                              static_cast<int>(p.experts), T, b);
+  const BlockRow r = find_block_row<kThreads>(p.segments, b);
   if (r.past) {
     zero_tail(p, b, channel, tid);
     return;
@@ -255,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) quantize_segments_kernel(const Fp8Se
   // its tokens); a stand-in's may pass Tp. Both bounds are multiples of 16.
   const int64_t padded_rows = (rows + 15) / 16 * 16;
   const int64_t first = (b - first_block) * 128;  // the block's first token in the segment
-  const int64_t Tp = p.padded_tokens;
+  const int64_t Tp = p.segments.padded_tokens;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int q = tid + k * kThreads;
@@ -278,12 +276,12 @@ auto* kernel_for(bool rows) {
 }  // namespace
 
 cudaError_t launch_fp8_segments(const Fp8SegmentsParams& params, cudaStream_t stream) {
-  if (params.num_blocks == 0 || params.channels == 0) {
+  if (params.segments.num_blocks == 0 || params.channels == 0) {
     return cudaSuccess;
   }
   const bool rows = params.row_data != nullptr;
   auto* kernel = params.bf16 ? kernel_for<true>(rows) : kernel_for<false>(rows);
-  const dim3 grid(static_cast<unsigned>(params.num_blocks),
+  const dim3 grid(static_cast<unsigned>(params.segments.num_blocks),
                   static_cast<unsigned>(params.channels / 128));
   kernel<<<grid, kThreads, 0, stream>>>(params);
   return cudaGetLastError();

@@ -2,30 +2,22 @@
 // from one read (fp8_quantize.cu). The math and layouts are those of
 // groupgrad/kernels/_fp8_ops.py (segments_ref, rows_ref), bit for bit.
 //
-// Legend: T tokens, C channels (a multiple of 128), E experts, NB the (128, 1)
-// form's block rows (>= ceil(T / 128) + E), Tp its padded tokens (a multiple
-// of 16).
+// Legend: T tokens, C channels (a multiple of 128); the rest: fp8_segments.h.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "fp8_segments.h"
+
 namespace groupgrad {
 
 struct Fp8SegmentsParams {
   const void* x = nullptr;  // (T, C) bf16 or fp16, contiguous, 16-byte aligned
   bool bf16 = true;         // else fp16
-  // (E + 1,) int64 running sums (_fp8_ops.offsets_ref): tokens, tokens rounded
-  // up to 16, 128-token blocks. Read on the device only.
-  const int64_t* row_offsets = nullptr;
-  const int64_t* seg_offsets = nullptr;
-  const int64_t* block_offsets = nullptr;
-  int64_t tokens = 0;         // T
-  int64_t channels = 0;       // C
-  int64_t experts = 0;        // E
-  int64_t num_blocks = 0;     // NB
-  int64_t padded_tokens = 0;  // Tp
+  Fp8SegmentsLayout segments;  // the (128, 1) form's experts, T of them
+  int64_t channels = 0;        // C
   uint8_t* data = nullptr;    // (C, Tp) e4m3
   float* scales = nullptr;    // (NB, C)
   // The (1, 128) form, or null for the (128, 1) form alone.

@@ -152,15 +152,12 @@ __device__ void zero_tail(const Fp8SwigluBackwardParams& p, int64_t b, int tid) 
   }
   // threads 0-255: dh's rows of g then a's; threads 256-511: dh's rows of u; 2 threads a row
   const int64_t channel = j * 128 + (tid % 256) / 2;
-  const int E = static_cast<int>(p.experts);
-  const int64_t Tp = p.padded_tokens;
+  const int64_t Tp = p.segments.padded_tokens;
   if (p.dht_data != nullptr) {
-    uint8_t* row = p.dht_data + ((tid < 256 ? 0 : F) + channel) * Tp;
-    zero_tail_row(row, p.seg_offsets, p.block_offsets, E, p.num_blocks, Tp, b, tid % 2);
+    zero_tail_row(p.dht_data + ((tid < 256 ? 0 : F) + channel) * Tp, p.segments, b, tid % 2);
   }
   if (p.at_data != nullptr && tid < 256) {
-    zero_tail_row(p.at_data + channel * Tp, p.seg_offsets, p.block_offsets, E, p.num_blocks, Tp,
-                  b, tid % 2);
+    zero_tail_row(p.at_data + channel * Tp, p.segments, b, tid % 2);
   }
 }
 
@@ -175,10 +172,9 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_fp8_backward_kernel(
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int cg = tid % 16, tg = tid / 16;
   const int64_t b = blockIdx.x, j = blockIdx.y;
-  const int64_t T = p.tokens, F = p.ffn;
+  const int64_t T = p.segments.tokens, F = p.ffn;
 
-  const BlockRow r = find_block_row<kThreads>(p.row_offsets, p.seg_offsets, p.block_offsets,
-                                              static_cast<int>(p.experts), T, b);
+  const BlockRow r = find_block_row<kThreads>(p.segments, b);
   if (r.past) {
     if (p.dht_data != nullptr || p.at_data != nullptr) zero_tail(p, b, tid);
     return;
@@ -342,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_fp8_backward_kernel(
   // The expert's columns run to its token count rounded up to 16 (zeros past
   // its tokens); a stand-in's may pass Tp. Both bounds are multiples of 16.
   const int64_t padded_rows = (r.rows + 15) / 16 * 16;
-  const int64_t Tp = p.padded_tokens;
+  const int64_t Tp = p.segments.padded_tokens;
 #pragma unroll
   for (int t = 0; t < 3; ++t) {
     uint8_t* data = t < 2 ? p.dht_data : p.at_data;
@@ -371,7 +367,7 @@ auto* kernel_for(bool probs) {
 
 cudaError_t launch_fp8_swiglu_backward(const Fp8SwigluBackwardParams& params,
                                        cudaStream_t stream) {
-  if (params.num_blocks == 0 || params.ffn == 0) {
+  if (params.segments.num_blocks == 0 || params.ffn == 0) {
     return cudaSuccess;
   }
   auto* kernel = params.bf16 ? kernel_for<true>(params.probs != nullptr)
@@ -381,7 +377,7 @@ cudaError_t launch_fp8_swiglu_backward(const Fp8SwigluBackwardParams& params,
   if (set != cudaSuccess) {
     return set;
   }
-  const dim3 grid(static_cast<unsigned>(params.num_blocks),
+  const dim3 grid(static_cast<unsigned>(params.segments.num_blocks),
                   static_cast<unsigned>(params.ffn / 128));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();

@@ -3,14 +3,15 @@
 // quantizations (the scale rule of fp8_blocks.cuh), as the Triton kernels of
 // _swiglu_fp8_triton.py compute them.
 //
-// Legend: T tokens, F ffn_hidden_size (a multiple of 128), E experts, NB the
-// (128, 1) forms' block rows (>= ceil(T / 128) + E), Tp their padded tokens
-// (a multiple of 16).
+// Legend: T tokens, F ffn_hidden_size (a multiple of 128); the rest:
+// fp8_segments.h.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "fp8_segments.h"
 
 namespace groupgrad {
 
@@ -20,16 +21,8 @@ struct Fp8SwigluBackwardParams {
   const uint8_t* h_data = nullptr;   // (T, 2F) e4m3, h's (1, 128) form, 16-byte aligned
   const float* h_scales = nullptr;   // (2F / 128, T)
   const float* probs = nullptr;      // (T,) fp32, or null
-  // (E + 1,) int64 running sums (_fp8_ops.offsets_ref): tokens, tokens rounded
-  // up to 16, 128-token blocks. Read on the device only.
-  const int64_t* row_offsets = nullptr;
-  const int64_t* seg_offsets = nullptr;
-  const int64_t* block_offsets = nullptr;
-  int64_t tokens = 0;         // T
-  int64_t ffn = 0;            // F
-  int64_t experts = 0;        // E
-  int64_t num_blocks = 0;     // NB
-  int64_t padded_tokens = 0;  // Tp
+  Fp8SegmentsLayout segments;  // the (128, 1) forms' experts, T of them
+  int64_t ffn = 0;             // F
   // The forms asked for; null where not asked.
   uint8_t* dh_data = nullptr;     // (T, 2F) e4m3: dh's (1, 128) form
   float* dh_scales = nullptr;     // (2F / 128, T)

@@ -82,9 +82,10 @@ def _close(got: Fp8Blocks | None, want: Fp8Blocks | None, name: str, exact: bool
     assert (same_scale | (ratio == 2) | (ratio == 0.5)).all(), (
         f"{name}: a scale off by more than 2x"
     )
-    assert same_scale.float().mean() >= 0.98, (
-        f"{name}: {same_scale.float().mean():.4f} scales equal"
-    )
+    if same_scale.numel():  # no token: a (1, 128) form has no scale to compare
+        assert same_scale.float().mean() >= 0.98, (
+            f"{name}: {same_scale.float().mean():.4f} scales equal"
+        )
     if data_equal.numel():
         assert data_equal.float().mean() >= 0.97, f"{name}: {data_equal.float().mean():.4f} equal"
     a, b = got.dequantize(), want.dequantize()

@@ -71,7 +71,8 @@ def _close(got: Fp8Blocks | None, want: Fp8Blocks | None, name: str, exact: bool
         return
     assert got.data.shape == want.data.shape, name
     assert got.scales.shape == want.scales.shape, name
-    assert got.scales.stride() == want.scales.stride(), name
+    if got.scales.numel():  # an empty tensor's strides are whatever made it
+        assert got.scales.stride() == want.scales.stride(), name
     data_equal = got.data.view(torch.uint8) == want.data.view(torch.uint8)
     ratio = got.scales / want.scales
     same_scale = (got.scales == want.scales) | (got.scales.isnan() & want.scales.isnan())

@@ -832,12 +832,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
     Mutant(
-        "fp8-kept-weights-unguarded",
-        "the FP8 weights a forward kept serve its dgrad after an in-place edit of the weights "
-        "(bf16 and a dgrad that quantizes read the edited weights)",
-        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
-        "            blocks = None if kept is None else kept.get(params, dtype)",
-        "            blocks = None if kept is None or kept._entry is None else kept._entry.blocks",
+        "weights-edited-before-backward-unchecked",
+        "a weight modified in place between forward and backward is read by the dgrad (the "
+        "gradient of values the forward never saw) instead of a RuntimeError",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "    if versions is None:\n        return\n    for name, w, version",
+        "    if True:\n        return\n    for name, w, version",
+        (f"{MODULES}/test_silent_wrong_gradients.py", f"{MODULES}/test_fp8_linear.py"),
+    ),
+    Mutant(
+        "mlp-fc2-weights-unchecked",
+        "GroupedMLP's backward reads fc2's weights as edited after forward",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "    check_forward_versions(layout.fc2, w2, ctx.versions[1])",
+        "    pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "fp8-cache-blind-to-optimizer-steps",
+        "a cached FP8 weight outlives a fused torch.optim step (no version bump, same pointer)",
+        "packages/modules/src/groupgrad/modules/_fp8_cache.py",
+        "            and self.steps == _STEPS[0]\n",
+        "",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
 )

@@ -174,6 +174,70 @@ def test_unchanged_inputs_run_the_deferred_wgrad_exactly() -> None:
         _close(got.grad, want)
 
 
+# -------------------- 2b. weights changed in place between forward and backward
+
+
+@pytest.mark.parametrize("fp8", [None, "blockwise"])
+@pytest.mark.parametrize("single", [False, True])
+def test_a_weight_changed_in_place_before_backward_is_an_error_and_writes_nothing(
+    single: bool, fp8: str | None
+) -> None:
+    # Catches: backward's dgrad reading the weight as edited after forward (the gradient of
+    # values the forward never saw; nn.Linear raises here), or raising after main_grad is written.
+    k, n = (128, 128) if fp8 else (K, N)
+    module = GroupedLinear(E, k, n, bias=False, single_grouped_weight=single, fp8_recipe=fp8)
+    module.accumulate_into_main_grad = True
+    _attach_main_grad(module.parameters(), value=7.0)
+    x = _randn(sum(SPLITS), k, seed=20).requires_grad_()
+    y = module(x, SPLITS)
+    edited = "weight" if single else "weight2"
+    with torch.no_grad():
+        getattr(module, edited).mul_(-2.0)
+    with pytest.raises(RuntimeError, match=rf"^{edited} was modified in place after the forward"):
+        y.backward(_randn(sum(SPLITS), n, seed=21))
+    assert x.grad is None
+    assert all((p.main_grad == 7.0).all() for p in module.parameters())
+
+
+def test_a_weight_changed_in_place_is_no_error_where_no_gradient_reads_it() -> None:
+    # Catches: a check that refuses more than autograd does: without dx nothing reads the weight.
+    module = GroupedLinear(E, K, N, bias=False)
+    x, dy = _randn(sum(SPLITS), K, seed=22), _randn(sum(SPLITS), N, seed=23)
+    y = module(x, SPLITS)  # x needs no gradient: only the wgrad, which reads x and dy
+    with torch.no_grad():
+        module.weight1.add_(1.0)
+    y.backward(dy)
+    want = _weight_grads_fp64(x, [getattr(module, f"weight{e}") for e in range(E)], SPLITS, dy)
+    for e in range(E):
+        _close(getattr(module, f"weight{e}").grad, want[e])
+
+
+@pytest.mark.parametrize("layer", ["fc1", "fc2"])
+def test_an_mlp_weight_changed_in_place_before_backward_is_an_error(layer: str) -> None:
+    module = GroupedMLP(E, K, 6, bias=False, accumulate_into_main_grad=True)
+    _attach_main_grad(module.parameters(), value=3.0)
+    T = sum(SPLITS)
+    x = _randn(T, K, seed=24).requires_grad_()
+    y = module(x, SPLITS)
+    with torch.no_grad():
+        getattr(module, layer).weight0.add_(1.0)
+    with pytest.raises(RuntimeError, match=rf"^{layer}\.weight0 was modified in place"):
+        y.backward(_randn(T, K, seed=25))
+    assert all((p.main_grad == 3.0).all() for p in module.parameters())
+
+
+def test_optimizer_steps_between_iterations_are_no_error() -> None:
+    # Catches: versions compared across forwards (each forward records its own).
+    module = GroupedMLP(E, K, 6)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    T = sum(SPLITS)
+    for step in range(3):
+        x = _randn(T, K, seed=30 + step).requires_grad_()
+        module(x, SPLITS).backward(_randn(T, K, seed=40 + step))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 # ------------------------------------------------ 3. a frozen member is never written
 
 

@@ -7,24 +7,47 @@ micro-batches of one optimizer step, so their FP8 form need not be computed
 again: ``forward(..., is_first_microbatch=True)`` quantizes and caches,
 ``False`` reuses the cache. The caller's flag is the rule; the cache also
 drops an entry whose parameters changed in a way it can see — another
-parameter object, another ``data_ptr``, shape or dtype, or a moved version
+parameter object, another ``data_ptr``, shape or dtype, a moved version
 counter (an in-place update such as ``torch.optim``'s ``p.add_(...)``
-under ``no_grad``). A write through ``.data`` (``p.data.copy_(new)``) moves
-no version counter and keeps the pointer: only the flag catches it.
+under ``no_grad``), or any ``torch.optim`` optimizer's step since (a fused
+optimizer kernel, ``fused=True``, moves no version counter). A write
+through ``.data`` (``p.data.copy_(new)``) moves no version counter and
+keeps the pointer: only the flag catches it.
+
+The entry holds its parameters by strong reference, not by ``weakref``: a
+weak reference makes ``torch.utils.swap_tensors`` (``module.to()`` and
+``load_state_dict`` with ``torch.__future__``'s swap on) refuse the
+parameter. A parameter replaced in the module stays alive until the next
+``True`` (or ``clear``) replaces the entry.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from groupgrad.kernels import Fp8Blocks
 
-__all__ = ["Fp8WeightCache"]
+__all__ = ["Fp8WeightCache", "optimizer_steps"]
+
+_STEPS = [0, 0]  # torch.optim steps seen since the hook went in; whether it is in
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` optimizer steps ran since the first cache entry (a global
+    step post-hook, registered then, counts them)."""
+    if not _STEPS[1]:
+        _STEPS[1] = 1
+        register_optimizer_step_post_hook(_count_step)
+    return _STEPS[0]
+
+
+def _count_step(optimizer: object, args: object, kwargs: object) -> None:
+    _STEPS[0] += 1
 
 
 _Stamp = tuple[int, int, torch.Size]
@@ -40,8 +63,9 @@ def _stamps(params: Sequence[Tensor]) -> list[_Stamp]:
 class _Entry:
     """One cached FP8 weight and what it was quantized from."""
 
-    refs: tuple[weakref.ref[Tensor], ...]
+    params: tuple[Tensor, ...]
     stamps: list[_Stamp]
+    steps: int
     dtype: torch.dtype
     blocks: Fp8Blocks
 
@@ -49,8 +73,9 @@ class _Entry:
         """Whether ``params``, quantized from ``dtype``, are still what this entry holds."""
         return (
             dtype == self.dtype
-            and len(params) == len(self.refs)
-            and all(ref() is p for ref, p in zip(self.refs, params, strict=True))
+            and self.steps == _STEPS[0]
+            and len(params) == len(self.params)
+            and all(q is p for q, p in zip(self.params, params, strict=True))
             and _stamps(params) == self.stamps
         )
 
@@ -83,8 +108,7 @@ class Fp8WeightCache:
 
     def put(self, params: Sequence[Tensor], dtype: torch.dtype, blocks: Fp8Blocks) -> None:
         """Hold ``blocks``, the weights ``params`` quantized from ``dtype`` (replacing any entry)."""
-        refs = tuple(weakref.ref(p) for p in params)
-        self._entry = _Entry(refs, _stamps(params), dtype, blocks)
+        self._entry = _Entry(tuple(params), _stamps(params), optimizer_steps(), dtype, blocks)
 
     def clear(self) -> None:
         """Drop the entry (its memory goes when no backward holds it)."""

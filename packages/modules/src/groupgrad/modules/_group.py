@@ -32,6 +32,7 @@ __all__ = [
     "autocast_dtype",
     "autocast_input",
     "check_biases",
+    "checks_weight_versions",
     "device_splits",
     "expert_index",
     "no_autocast",
@@ -146,11 +147,15 @@ class WeightGroupSpec:
             ``(N, K)`` parameter per expert).
         wgrad_into_main_grad: The layer writes its wgrad into ``main_grad``
             (its ``accumulate_into_main_grad`` option).
+        checks_versions: Backward refuses weights modified in place since the
+            forward (a module's plain parameters, where nothing but the caller
+            writes them in between; see :func:`forward_versions`).
     """
 
     names: tuple[str, ...]
     packed: bool
     wgrad_into_main_grad: bool
+    checks_versions: bool = False
 
     def gemm_weights(self, materialized: Sequence[Tensor]) -> Tensor | list[Tensor]:
         """The materialized weights in the form the grouped kernels take."""
@@ -159,6 +164,18 @@ class WeightGroupSpec:
     def num_groups(self, materialized: Sequence[Tensor]) -> int:
         """``E``, read off the materialized weights."""
         return materialized[0].shape[0] if self.packed else len(materialized)
+
+
+def checks_weight_versions(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward asks its backward to refuse weights modified in place
+    since (:attr:`WeightGroupSpec.checks_versions`): with grad, not under ``torch.compile``
+    (its graphs check mutations their own way) and not in a module FSDP2's ``fully_shard``
+    manages (it gathers the weights into the same tensors again for backward)."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not getattr(module, "_is_fsdp_managed_module", False)
+    )
 
 
 def expert_index(splits: Splits, num_groups: int, rows: int, device: torch.device) -> Tensor:

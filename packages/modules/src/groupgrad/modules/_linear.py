@@ -19,7 +19,7 @@ from groupgrad.modules._fp8_recipe import (
     fp8_for_forward,
     keeps_weights_for_backward,
 )
-from groupgrad.modules._group import Splits, WeightGroupSpec
+from groupgrad.modules._group import Splits, WeightGroupSpec, checks_weight_versions
 from groupgrad.modules._linear_fn import apply_grouped_linear
 
 __all__ = ["GroupedLinear", "check_sizes"]
@@ -153,10 +153,13 @@ class GroupedLinear(GroupedModule):
             for name in (*self.weight_names, *self.bias_names):
                 getattr(self, name).uniform_(-bound, bound)
 
-    def group_spec(self, prefix: str = "") -> WeightGroupSpec:
-        """The weight layout the grouped GEMMs see; messages name parameters ``prefix.name``."""
+    def group_spec(self, prefix: str = "", checks_versions: bool = False) -> WeightGroupSpec:
+        """The weight layout the grouped GEMMs see; messages name parameters ``prefix.name``;
+        ``checks_versions``: as :class:`WeightGroupSpec`'s."""
         names = tuple(f"{prefix}.{n}" if prefix else n for n in self.weight_names)
-        return WeightGroupSpec(names, self.single_grouped_weight, self.accumulate_into_main_grad)
+        return WeightGroupSpec(
+            names, self.single_grouped_weight, self.accumulate_into_main_grad, checks_versions
+        )
 
     def current_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
         """The weight and bias parameters as they are now (looked up by name), leader first."""
@@ -214,7 +217,7 @@ class GroupedLinear(GroupedModule):
         return apply_grouped_linear(
             x,
             splits,
-            self.group_spec(),
+            self.group_spec(checks_versions=checks_weight_versions(self)),
             self._forward_queue(),
             [*weights, *biases],
             len(biases),

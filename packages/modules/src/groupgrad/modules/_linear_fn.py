@@ -56,6 +56,7 @@ from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
     is_distributed_weight,
+    is_fsdp_param,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
 )
@@ -64,6 +65,8 @@ __all__ = [
     "GroupedLinearFunction",
     "add_bias",
     "apply_grouped_linear",
+    "check_forward_versions",
+    "forward_versions",
     "grouped_linear",
     "layer_dgrad",
     "layer_fprop",
@@ -102,6 +105,40 @@ def _gemm_weights(
         return cast_weights()
     dtype = cast_dtype or materialized[0].dtype
     return fp8.weights(weights, cast_weights, dtype, forward=forward)
+
+
+def forward_versions(spec: WeightGroupSpec, weights: Sequence[Tensor]) -> tuple[int, ...] | None:
+    """The weights' version counters as the forward reads them, for backward's dgrad to check
+    (:func:`check_forward_versions`), as autograd checks the tensors it saves.
+
+    ``None`` (nothing to check) unless ``spec.checks_versions``, and for
+    distributed and Megatron-FSDP groups: their framework writes the gathered
+    weights again between forward and backward, and backward reads what it
+    gathers then.
+    """
+    if not spec.checks_versions or is_distributed_weight(weights[0]) or is_fsdp_param(weights[0]):
+        return None
+    return tuple(w._version for w in weights)
+
+
+def check_forward_versions(
+    spec: WeightGroupSpec, weights: Sequence[Tensor], versions: tuple[int, ...] | None
+) -> None:
+    """Raise if a weight was modified in place since the forward that recorded ``versions``.
+
+    Backward's dgrad reads the weights again: after an in-place change it
+    would compute the gradient of values the forward never saw.
+    """
+    if versions is None:
+        return
+    for name, w, version in zip(spec.names, weights, versions, strict=True):
+        if w._version != version:
+            raise RuntimeError(
+                f"{name} was modified in place after the forward that used it (its version is "
+                f"{w._version}, expected {version}); the input gradient would not match the "
+                "values the forward saw (autograd raises the same for a tensor it saved). "
+                "Modify the weights after backward, or run the forward again"
+            )
 
 
 def layer_fprop(
@@ -205,11 +242,14 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.queue = queue
         ctx.cast_dtype = cast_dtype
         ctx.weights = weights
+        ctx.versions = forward_versions(spec, weights)
         ctx.biases = biases
         return y_TN
 
     @staticmethod
     def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.needs_input_grad[0]:  # before anything is written
+            check_forward_versions(ctx.spec, ctx.weights, ctx.versions)
         x_TK = put_together(ctx.x_form, iter(ctx.saved_tensors), ctx.tokens, ctx.splits)
         dy_TN = dy_TN.contiguous()
         fp8: Fp8Blockwise | None = ctx.fp8

@@ -14,7 +14,7 @@ from groupgrad.modules._fp8_recipe import (
     check_fp8_sizes,
     keeps_weights_for_backward,
 )
-from groupgrad.modules._group import Splits
+from groupgrad.modules._group import Splits, checks_weight_versions
 from groupgrad.modules._linear import GroupedLinear, check_sizes
 from groupgrad.modules._mlp_args import (
     MLPLayout,
@@ -216,7 +216,8 @@ class GroupedMLP(GroupedModule):
         )
         fc1_weights, fc1_biases = self.fc1.current_parameters()
         fc2_weights, fc2_biases = self.fc2.current_parameters()
-        fc1, fc2 = self.fc1.group_spec("fc1"), self.fc2.group_spec("fc2")
+        checks = checks_weight_versions(self)
+        fc1, fc2 = self.fc1.group_spec("fc1", checks), self.fc2.group_spec("fc2", checks)
         check_distributed_pairing(
             fc1_weights[0], fc1.names[0], fc2_weights[0], fc2.names[0], "GroupedMLP"
         )

@@ -69,7 +69,14 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._linear_fn import add_bias, layer_dgrad, layer_fprop, stack_bias
+from groupgrad.modules._linear_fn import (
+    add_bias,
+    check_forward_versions,
+    forward_versions,
+    layer_dgrad,
+    layer_fprop,
+    stack_bias,
+)
 from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported for _routed
     MLPLayout,
     check_activation,
@@ -144,6 +151,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         ctx.queue = queue
         ctx.cast_dtype = cast_dtype
         ctx.params = (w1, b1, w2, b2)
+        ctx.versions = (forward_versions(layout.fc1, w1), forward_versions(layout.fc2, w2))
         return y_TH
 
     @staticmethod
@@ -163,6 +171,9 @@ def _mlp_backward(
     layout: MLPLayout = ctx.layout
     forms: MLPForms = ctx.forms
     w1, b1, w2, b2 = ctx.params
+    if ctx.needs_input_grad[0]:  # before anything is written: dx reads fc1's weights
+        check_forward_versions(layout.fc1, w1, ctx.versions[0])
+    check_forward_versions(layout.fc2, w2, ctx.versions[1])  # every gradient reads da
     splits = ctx.splits
     fc2 = LayerGrads(ctx.fc2, b2, ("dy", "fc2's input"))
     fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"))

@@ -832,6 +832,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
     Mutant(
+        "backward-dw-refusal-drops-the-job",
+        "a backward_dw() refused by a main_grad check drops its job (the gradient lost, the "
+        "hooks held for good) instead of keeping it for a retry",
+        _WGRAD,
+        "                self._jobs.appendleft(job)\n                raise",
+        "                raise",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "weights-edited-before-backward-unchecked",
         "a weight modified in place between forward and backward is read by the dgrad (the "
         "gradient of values the forward never saw) instead of a RuntimeError",

@@ -491,6 +491,32 @@ def test_grouped_mlp_functional_with_fp32_grad_dtype_gets_unrounded_fp32_wgrads(
         assert _bf16_representable_fraction(nonzero) < 0.05
 
 
+def test_a_backward_dw_refused_for_a_missing_main_grad_keeps_its_job_for_a_retry() -> None:
+    # Catches: the job popped before the main_grad checks (the micro-batch's gradient lost, its
+    # post-accumulate hooks held for good, a retry told that nothing was queued).
+    module = GroupedLinear(
+        E, K, N, bias=False, single_grouped_weight=True, accumulate_into_main_grad=True,
+        delay_wgrad_compute=True,
+    )  # fmt: skip
+    module.weight.grad_added_to_main_grad = False
+    calls = []
+    module.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    T = sum(SPLITS)
+    x, dy = _randn(T, K, seed=50), _randn(T, N, seed=51)
+    module(x, SPLITS).backward(dy)
+    with pytest.raises(RuntimeError, match=r"weight.*main_grad"):
+        module.backward_dw()
+    assert calls == []
+    module.weight.main_grad = torch.zeros(module.weight.shape)
+    module.backward_dw()  # the same job, now runnable
+    want = _weight_grads_fp64(x, list(module.weight.unbind(0)), SPLITS, dy)
+    for e in range(E):
+        _close(module.weight.main_grad[e], want[e])
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match=r"no backward has queued"):
+        module.backward_dw()
+
+
 # ------------------------------------------------ autocast
 
 

@@ -296,11 +296,15 @@ class WgradQueue:
         place since backward, the job is dropped (its gradient can no longer be
         computed from the values the forward saw) and nothing is written.
         Every ``main_grad`` GEMM of the job is then planned and checked
-        before the first GEMM writes.
+        before the first GEMM writes: a refused one (a missing ``main_grad``)
+        writes nothing and leaves the job first in line, its hooks held, to
+        run once the caller mended what was refused.
 
         Raises:
             RuntimeError: No backward has queued anything, or an operand of
                 the oldest job was modified in place since its backward.
+            ValueError, TypeError, RuntimeError: A ``main_grad`` check refused
+                the job (it stays queued).
         """
         if not self._jobs:
             raise RuntimeError(
@@ -318,6 +322,10 @@ class WgradQueue:
                 )
             raise
         with no_autocast(operand_device(job[0].dy_TN)):
-            readied = [entry.early() for entry in job]
+            try:
+                readied = [entry.early() for entry in job]
+            except Exception:  # nothing written: the job waits for a retry
+                self._jobs.appendleft(job)
+                raise
             for entry, ready in zip(job, readied, strict=True):
                 entry.run(ready)

@@ -96,11 +96,23 @@ def test_sizes_not_multiples_of_128_name_the_argument() -> None:
         grouped_linear(_randn(T, K, seed=1), _randn(E, 64, K, seed=2), SPLITS, **FP8)  # type: ignore[arg-type]
 
 
+def test_a_mismatched_weight_is_named_by_its_parameter() -> None:
+    # Catches: the quantizer's own name for a list member (t[2]) in the message.
+    layer = _layer(bias=False)
+    layer.weight2 = nn.Parameter(_randn(N, K, seed=3).float())
+    with pytest.raises(
+        TypeError,
+        match=r"^fp8_recipe='blockwise' quantizes the weights: weight2 has dtype torch.float32, "
+        r"expected torch.bfloat16 like weight0$",
+    ):
+        layer(_randn(T, K, seed=1), SPLITS)
+
+
 def test_bad_splits_and_flags_are_named() -> None:
     layer = _layer()
     x = _randn(T, K, seed=1)
     with pytest.raises(
-        ValueError, match=r"^fp8_recipe='blockwise' quantizes x: splits sums to 10 but t has 200"
+        ValueError, match=r"^fp8_recipe='blockwise' quantizes x: splits sums to 10 but x has 200"
     ):
         layer(x, [1, 2, 3, 4])
     with pytest.raises(TypeError, match=r"^is_first_microbatch is 1, expected None, True or"):

@@ -23,6 +23,7 @@ FSDP2), and ``torch.compile``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -72,12 +73,22 @@ def check_fp8_sizes(**sizes: int) -> None:
             )
 
 
-def _quantized(t: Tensor | Sequence[Tensor], what: str, **how: Any) -> Any:
-    """``quantize_fp8(t, **how)``, its argument errors naming ``what`` (the kernels call it ``t``)."""
+_MEMBER = re.compile(r"\bt\[(\d+)\]")  # the kernels' name of a listed member
+_WHOLE = re.compile(r"(?<![\w.'])t(?![\w\[])")  # ... and of the whole argument
+
+
+def _quantized(
+    t: Tensor | Sequence[Tensor], what: str, names: Sequence[str] = (), **how: Any
+) -> Any:
+    """``quantize_fp8(t, **how)``, its argument errors naming ``what`` and, where the kernels
+    say ``t`` or ``t[i]``, the argument (``names``: the weights' parameter names, leader
+    first; else ``what``)."""
     try:
         return quantize_fp8(t, **how)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"fp8_recipe='blockwise' quantizes {what}: {error}") from error
+        message = _MEMBER.sub(lambda m: names[int(m[1])] if names else m[0], str(error))
+        message = _WHOLE.sub(names[0] if names else what, message)
+        raise type(error)(f"fp8_recipe='blockwise' quantizes {what}: {message}") from error
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,7 @@ class Fp8Blockwise:
         dtype: torch.dtype,
         *,
         forward: bool,
+        names: Sequence[str] = (),
     ) -> Fp8Blocks:
         """The ``(128, 128)`` weights for one GEMM: cached, or quantized now.
 
@@ -147,6 +159,7 @@ class Fp8Blockwise:
             forward: The forward's fprop (may fill the cache, or hold the
                 weights for backward) or backward's dgrad (uses a matching
                 cached or held weight, else quantizes and keeps nothing).
+            names: The parameters' names, leader first, for error messages.
 
         A ``DistributedWeight`` group is never cached nor held: each GEMM
         quantizes the weights its leader materialized for it. Nor are
@@ -167,7 +180,8 @@ class Fp8Blockwise:
             blocks = None if kept is None else kept.get(params, dtype)
             if blocks is not None:
                 return blocks
-        blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", block=WEIGHTS))
+        weights = gemm_weights()
+        blocks = cast(Fp8Blocks, _quantized(weights, "the weights", names, block=WEIGHTS))
         if forward and cache is not None:
             cache.put(params, dtype, blocks)
         elif forward and held is not None:

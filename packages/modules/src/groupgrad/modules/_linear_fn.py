@@ -104,7 +104,7 @@ def _gemm_weights(
     if fp8 is None:
         return cast_weights()
     dtype = cast_dtype or materialized[0].dtype
-    return fp8.weights(weights, cast_weights, dtype, forward=forward)
+    return fp8.weights(weights, cast_weights, dtype, forward=forward, names=spec.names)
 
 
 def forward_versions(spec: WeightGroupSpec, weights: Sequence[Tensor]) -> tuple[int, ...] | None:

@@ -213,6 +213,50 @@ def test_splits_that_straddle_the_quantized_blocks(operands: dict[str, Fp8Blocks
         grouped_wgrad(operands["dy_seg"], operands["x_seg"], torch.tensor([T - 1, 1]))
 
 
+def test_splits_refilled_after_quantization_are_compared_with_the_blocks() -> None:
+    # Catches: the check comparing the live splits object the operands were quantized with
+    # (refilled since: accepted, and a wgrad over experts its blocks straddle) instead of the
+    # counts the blocks were cut by.
+    splits = [100, 200]
+    x, dy = _randn(300, K, seed=11), _randn(300, N, seed=12)
+    x8 = quantize_fp8(x, block=SEGMENTS, splits=splits)
+    dy8 = quantize_fp8(dy, block=SEGMENTS, splits=splits)
+    splits[0], splits[1] = 200, 100  # the caller's buffer, refilled
+    with pytest.raises(ValueError, match=r"^dy was quantized with splits \[100, 200\] but splits"):
+        grouped_wgrad(dy8, x8, splits)
+    got = grouped_wgrad(dy8, x8, [100, 200])  # the counts the blocks were cut by
+    want = _expected_wgrad(dy8, x8, [100, 200])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_reference_op_makes_a_wgrad_of_other_counts_nan(operands: dict[str, Fp8Blocks]) -> None:
+    # Catches: the CPU op (what torch.compile runs, no host check) computing a plausible wgrad
+    # over experts the blocks straddle, where the CUDA setup makes every output NaN.
+    dy, x = operands["dy_seg"], operands["x_seg"]
+    out = [torch.zeros(N, K) for _ in range(E)]
+    moved = torch.tensor([151, 0, 36, 300, 1])
+    torch.ops.groupgrad.fp8_grouped_wgrad(
+        dy.data, dy.scales, list(dy.tensors()[3:]), x.data, x.scales, list(x.tensors()[3:]),
+        moved, T, out, True,
+    )  # fmt: skip
+    assert all(dw.isnan().all() for dw in out)
+
+
+def test_the_source_dtype_and_the_expert_count_are_checked(operands: dict[str, Fp8Blocks]) -> None:
+    x = copy.copy(operands["x"])
+    x.dtype = torch.int32  # fprop would return it
+    with pytest.raises(TypeError, match=r"^x says it was quantized from torch\.int32, expected"):
+        grouped_fprop(x, operands["w"], SPLITS)
+    w = operands["w"]
+    none = Fp8Blocks(w.data[:0], w.scales[:0], block=WEIGHTS, dtype=w.dtype, shape=(0, N, K),
+                     data_t=w.data_t[:0])  # fmt: skip
+    with pytest.raises(ValueError, match=r"shape \(0, 256, 384\), expected at least one expert"):
+        grouped_fprop(operands["x"], none, [])
+    x_none = quantize_fp8(_randn(0, K, seed=1), block=SEGMENTS, splits=[])
+    with pytest.raises(ValueError, match=r"quantized for no expert \(splits had no entries\)"):
+        grouped_wgrad(x_none, x_none, [])
+
+
 def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     x = operands["x"]
     row_major = Fp8Blocks(x.data, x.scales.contiguous(), block=ROWS, dtype=x.dtype, shape=x.shape)
@@ -237,6 +281,10 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     strided.seg_offsets = torch.stack([dy.seg_offsets] * 2, 1)[:, 0]
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \(6,\) \(2,\) torch\.int64"):
         grouped_wgrad(strided, operands["x_seg"], SPLITS)
+    expanded = copy.copy(w)
+    expanded.scales = w.scales[:1].expand(E, -1, -1)  # one expert's scales for all: stride 0
+    with pytest.raises(ValueError, match=r"^weights\.scales is \(5, 2, 3\) \(0, 3, 1\)"):
+        grouped_fprop(operands["x"], expanded, SPLITS)
     wide = Fp8Blocks(x.data.view(T, 3, 128)[:, :2].reshape(T, 256), x.scales[:, :2], block=ROWS,
                      dtype=x.dtype, shape=(T, 200))  # fmt: skip
     with pytest.raises(ValueError, match=r"expected K and N multiples of 128 for FP8"):

@@ -832,6 +832,40 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
     Mutant(
+        "fp8-splits-compared-with-the-live-object",
+        "the FP8 wgrad compares its splits with the object the operands were quantized with "
+        "(refilled since) instead of the counts their blocks were cut by",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        '    if offsets is not None and offsets.device.type == "cpu":\n        starts',
+        "    if False:\n        starts",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-reference-wgrad-of-other-counts",
+        "the FP8 wgrad's reference op computes a wgrad over experts its operands' blocks straddle "
+        "(the CUDA setup makes every output NaN)",
+        "kernels/src/groupgrad/kernels/_fp8_gemm.py",
+        '        dw.masked_fill_(cut_otherwise.to(dw.device), float("nan"))',
+        "        pass",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-source-dtype-unchecked",
+        "an Fp8Blocks claiming any source dtype (int32, bool) sets fprop's output dtype",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "    if value.dtype not in _rules.INPUT_DTYPES:  # fprop/dgrad return it",
+        "    if False:",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-weight-scales-strides-unchecked",
+        "the weights' scales are taken with any strides (stride 0: one expert's scales for all)",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        '("scales", (E, N // 128, K // 128), (N * K // 16384, K // 128, 1), _F32)',
+        '("scales", (E, N // 128, K // 128), None, _F32)',
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
         "backward-dw-refusal-drops-the-job",
         "a backward_dw() refused by a main_grad check drops its job (the gradient lost, the "
         "hooks held for good) instead of keeping it for a retry",

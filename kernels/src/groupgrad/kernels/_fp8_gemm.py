@@ -89,10 +89,22 @@ def wgrad_ref(
     out: list[Tensor],
     accumulate: bool,
 ) -> None:
-    """FP8 wgrad (``dw_e = dy_e.T @ x_e``) on dequantized operands, into ``out``."""
+    """FP8 wgrad (``dw_e = dy_e.T @ x_e``) on dequantized operands, into ``out``.
+
+    Operands cut by other counts than ``splits`` (their ``row_offsets``' steps)
+    make every output NaN, as the CUDA kernels' setup does on the device
+    (csrc/fp8_setup.cu): a device tensor is never compared on the host, and
+    under ``torch.compile`` no host check runs at all.
+    """
     dy32 = _segments(dy_data, dy_scales, dy_offsets, tokens)
     x32 = _segments(x_data, x_scales, x_offsets, tokens)
     _reference.wgrad(dy32, x32, splits, out, accumulate)
+    counts = splits.to(device=dy_data.device, dtype=torch.int64)
+    cut_otherwise = torch.zeros((), dtype=torch.bool, device=dy_data.device)
+    for row in (dy_offsets[0], x_offsets[0]):
+        cut_otherwise |= (row[0] != 0) | (torch.diff(row) != counts).any()
+    for dw in out:
+        dw.masked_fill_(cut_otherwise.to(dw.device), float("nan"))
 
 
 # --------------------------------------------------------------------------- CUDA

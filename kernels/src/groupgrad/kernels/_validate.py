@@ -37,6 +37,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -272,6 +273,10 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             f"{name} holds {data.dtype} data and {scales.dtype} scales, expected "
             "torch.float8_e4m3fn and torch.float32"
         )
+    if value.dtype not in _rules.INPUT_DTYPES:  # fprop/dgrad return it
+        raise TypeError(
+            f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
+        )
     device = data.device
     for part, shape, strides, dtype in _fp8_layout(value):
         t = getattr(value, part)
@@ -319,11 +324,15 @@ def _fp8_layout(value: Fp8Blocks) -> _Layout:
                 "(E, N, K) tensor or a list of E (N, K) weights"
             )
         E, N, K = shape
+        if E == 0:
+            raise ValueError(
+                f"weights is an Fp8Blocks of shape {shape}, expected at least one expert"
+            )
         _fp8_multiples("weights", shape, (N, K))
         return (
             ("data", (E, N, K), (N * K, K, 1), _E4M3),
             ("data_t", (E, K, N), (N * K, N, 1), _E4M3),
-            ("scales", (E, N // 128, K // 128), None, _F32),
+            ("scales", (E, N // 128, K // 128), (N * K // 16384, K // 128, 1), _F32),
         )
     if len(shape) != 2:
         raise ValueError(f"an Fp8Blocks of block {value.block} has shape {shape}, expected (T, C)")
@@ -333,7 +342,12 @@ def _fp8_layout(value: Fp8Blocks) -> _Layout:
         return ("data", (T, C), (C, 1), _E4M3), ("scales", (T, C // 128), (1, T), _F32)
     offsets = value.row_offsets
     E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
-    if E < 1:
+    if E == 0:
+        raise ValueError(
+            "a (128, 1) Fp8Blocks was quantized for no expert (splits had no entries), expected "
+            "at least one"
+        )
+    if E < 0:
         raise ValueError(
             f"a (128, 1) Fp8Blocks has row_offsets {offsets!r}, expected (E + 1,) offsets"
         )
@@ -356,25 +370,37 @@ def _fp8_multiples(what: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> 
 
 def fp8_splits_agree(name: str, value: Fp8Blocks, splits_E: Tensor, given: object) -> None:
     """``value`` was quantized for the experts of ``splits_E``: the same count, and the same
-    token counts where both are on the host (a device tensor is never read).
+    token counts where both are on the host (a device tensor is never read; the wgrad's
+    kernels compare the counts on the device, and a mismatch makes every output NaN).
 
-    ``given`` is the call's ``splits`` as the caller passed it: the very object
-    ``value`` was quantized with agrees without a look.
+    The counts ``value``'s blocks were cut by are its ``row_offsets``' steps; on
+    the host they are compared, never the ``splits`` object it was quantized
+    with, which the caller may have refilled since. ``given`` is the call's
+    ``splits`` as passed: with device offsets, the very object ``value`` was
+    quantized with agrees without a look.
     """
-    if value.splits is given:
-        return
     E = splits_E.shape[0]
-    if value.row_offsets is not None and value.row_offsets.shape[0] - 1 != E:
+    offsets = value.row_offsets
+    if offsets is not None and offsets.shape[0] - 1 != E:
         raise ValueError(
-            f"{name} was quantized for {value.row_offsets.shape[0] - 1} experts but splits has "
-            f"{E} entries"
+            f"{name} was quantized for {offsets.shape[0] - 1} experts but splits has {E} entries"
         )
-    own = value.splits
-    host = not isinstance(own, Tensor) or own.device.type == "cpu"
-    if host and splits_E.device.type == "cpu" and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or splits_E.device.type != "cpu":
+        return
+    if offsets is not None and offsets.device.type == "cpu":
+        starts = offsets.tolist()
+        if starts[0] != 0:
+            raise ValueError(f"{name}.row_offsets starts at {starts[0]}, expected 0")
+        own_counts = [b - a for a, b in itertools.pairwise(starts)]
+    elif value.splits is given:
+        return
+    else:
+        own = value.splits
+        if isinstance(own, Tensor) and own.device.type != "cpu":
+            return
         own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own or ()]
-        if own_counts != splits_E.tolist():
-            raise ValueError(
-                f"{name} was quantized with splits {own_counts} but splits is "
-                f"{splits_E.tolist()}: its 128-token blocks would straddle experts"
-            )
+    if own_counts != splits_E.tolist():
+        raise ValueError(
+            f"{name} was quantized with splits {own_counts} but splits is "
+            f"{splits_E.tolist()}: its 128-token blocks would straddle experts"
+        )

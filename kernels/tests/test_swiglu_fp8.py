@@ -179,7 +179,7 @@ def test_backward_errors_name_the_argument() -> None:
         swiglu_probs_backward_fp8(da[:, :200], h_rows, splits=SPLITS)
     with pytest.raises(TypeError, match="da is"):
         swiglu_probs_backward_fp8(da[0], h_rows, splits=SPLITS)
-    with pytest.raises(ValueError, match="splits sums to 299 but t has 300 rows"):
+    with pytest.raises(ValueError, match="splits sums to 299 but da has 300 rows"):
         swiglu_probs_backward_fp8(da, h_rows, splits=[100, 0, 36, 163])
     with pytest.raises(ValueError, match=r"probs has shape \(2,\)"):
         swiglu_probs_backward_fp8(da, h_rows, torch.zeros(2), splits=SPLITS)

@@ -216,27 +216,28 @@ def _check_tensor(t: object, name: str) -> Tensor:
     return t
 
 
-def _check_counts(counts: list[int], T: int) -> None:
+def _check_counts(counts: list[int], T: int, rows: str) -> None:
     for i, n in enumerate(counts):
         if n < 0:
             raise ValueError(f"splits[{i}] is {n}, expected a token count >= 0")
     if sum(counts) != T:
-        raise ValueError(f"splits sums to {sum(counts)} but t has {T} rows")
+        raise ValueError(f"splits sums to {sum(counts)} but {rows} has {T} rows")
 
 
-def check_splits(splits: object, T: int, device: torch.device) -> int:
-    """The number of experts; a device tensor's values are never read (no host sync)."""
+def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") -> int:
+    """The number of experts; a device tensor's values are never read (no host sync).
+    ``rows``: the argument whose ``T`` rows ``splits`` counts, for messages."""
     if isinstance(splits, Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"splits has dtype {splits.dtype}, expected torch.int32 or torch.int64")
         if splits.dim() != 1:
             raise ValueError(f"splits has shape {tuple(splits.shape)}, expected (E,)")
         if splits.device.type != "cpu" and splits.device != device:
-            raise ValueError(f"splits is on {splits.device}, expected the CPU or t's {device}")
+            raise ValueError(f"splits is on {splits.device}, expected the CPU or {rows}'s {device}")
         if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-            _check_counts(splits.tolist(), T)
+            _check_counts(splits.tolist(), T, rows)
         elif splits.shape[0] == 0:
-            _check_counts([], T)
+            _check_counts([], T, rows)
         return int(splits.shape[0])
     ints = (int, torch.SymInt)
     if not isinstance(splits, list | tuple) or not all(
@@ -245,7 +246,7 @@ def check_splits(splits: object, T: int, device: torch.device) -> int:
         raise TypeError(
             f"splits is {splits!r}, expected a list or tuple of ints or an int32/int64 tensor"
         )
-    _check_counts(list(splits), T)
+    _check_counts(list(splits), T, rows)
     return len(splits)
 
 

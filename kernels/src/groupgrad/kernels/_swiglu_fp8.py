@@ -324,7 +324,7 @@ def _backward(
     if da_TF.device != device:
         raise ValueError(f"da is on {da_TF.device}, expected h's device {device}")
     check_probs(probs_T, T, device)
-    E = check_splits(splits, T, device)
+    E = check_splits(splits, T, device, "da")
     row, seg, block = segment_offsets(splits, device, fused=run is _backward_call)
     num_blocks, padded = -(-T // 128) + E, -(-(T + 15 * E) // 16) * 16
     probs = None if probs_T is None else probs_T.contiguous()

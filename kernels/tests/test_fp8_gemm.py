@@ -277,6 +277,14 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
         r"\(1,\) torch\.int64",
     ):
         grouped_wgrad(int32_offsets, operands["x_seg"], SPLITS)
+    overlapping = copy.copy(dy)  # in bounds, but experts 0 and 1 would share columns
+    overlapping.seg_offsets = torch.tensor([0, 0, 160, 208, 512, 528])
+    with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \[0, 0, 160, 208, 512, 528\], exp"):
+        grouped_wgrad(overlapping, operands["x_seg"], SPLITS)
+    shifted = copy.copy(dy)  # past the tensors: an IndexError in the reference before
+    shifted.row_offsets = dy.row_offsets + 1000
+    with pytest.raises(ValueError, match=r"^dy\.row_offsets is \[1000, 1150"):
+        grouped_wgrad(shifted, operands["x_seg"], SPLITS)
     strided = copy.copy(dy)
     strided.seg_offsets = torch.stack([dy.seg_offsets] * 2, 1)[:, 0]
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \(6,\) \(2,\) torch\.int64"):

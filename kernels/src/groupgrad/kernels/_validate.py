@@ -46,7 +46,15 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import _group, _rules
-from groupgrad.kernels._fp8 import ROWS, SEGMENT_ALIGN, SEGMENTS, WEIGHTS, Block, Fp8Blocks
+from groupgrad.kernels._fp8 import (
+    ROWS,
+    SEGMENT_ALIGN,
+    SEGMENTS,
+    WEIGHTS,
+    Block,
+    Fp8Blocks,
+    segment_offsets,
+)
 from groupgrad.kernels._group import ListedFacts
 
 
@@ -244,6 +252,28 @@ def fp8_wgrad_call(
     return Fp8WgradCall(dy8, x8, splits_E, members, accumulate, result, listed)
 
 
+def _host_offsets_counts(name: str, value: Fp8Blocks, starts: list[int]) -> list[int]:
+    """The token counts of a ``(128, 1)`` form's host ``row_offsets`` (``starts``), once its
+    offsets are checked to be what ``quantize_fp8`` writes for them: a hand-built form's
+    other offsets would make the reference read another layout than the CUDA kernels, which
+    derive it from the counts, or index past its tensors."""
+    counts = [b - a for a, b in itertools.pairwise(starts)]
+    if starts[0] != 0 or min(counts) < 0 or starts[-1] != value.shape[0]:
+        raise ValueError(
+            f"{name}.row_offsets is {starts}, expected 0, then the running sums of its experts' "
+            f"token counts up to T = {value.shape[0]}"
+        )
+    _, seg, block = segment_offsets(counts, torch.device("cpu"))
+    for part, want in (("seg_offsets", seg), ("block_offsets", block)):
+        got = getattr(value, part)
+        if not torch.equal(got, want):
+            raise ValueError(
+                f"{name}.{part} is {got.tolist()}, expected {want.tolist()} from its "
+                "row_offsets (the layout quantize_fp8 writes)"
+            )
+    return counts
+
+
 _FP8_ROLES = {
     ROWS: "x or dy of fprop/dgrad",
     WEIGHTS: "the weights of fprop/dgrad",
@@ -388,10 +418,7 @@ def fp8_splits_agree(name: str, value: Fp8Blocks, splits_E: Tensor, given: objec
     if torch.compiler.is_compiling() or splits_E.device.type != "cpu":
         return
     if offsets is not None and offsets.device.type == "cpu":
-        starts = offsets.tolist()
-        if starts[0] != 0:
-            raise ValueError(f"{name}.row_offsets starts at {starts[0]}, expected 0")
-        own_counts = [b - a for a, b in itertools.pairwise(starts)]
+        own_counts = _host_offsets_counts(name, value, offsets.tolist())
     elif value.splits is given:
         return
     else:

@@ -836,8 +836,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the FP8 wgrad compares its splits with the object the operands were quantized with "
         "(refilled since) instead of the counts their blocks were cut by",
         "kernels/src/groupgrad/kernels/_validate.py",
-        '    if offsets is not None and offsets.device.type == "cpu":\n        starts',
-        "    if False:\n        starts",
+        '    if offsets is not None and offsets.device.type == "cpu":\n        own_counts',
+        "    if False:\n        own_counts",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

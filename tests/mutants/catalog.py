@@ -633,8 +633,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-wgrad-splits-unchecked",
         "an FP8 wgrad takes splits other than the ones its operands' blocks were cut by",
         "kernels/src/groupgrad/kernels/_validate.py",
-        "        if own_counts != splits_E.tolist():",
-        "        if False:",
+        "    if own_counts != splits_E.tolist():",
+        "    if False:",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

@@ -517,6 +517,28 @@ def test_a_backward_dw_refused_for_a_missing_main_grad_keeps_its_job_for_a_retry
         module.backward_dw()
 
 
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_main_grad_that_requires_grad_is_written_alike_with_and_without_delay(
+    delay: bool,
+) -> None:
+    # Catches: backward_dw() running with grad on, where the kernels refuse to write into a
+    # leaf that requires grad, while the same main_grad is written by backward (grad off).
+    module = GroupedLinear(
+        E, K, N, bias=False, single_grouped_weight=True, accumulate_into_main_grad=True,
+        delay_wgrad_compute=delay,
+    )  # fmt: skip
+    module.weight.main_grad = torch.zeros(module.weight.shape, requires_grad=True)
+    module.weight.grad_added_to_main_grad = False
+    T = sum(SPLITS)
+    x, dy = _randn(T, K, seed=52), _randn(T, N, seed=53)
+    module(x, SPLITS).backward(dy)
+    if delay:
+        module.backward_dw()
+    want = _weight_grads_fp64(x, list(module.weight.unbind(0)), SPLITS, dy)
+    for e in range(E):
+        _close(module.weight.main_grad[e].detach(), want[e])
+
+
 # ------------------------------------------------ autocast
 
 

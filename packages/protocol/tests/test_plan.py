@@ -158,6 +158,12 @@ def test_missing_main_grad_names_the_parameter() -> None:
     params[2].main_grad = None
     with pytest.raises(RuntimeError, match=r"parameter 'weight2' has no main_grad"):
         _plan(params)
+    params[2].main_grad = 0.0  # not a buffer: said so, not "missing"
+    with pytest.raises(
+        RuntimeError,
+        match=r"parameter 'weight2' has main_grad 0\.0 \(float\), expected a torch\.Tensor",
+    ):
+        _plan(params)
 
 
 def test_main_grad_buffers_are_left_to_the_gemm_and_named_for_it() -> None:

@@ -321,7 +321,9 @@ class WgradQueue:
                     p for p in entry.target.params if p.requires_grad
                 )
             raise
-        with no_autocast(operand_device(job[0].dy_TN)):
+        # as in backward, where autograd's engine runs without grad: a main_grad that
+        # requires grad is written alike by both (the kernels refuse that only with grad on)
+        with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():
             try:
                 readied = [entry.early() for entry in job]
             except Exception:  # nothing written: the job waits for a retry

@@ -884,6 +884,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "backward-dw-with-grad-on",
+        "backward_dw() runs its GEMMs with grad on: a main_grad that requires grad, written by "
+        "backward, is refused there",
+        _WGRAD,
+        "        with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():",
+        "        with no_autocast(operand_device(job[0].dy_TN)):",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "weights-edited-before-backward-unchecked",
         "a weight modified in place between forward and backward is read by the dgrad (the "
         "gradient of values the forward never saw) instead of a RuntimeError",

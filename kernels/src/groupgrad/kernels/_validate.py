@@ -275,7 +275,7 @@ def _host_offsets_counts(name: str, value: Fp8Blocks, starts: list[int]) -> list
 
 
 _FP8_ROLES = {
-    ROWS: "x or dy of fprop/dgrad",
+    ROWS: "x or dy of fprop/dgrad, h of the FP8 SwiGLU backward",
     WEIGHTS: "the weights of fprop/dgrad",
     SEGMENTS: "dy and x of wgrad, with splits",
 }

@@ -270,7 +270,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '    """Reference kernel: ``dw_e = dy_e.T @ x_e``, added to or written into ``out``."""\n'
         "    for dw in out:\n"
         "        dw.zero_()",
-        (f"{MODULES}/test_linear.py",),
+        (f"{MODULES}/test_linear.py", f"{KERNELS}/test_custom_ops.py"),
     ),
     Mutant(
         "reference-dgrad-rotated",

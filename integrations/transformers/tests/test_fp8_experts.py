@@ -93,3 +93,31 @@ def test_sizes_not_multiples_of_128_are_named() -> None:
     index, weights = tiny.routing(8, seed=2)
     with pytest.raises(ValueError, match="128"):
         experts(torch.randn(8, tiny.HIDDEN), index, weights)
+
+
+@pytest.mark.parametrize("implementation", ["groupgrad", "groupgrad_fp8"])
+def test_a_fullgraph_compile_gives_eagers_fp32_wgrads(implementation: str) -> None:
+    # Catches: the CPU check of the expert ids reading them on the host (int(ids.min())), which
+    # a full graph cannot trace ("could not guard on data-dependent expression").
+    eager = tiny.use_implementation(_experts("qwen3_moe").to(torch.bfloat16), implementation)
+    twin = copy.deepcopy(eager)
+    for module in (eager, twin):
+        for param in module.parameters():
+            param.grad_dtype = torch.float32  # (a deep copy does not carry it)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=generator).bfloat16()
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
+    dy = torch.randn(T, H, generator=generator).bfloat16()
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True)
+    _, want = run_experts(eager, hidden, index, weights, dy)
+    _, got = run_experts(compiled, hidden, index, weights, dy)
+    got = {key.replace("_orig_mod.", ""): value for key, value in got.items()}
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype, key
+        torch.testing.assert_close(got[key], value, rtol=2e-2, atol=1e-3, msg=key)
+    for name in ("gate_up_proj", "down_proj"):
+        assert got[f"d_{name}"].dtype == torch.float32
+        assert bf16_exact_share(got[f"d_{name}"]) < 0.5, name

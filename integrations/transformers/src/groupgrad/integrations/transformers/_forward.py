@@ -56,12 +56,13 @@ def _check_ids(top_k_index: Tensor, num_experts: int) -> None:
 
     A negative id would drop its token from the counts; an id past
     ``num_experts`` makes transformers' eager loop raise. On the CPU the check
-    names the offending id; on a GPU it is an asynchronous device assertion
-    (no host sync), which fails the next synchronizing call.
+    names the offending id; on a GPU, and under ``torch.compile`` (which cannot
+    read a tensor's value on the host in a full graph), it is an asynchronous
+    device assertion (no host sync), which fails the next synchronizing call.
     """
     if top_k_index.numel() == 0:
         return
-    if top_k_index.device.type == "cpu":
+    if top_k_index.device.type == "cpu" and not torch.compiler.is_compiling():
         smallest, largest = int(top_k_index.min()), int(top_k_index.max())
         if smallest < 0:
             raise ValueError(

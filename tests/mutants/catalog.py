@@ -826,7 +826,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-weights-kept-under-fsdp2",
         "a layer under FSDP2's fully_shard keeps its quantized weights until backward (FSDP2 frees "
         "the gathered weights after forward: the FP8 copy would undo that)",
-        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        _GROUP,
         '        and not getattr(module, "_is_fsdp_managed_module", False)\n',
         "",
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),

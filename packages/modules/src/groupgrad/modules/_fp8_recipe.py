@@ -33,7 +33,7 @@ from torch import Tensor
 
 from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules._fp8_cache import Fp8WeightCache
-from groupgrad.modules._group import Splits
+from groupgrad.modules._group import Splits, checks_weight_versions
 from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
 __all__ = [
@@ -180,8 +180,7 @@ class Fp8Blockwise:
             blocks = None if kept is None else kept.get(params, dtype)
             if blocks is not None:
                 return blocks
-        weights = gemm_weights()
-        blocks = cast(Fp8Blocks, _quantized(weights, "the weights", names, block=WEIGHTS))
+        blocks = cast(Fp8Blocks, _quantized(gemm_weights(), "the weights", names, block=WEIGHTS))
         if forward and cache is not None:
             cache.put(params, dtype, blocks)
         elif forward and held is not None:
@@ -200,9 +199,7 @@ def keeps_weights_for_backward(module: torch.nn.Module) -> bool:
     (distributed, Megatron-FSDP) is checked per GEMM.
     """
     return (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not getattr(module, "_is_fsdp_managed_module", False)
+        checks_weight_versions(module)
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     )
 

@@ -111,13 +111,14 @@ def fetch_main_grad(param: torch.Tensor, name: str) -> torch.Tensor:
                 )
             return buffer
     buffer = main_grad_or_none(param)
-    given = getattr(param, "main_grad", None)
-    if buffer is None and given is not None:
-        raise RuntimeError(
-            f"parameter {name!r} has main_grad {given!r} ({type(given).__name__}), expected a "
-            "torch.Tensor buffer to write its weight gradient into (accumulate_into_main_grad=True)"
-        )
     if buffer is None:
+        given = getattr(param, "main_grad", None)
+        if given is not None:
+            raise RuntimeError(
+                f"parameter {name!r} has main_grad {given!r} ({type(given).__name__}), expected "
+                "a torch.Tensor buffer to write its weight gradient into "
+                "(accumulate_into_main_grad=True)"
+            )
         raise RuntimeError(
             f"parameter {name!r} has no main_grad, but the layer was asked to write its weight "
             "gradient into main_grad (accumulate_into_main_grad=True); give the parameter a "

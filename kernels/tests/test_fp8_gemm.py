@@ -17,6 +17,7 @@ import torch
 from groupgrad.kernels import (
     Fp8Blocks,
     _fp8_gemm,
+    _validate,
     grouped_dgrad,
     grouped_dgrad_ref,
     grouped_fprop,
@@ -25,6 +26,9 @@ from groupgrad.kernels import (
     grouped_wgrad_ref,
     prepare_wgrad,
     quantize_fp8,
+    quantize_fp8_ref,
+    swiglu_probs_backward_fp8,
+    swiglu_probs_fp8,
 )
 
 SPLITS = [150, 0, 37, 300, 1]  # ragged, an empty expert, one token
@@ -297,6 +301,44 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
                      dtype=x.dtype, shape=(T, 200))  # fmt: skip
     with pytest.raises(ValueError, match=r"expected K and N multiples of 128 for FP8"):
         grouped_dgrad(wide, operands["w"], SPLITS)
+
+
+@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_fp8_ref], ids=["ops", "ref"])
+def test_every_quantized_form_passes_the_full_layout_check(quantize) -> None:
+    """The quantizer seals its forms, so the validator skips their tensors' check: each form,
+    its seal cleared, must pass that check (a quantizer writing another layout fails here)."""
+    x = _randn(T, K, seed=4)
+    forms = [*quantize(x, block=(ROWS, SEGMENTS), splits=SPLITS), quantize(x, block=ROWS)]
+    forms += [quantize(x, block=SEGMENTS, splits=torch.tensor(SPLITS))]
+    forms += [quantize(_randn(E, N, K, seed=5), block=WEIGHTS)]
+    forms += [quantize(list(_randn(E, N, K, seed=5).unbind(0)), block=WEIGHTS)]
+    h_rows, a_rows = swiglu_probs_fp8(_randn(T, 2 * K, seed=6), None)  # the FP8 SwiGLU's too
+    dh_rows, dh_seg, _, a_seg = swiglu_probs_backward_fp8(
+        _randn(T, K, seed=7), h_rows, splits=SPLITS
+    )
+    for form in [*forms, h_rows, a_rows, dh_rows, dh_seg, a_seg]:
+        assert form is not None
+        assert form._seal_holds()
+        form._seal = None
+        assert _validate.fp8_operand("x", form, form.block) is form
+        assert form._seal_holds()
+
+
+def test_a_sealed_form_changed_after_quantization_is_checked_again(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    x = copy.copy(operands["x"])  # sealed by the quantizer
+    x.scales = x.scales.clone()  # same layout, another tensor: checked, then sealed again
+    assert not x._seal_holds()
+    grouped_fprop(x, operands["w"], SPLITS)
+    assert x._seal_holds()
+    x.scales.t_()  # in place: a metadata change moves the version
+    with pytest.raises(ValueError, match=r"^x\.scales is \(3, 488\) \(488, 1\) torch\.float32"):
+        grouped_fprop(x, operands["w"], SPLITS)
+    longer = copy.copy(operands["x"])
+    longer.shape = (T + 1, K)  # the same tensors, another shape
+    with pytest.raises(ValueError, match=r"^x\.data is \(488, 384\) \(384, 1\) .* expected \(489"):
+        grouped_fprop(longer, operands["w"], [*SPLITS[:-1], 2])
 
 
 def test_rejected_calls_write_nothing(operands: dict[str, Fp8Blocks]) -> None:

@@ -836,8 +836,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the FP8 wgrad compares its splits with the object the operands were quantized with "
         "(refilled since) instead of the counts their blocks were cut by",
         "kernels/src/groupgrad/kernels/_validate.py",
-        '    if offsets is not None and offsets.device.type == "cpu":\n        own_counts',
-        "    if False:\n        own_counts",
+        '        if offsets is not None and offsets.device.type == "cpu":\n            own_counts',
+        "        if False:\n            own_counts",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -864,6 +864,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "kernels/src/groupgrad/kernels/_validate.py",
         "    if value.dtype not in _rules.INPUT_DTYPES:  # fprop/dgrad return it",
         "    if False:",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-seal-blind-to-in-place-changes",
+        "a sealed Fp8Blocks whose tensor was changed in place (transposed, resized) after it was "
+        "checked is not checked again: the kernels read another layout than they expect",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "        return seal[:3] == now[:3] and all(map(operator.is_, seal[3], now[3]))",
+        "        return seal[:2] == now[:2] and all(map(operator.is_, seal[3], now[3]))",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-seal-blind-to-replaced-tensors",
+        "a sealed Fp8Blocks whose tensor was replaced by another after it was checked is not "
+        "checked again",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "        return seal[:3] == now[:3] and all(map(operator.is_, seal[3], now[3]))",
+        "        return seal[:3] == now[:3]",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-seal-blind-to-the-shape",
+        "a sealed Fp8Blocks given another shape keeps its seal: its tensors are not checked "
+        "against the new shape's layout",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "        return self.block, self.shape, [t._version for t in tensors if t is not None], tensors",
+        "        return self.block, None, [t._version for t in tensors if t is not None], tensors",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

@@ -10,6 +10,7 @@ CUDA) lives in ``_fp8_ops``.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -87,12 +88,28 @@ class Fp8Blocks:
     ) -> None:
         self.data, self.data_t, self.scales = data, data_t, scales
         self.block, self.dtype, self.shape = tuple(block), dtype, tuple(shape)
-        self.splits, self.listed = splits, listed
-        self.row_offsets, self.seg_offsets, self.block_offsets = (
-            row_offsets,
-            seg_offsets,
-            block_offsets,
-        )
+        self.row_offsets, self.seg_offsets = row_offsets, seg_offsets
+        self.block_offsets, self.splits, self.listed = block_offsets, splits, listed
+        self._seal: tuple[Any, ...] | None = None
+
+    def _layout_state(self) -> tuple[Any, ...]:
+        tensors = self.tensors()
+        return self.block, self.shape, [t._version for t in tensors if t is not None], tensors
+
+    def _sealed(self) -> Fp8Blocks:
+        """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
+        by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
+        changed in place (any in-place op, ``resize_`` too, moves its version). Not compiled."""
+        if not torch.compiler.is_compiling():
+            self._seal = self._layout_state()
+        return self
+
+    def _seal_holds(self) -> bool:
+        """Whether the layout :meth:`_sealed` recorded still holds."""
+        if self._seal is None or torch.compiler.is_compiling():
+            return False
+        seal, now = self._seal, self._layout_state()
+        return seal[:3] == now[:3] and all(map(operator.is_, seal[3], now[3]))
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The tensors, to pass into a custom op.
@@ -101,14 +118,8 @@ class Fp8Blocks:
             ``(data, data_t, scales, row_offsets, seg_offsets, block_offsets)``,
             ``None`` where the form has none; :meth:`from_tensors` takes it back.
         """
-        return (
-            self.data,
-            self.data_t,
-            self.scales,
-            self.row_offsets,
-            self.seg_offsets,
-            self.block_offsets,
-        )
+        offsets = self.row_offsets, self.seg_offsets, self.block_offsets
+        return self.data, self.data_t, self.scales, *offsets
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[Tensor | None], **meta: Any) -> Fp8Blocks:
@@ -124,15 +135,8 @@ class Fp8Blocks:
         data, data_t, scales, row_offsets, seg_offsets, block_offsets = tensors
         if data is None or scales is None:
             raise ValueError("tensors holds no data or no scales, expected both")
-        return cls(
-            data,
-            scales,
-            data_t=data_t,
-            row_offsets=row_offsets,
-            seg_offsets=seg_offsets,
-            block_offsets=block_offsets,
-            **meta,
-        )
+        offsets = {"row_offsets": row_offsets, "seg_offsets": seg_offsets}
+        return cls(data, scales, data_t=data_t, block_offsets=block_offsets, **offsets, **meta)
 
     def dequantize(self) -> Tensor | list[Tensor]:
         """``data * scale`` per block, in fp32, in the source's shape and row order.
@@ -152,7 +156,7 @@ class Fp8Blocks:
             data, scales = self.data.float().reshape(-1, N // 128, 128, K // 128, 128), self.scales
             out = (data * scales.reshape(-1, N // 128, 1, K // 128, 1)).reshape(-1, N, K)
             return list(out.unbind(0)) if self.listed else out.reshape(self.shape)
-        offsets = (self.row_offsets, self.seg_offsets, self.block_offsets)
+        offsets = self.tensors()[3:]
         if not all(isinstance(o, Tensor) for o in offsets):
             raise ValueError("a (128, 1) Fp8Blocks needs row_offsets, seg_offsets, block_offsets")
         where = token_map(*offsets, self.shape[0])  # type: ignore[arg-type]
@@ -160,20 +164,16 @@ class Fp8Blocks:
         return out.masked_fill_(where.malformed, float("nan"))  # malformed device splits
 
     def __repr__(self) -> str:
-        return (
-            f"Fp8Blocks(block={self.block}, shape={self.shape}, dtype={self.dtype}, "
-            f"data={tuple(self.data.shape)}, scales={tuple(self.scales.shape)})"
-        )
+        sizes = f"data={tuple(self.data.shape)}, scales={tuple(self.scales.shape)}"
+        return f"Fp8Blocks(block={self.block}, shape={self.shape}, dtype={self.dtype}, {sizes})"
 
 
 # ---------------------------------------------------------------- argument checks
 
 
 class _Impl(NamedTuple):
-    """One implementation of the three quantizers (the custom ops, or the reference).
-
-    The ops' entry points run their kernels directly in plain eager code (``_fp8_ops``).
-    """
+    """One implementation of the three quantizers: the custom ops (whose entry points run
+    their kernels directly in plain eager code, ``_fp8_ops``), or the reference."""
 
     rows: Callable[..., tuple[Tensor, Tensor]]
     weights: Callable[..., tuple[Tensor, Tensor, Tensor]]
@@ -367,6 +367,8 @@ def _quantize(
         else:
             data, scales = impl.rows(x)
             found = {ROWS: Fp8Blocks(data, scales.t(), block=ROWS, dtype=x.dtype, shape=x.shape)}
+    for form in found.values():
+        form._sealed()  # built in its block's layout: the validator checks its tensors no more
     return tuple(found[b] for b in blocks) if many else found[blocks[0]]
 
 
@@ -394,13 +396,13 @@ def quantize_fp8(
 
     e4m3 data is ``x / scale`` rounded to nearest even (saturating at ±448);
     a zero block gets scale 1 and zero data, a block holding NaN or Inf gets
-    scale NaN (it dequantizes to NaN). On CUDA, Triton kernels run (the
-    reference when triton cannot be imported or the GPU predates sm_89, said
-    once through :mod:`logging`; on sm_90 a bf16 or fp16 activation's token
-    forms come from one CUDA kernel of the CUTLASS extension, built on first
-    use), bit-identical to :func:`quantize_fp8_ref`; elsewhere the reference. Runs as custom ops (``groupgrad::quantize_fp8_*``),
-    so ``torch.compile(fullgraph=True)`` and CUDA graphs see it. Nothing is
-    mutated.
+    scale NaN (it dequantizes to NaN). On CUDA Triton kernels run (on sm_90 one
+    CUDA kernel of the CUTLASS extension, built on first use, makes a bf16 or
+    fp16 activation's token forms; the reference without triton or before
+    sm_89, said once through :mod:`logging`), bit-identical to
+    :func:`quantize_fp8_ref`; elsewhere the reference. As custom ops
+    (``groupgrad::quantize_fp8_*``) ``torch.compile(fullgraph=True)`` and CUDA
+    graphs see it. Nothing is mutated.
 
     Args:
         t: the tensor to quantize, bf16, fp16 or fp32 (any strides), or for

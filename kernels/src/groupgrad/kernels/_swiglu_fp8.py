@@ -237,8 +237,8 @@ def _forward(h_T2F: Tensor, probs_T: Tensor | None, run: Any) -> tuple[Fp8Blocks
     h_data, h_scales, a_data, a_scales = run(h, probs)
     T, C = h.shape
     return (
-        Fp8Blocks(h_data, h_scales.t(), block=ROWS, dtype=h.dtype, shape=(T, C)),
-        Fp8Blocks(a_data, a_scales.t(), block=ROWS, dtype=h.dtype, shape=(T, C // 2)),
+        Fp8Blocks(h_data, h_scales.t(), block=ROWS, dtype=h.dtype, shape=(T, C))._sealed(),
+        Fp8Blocks(a_data, a_scales.t(), block=ROWS, dtype=h.dtype, shape=(T, C // 2))._sealed(),
     )
 
 
@@ -336,14 +336,14 @@ def _backward(
     meta: dict[str, Any] = {"dtype": h.dtype, "splits": splits}
     offsets: dict[str, Any] = {"row_offsets": row, "seg_offsets": seg, "block_offsets": block}
     return (
-        Fp8Blocks(outs[0], outs[1].t(), block=ROWS, dtype=h.dtype, shape=(T, 2 * F))
+        Fp8Blocks(outs[0], outs[1].t(), block=ROWS, dtype=h.dtype, shape=(T, 2 * F))._sealed()
         if dh_rows
         else None,
-        Fp8Blocks(outs[2], outs[3], block=SEGMENTS, shape=(T, 2 * F), **meta, **offsets)
+        Fp8Blocks(outs[2], outs[3], block=SEGMENTS, shape=(T, 2 * F), **meta, **offsets)._sealed()
         if dh_tokens
         else None,
         None if probs_T is None else outs[6],
-        Fp8Blocks(outs[4], outs[5], block=SEGMENTS, shape=(T, F), **meta, **offsets)
+        Fp8Blocks(outs[4], outs[5], block=SEGMENTS, shape=(T, F), **meta, **offsets)._sealed()
         if a_tokens
         else None,
     )

@@ -13,10 +13,8 @@ layout, token counts, overlap) naming the argument — as the caller named it,
 through ``names`` — its value and what was expected.
 
 Each rule has one form: one combined cheap test that accepts the common case
-(plain contiguous tensors on one device, a packed group, integer ``splits``)
-and, only when that test fails, the checks that name the misfit. So the
-common call passes in one pass of cheap tests and a wrong one gets its
-message from the same function.
+(plain contiguous tensors on one device, a packed group, integer ``splits``, a
+sealed ``Fp8Blocks``) and, only when it fails, the checks that name the misfit.
 
 What is checked for ``splits`` depends on where it lives:
 
@@ -169,11 +167,9 @@ def is_fp8(a: object, b: object) -> bool:
 
 @dataclass(frozen=True)
 class Fp8RowsCall:
-    """A validated FP8 fprop or dgrad call: ``a`` ``(1, 128)`` rows, ``weights`` ``(128, 128)``.
-
-    ``a`` is ``x`` for fprop and ``dy`` for dgrad; ``out`` (``y_TN`` or
-    ``dx_TK``) is in the dtype ``a`` was quantized from, or the caller's.
-    """
+    """A validated FP8 fprop or dgrad call: ``a`` ``(1, 128)`` rows (``x`` or ``dy``),
+    ``weights`` ``(128, 128)``; ``out`` (``y_TN`` or ``dx_TK``) in ``a``'s source dtype or
+    the caller's."""
 
     a: Fp8Blocks
     weights: Fp8Blocks
@@ -183,10 +179,7 @@ class Fp8RowsCall:
 
 @dataclass(frozen=True)
 class Fp8WgradCall:
-    """A validated FP8 wgrad call: ``dy`` and ``x`` ``(128, 1)`` token segments.
-
-    ``out``, ``result`` and ``listed`` as in :class:`WgradCall`.
-    """
+    """A validated FP8 wgrad call: ``dy``, ``x`` ``(128, 1)`` segments; the rest as :class:`WgradCall`."""
 
     dy: Fp8Blocks
     x: Fp8Blocks
@@ -243,8 +236,7 @@ def fp8_wgrad_call(
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )
-    for name, operand in (("dy", dy8), ("x", x8)):
-        fp8_splits_agree(name, operand, splits_E, splits)
+    fp8_splits_agree({"dy": dy8, "x": x8}, splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]
     members, result, listed = _rules.wgrad_out(
         out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names
@@ -284,8 +276,10 @@ _FP8_ROLES = {
 def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
     """An :class:`Fp8Blocks` of ``block`` whose tensors have the layout the FP8 GEMMs read.
 
-    ``quantize_fp8`` builds them so; the detailed checks guard a hand-built
-    one, whose wrong layout would make a kernel read past its tensors.
+    ``quantize_fp8`` builds them so and seals the form (``Fp8Blocks._sealed``); the
+    detailed checks guard a hand-built one, whose wrong layout would make a kernel read
+    past its tensors, and seal it once it passes. A sealed form's tensors are not checked
+    again while the seal holds; its block, shape and expert rules always are.
     """
     if not isinstance(value, Fp8Blocks):
         raise TypeError(
@@ -297,18 +291,21 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         raise ValueError(
             f"{name} is an Fp8Blocks of block {value.block}, expected {block} ({_FP8_ROLES[block]})"
         )
+    if value.dtype not in _rules.INPUT_DTYPES:  # fprop/dgrad return it
+        raise TypeError(
+            f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
+        )
+    layout = _layout(block, value.shape, _experts(value))
+    if value._seal_holds():
+        return value
     data, scales = value.data, value.scales
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
         raise TypeError(
             f"{name} holds {data.dtype} data and {scales.dtype} scales, expected "
             "torch.float8_e4m3fn and torch.float32"
         )
-    if value.dtype not in _rules.INPUT_DTYPES:  # fprop/dgrad return it
-        raise TypeError(
-            f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
-        )
     device = data.device
-    for part, shape, strides, dtype in _fp8_layout(value):
+    for part, shape, strides, dtype in layout:
         t = getattr(value, part)
         if not (  # one combined test per tensor; the message only for a misfit
             isinstance(t, Tensor)
@@ -317,17 +314,13 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             and t.device == device
             and t.dtype == dtype
         ):
-            got = (
-                "None"
-                if not isinstance(t, Tensor)
-                else f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device}"
-            )
+            got = f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device}" if t is not None else t
             want = f"{shape} with strides {strides}" if strides else f"{shape}"
             raise ValueError(
                 f"{name}.{part} is {got}, expected {want} {dtype} on {device} for an Fp8Blocks of "
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
-    return value
+    return value._sealed()
 
 
 def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
@@ -339,15 +332,49 @@ def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
 
 
+def _experts(value: Fp8Blocks) -> int:
+    """A ``(128, 1)`` form's expert count, from its ``row_offsets`` (0 for other blocks)."""
+    if value.block != SEGMENTS:
+        return 0
+    offsets = value.row_offsets
+    E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
+    if E == 0:
+        raise ValueError(
+            "a (128, 1) Fp8Blocks was quantized for no expert (splits had no entries), expected "
+            "at least one"
+        )
+    if E < 0:
+        raise ValueError(f"a (128, 1) Fp8Blocks has row_offsets {offsets!r}, expected (E + 1,)")
+    return E
+
+
 _Layout = tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None, torch.dtype], ...]
 _E4M3, _F32, _I64 = torch.float8_e4m3fn, torch.float32, torch.int64
 
 
-def _fp8_layout(value: Fp8Blocks) -> _Layout:
-    """``(part, shape, strides or None, dtype)`` of each tensor of ``value`` (see
-    :class:`Fp8Blocks`); the offsets are what the wgrad's setup kernel reads."""
-    shape = value.shape
-    if value.block == WEIGHTS:
+_LAYOUTS: dict[tuple[Block, tuple[int, ...], int], _Layout] = {}
+
+
+def _layout(block: Block, shape: tuple[int, ...], E: int) -> _Layout:
+    """:func:`_fp8_layout`, remembered for the last few hundred (block, shape, E) seen."""
+    if torch.compiler.is_compiling():  # symbolic sizes: computed each time, never kept
+        return _fp8_layout(block, shape, E)
+    key = (block, shape, E)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _fp8_layout(*key)
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _fp8_layout(block: Block, shape: tuple[int, ...], E: int) -> _Layout:
+    """``(part, shape, strides or None, dtype)`` of each tensor of an ``Fp8Blocks`` of
+    ``block`` and ``shape`` (see :class:`Fp8Blocks`; ``E``: a ``(128, 1)`` form's experts);
+    the offsets are what the wgrad's setup kernel reads. Raises for a shape no FP8 GEMM
+    takes."""
+    if block == WEIGHTS:
         if len(shape) != 3:
             raise ValueError(
                 f"weights is an Fp8Blocks of shape {shape}, expected (E, N, K): quantize an "
@@ -365,22 +392,11 @@ def _fp8_layout(value: Fp8Blocks) -> _Layout:
             ("scales", (E, N // 128, K // 128), (N * K // 16384, K // 128, 1), _F32),
         )
     if len(shape) != 2:
-        raise ValueError(f"an Fp8Blocks of block {value.block} has shape {shape}, expected (T, C)")
+        raise ValueError(f"an Fp8Blocks of block {block} has shape {shape}, expected (T, C)")
     T, C = shape
     _fp8_multiples("the activation", shape, (C,))
-    if value.block == ROWS:
+    if block == ROWS:
         return ("data", (T, C), (C, 1), _E4M3), ("scales", (T, C // 128), (1, T), _F32)
-    offsets = value.row_offsets
-    E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
-    if E == 0:
-        raise ValueError(
-            "a (128, 1) Fp8Blocks was quantized for no expert (splits had no entries), expected "
-            "at least one"
-        )
-    if E < 0:
-        raise ValueError(
-            f"a (128, 1) Fp8Blocks has row_offsets {offsets!r}, expected (E + 1,) offsets"
-        )
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     blocks = -(-T // 128) + E
     counts = ((E + 1,), (1,), _I64)
@@ -398,36 +414,35 @@ def _fp8_multiples(what: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> 
         raise ValueError(f"{what} has shape {shape}, expected K and N multiples of 128 for FP8")
 
 
-def fp8_splits_agree(name: str, value: Fp8Blocks, splits_E: Tensor, given: object) -> None:
-    """``value`` was quantized for the experts of ``splits_E``: the same count, and the same
-    token counts where both are on the host (a device tensor is never read; the wgrad's
-    kernels compare the counts on the device, and a mismatch makes every output NaN).
-
-    The counts ``value``'s blocks were cut by are its ``row_offsets``' steps; on
-    the host they are compared, never the ``splits`` object it was quantized
-    with, which the caller may have refilled since. ``given`` is the call's
-    ``splits`` as passed: with device offsets, the very object ``value`` was
-    quantized with agrees without a look.
-    """
+def fp8_splits_agree(operands: dict[str, Fp8Blocks], splits_E: Tensor, given: object) -> None:
+    """Each ``(128, 1)`` operand (by name) was quantized for the experts of ``splits_E``:
+    the same count, and the same token counts where both are on the host (a device tensor
+    is never read; the wgrad's kernels compare the counts on the device, and a mismatch
+    makes every output NaN). The host compares the counts an operand's blocks were cut by
+    (its ``row_offsets``' steps), never the ``splits`` object it was quantized with, which
+    the caller may have refilled since; with device offsets, the very object (``given``,
+    the call's ``splits``) agrees without a look."""
     E = splits_E.shape[0]
-    offsets = value.row_offsets
-    if offsets is not None and offsets.shape[0] - 1 != E:
-        raise ValueError(
-            f"{name} was quantized for {offsets.shape[0] - 1} experts but splits has {E} entries"
-        )
-    if torch.compiler.is_compiling() or splits_E.device.type != "cpu":
+    for name, value in operands.items():
+        if _experts(value) != E:
+            raise ValueError(
+                f"{name} was quantized for {_experts(value)} experts but splits has {E} entries"
+            )
+    if splits_E.device.type != "cpu" or torch.compiler.is_compiling():
         return
-    if offsets is not None and offsets.device.type == "cpu":
-        own_counts = _host_offsets_counts(name, value, offsets.tolist())
-    elif value.splits is given:
-        return
-    else:
-        own = value.splits
-        if isinstance(own, Tensor) and own.device.type != "cpu":
-            return
-        own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own or ()]
-    if own_counts != splits_E.tolist():
-        raise ValueError(
-            f"{name} was quantized with splits {own_counts} but splits is "
-            f"{splits_E.tolist()}: its 128-token blocks would straddle experts"
-        )
+    for name, value in operands.items():
+        offsets = value.row_offsets
+        if offsets is not None and offsets.device.type == "cpu":
+            own_counts = _host_offsets_counts(name, value, offsets.tolist())
+        elif value.splits is given:
+            continue
+        else:
+            own = value.splits
+            if isinstance(own, Tensor) and own.device.type != "cpu":
+                continue
+            own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own or ()]
+        if own_counts != splits_E.tolist():
+            raise ValueError(
+                f"{name} was quantized with splits {own_counts} but splits is "
+                f"{splits_E.tolist()}: its 128-token blocks would straddle experts"
+            )

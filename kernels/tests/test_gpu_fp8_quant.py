@@ -286,14 +286,20 @@ def test_the_fp8_gemms_of_malformed_device_splits_give_nan(sizes) -> None:
         assert got.isnan().all(), f"{name}: {int((~got.isnan()).sum())} elements not NaN"
 
 
-@pytest.mark.parametrize("E", [1, 3, 300, 8192, 8193])
+@pytest.mark.parametrize("E", [0, 1, 3, 300, 1025, 8192, 8193, 100_000])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
-def test_device_offsets_in_one_launch_match_the_reference(E, dtype) -> None:
+@pytest.mark.parametrize("route", ["extension", "triton"])
+def test_device_offsets_in_one_launch_match_the_reference(E, dtype, route, monkeypatch) -> None:
+    """The CUTLASS extension's kernel (sm_90) and Triton's, against the reference, malformed
+    (negative) counts included: Python's floor division, bit for bit."""
     from groupgrad.kernels._fp8_ops import offsets, offsets_ref
 
+    if route == "triton":
+        monkeypatch.setattr(_fp8_ops, "cuda_extension", lambda device: None)
     gen = torch.Generator().manual_seed(E)
     sizes = torch.randint(0, 300, (E,), generator=gen, dtype=dtype)
     sizes[:: max(E // 3, 1)] = 0  # empty experts
+    sizes[1::7] *= -1  # malformed counts: their offsets still match the reference's
     sizes = sizes.cuda()
     _poison()
     got, want = offsets(sizes, 16), offsets_ref(sizes.cpu(), 16)

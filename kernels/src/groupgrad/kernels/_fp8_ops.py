@@ -337,11 +337,18 @@ def cuda_quantizer(x: Tensor, padded_tokens: int) -> ModuleType | None:
     """
     if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():
         return None
+    if x.data_ptr() % 16 or padded_tokens % 16:
+        return None
+    return cuda_extension(x.device)
+
+
+def cuda_extension(device: torch.device) -> ModuleType | None:
+    """The CUTLASS backend where it runs on ``device`` (sm_90; built on first use), else ``None``."""
     cutlass, _ = _ops.load_cutlass()
-    if cutlass is None or x.data_ptr() % 16 or padded_tokens % 16:
+    if cutlass is None:
         return None
     try:
-        return None if cutlass.unavailable_reason(x.device) else cutlass
+        return None if cutlass.unavailable_reason(device) else cutlass
     except RuntimeError:  # the [cuda] extra's build tools are missing: no build, Triton runs
         return None
 
@@ -367,9 +374,14 @@ def direct_or_op(
 
 
 def offsets(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`offsets_ref`; for CUDA ``sizes`` in plain eager code one Triton launch instead
-    of about a dozen small ones (when Triton is there: else the reference, said once)."""
+    """:func:`offsets_ref`; for CUDA ``sizes`` in plain eager code one launch instead of about
+    a dozen small ones: the CUTLASS extension's kernel on sm_90 (a Triton launch costs the
+    host about 3x as much), else Triton's (when Triton is there: else the reference, said once)."""
     if sizes.is_cuda and _ops.direct_call_ok([sizes]):
+        cutlass = cuda_extension(sizes.device)
+        if cutlass is not None:
+            row, seg, block = cutlass.fp8_offsets(sizes, align)
+            return row, seg, block
         kernels = triton_for(sizes)
         found = None if kernels is None else kernels.offsets_triton(sizes, align)
         if found is not None:

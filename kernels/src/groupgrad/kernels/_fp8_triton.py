@@ -243,10 +243,12 @@ def _offsets_kernel(  # type: ignore[no-untyped-def]
     zeros, first = tl.zeros([BLOCK_E], tl.int64), e < 1
     tl.store(row_ptr + e, zeros, mask=first)
     tl.store(row_ptr + 1 + e, tl.cumsum(n, axis=0), mask=ok)
+    up, blocks = n + ALIGN - 1, n + 127  # floored as Python's (Triton's // and % truncate)
+    up, blocks = up - (up % ALIGN + ALIGN) % ALIGN, (blocks - (blocks % 128 + 128) % 128) // 128
     tl.store(seg_ptr + e, zeros, mask=first)
-    tl.store(seg_ptr + 1 + e, tl.cumsum((n + ALIGN - 1) // ALIGN * ALIGN, axis=0), mask=ok)
+    tl.store(seg_ptr + 1 + e, tl.cumsum(up, axis=0), mask=ok)
     tl.store(block_ptr + e, zeros, mask=first)
-    tl.store(block_ptr + 1 + e, tl.cumsum((n + 127) // 128, axis=0), mask=ok)
+    tl.store(block_ptr + 1 + e, tl.cumsum(blocks, axis=0), mask=ok)
 
 
 def on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
@@ -265,7 +267,7 @@ def on_device(t: Tensor) -> contextlib.AbstractContextManager[object]:
 def offsets_triton(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """Triton twin of ``_fp8_ops.offsets_ref`` in one launch (``None``: too many experts).
 
-    ``sizes``: ``(E,)`` int32/int64 non-negative token counts on a CUDA device.
+    ``sizes``: ``(E,)`` int32/int64 token counts (malformed, negative ones too) on a CUDA device.
     """
     E = sizes.shape[0]
     if E > MAX_OFFSETS_EXPERTS:

@@ -1,5 +1,5 @@
 // The hand-written FP8 elementwise kernels' PyTorch binding: the activations'
-// (128, 1) + (1, 128) quantizer (fp8_quantize.h) and the SwiGLU backward
+// (128, 1) + (1, 128) quantizer and its offsets (fp8_quantize.h), the SwiGLU backward
 // (swiglu_fp8_backward.h). Host checks of every tensor, then one launch on
 // torch's current stream; the offsets are read on the device only. The caller
 // allocates the outputs (a zero-element tensor: a form not asked for).
@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "binding_common.h"
 #include "fp8_quantize.h"
@@ -141,9 +142,40 @@ void fp8_swiglu_backward(const at::Tensor& da, const at::Tensor& h_data,
   C10_CUDA_CHECK(launch_fp8_swiglu_backward(params, c10::cuda::getCurrentCUDAStream()));
 }
 
+// The (128, 1) forms' offsets of the (E,) int32/int64 CUDA token counts `sizes`: (row, seg,
+// block), (E + 1,) int64 each on its device (fp8_quantize.h).
+std::vector<at::Tensor> fp8_offsets(const at::Tensor& sizes, int64_t align) {
+  TORCH_CHECK(sizes.is_cuda() && sizes.dim() == 1 &&
+                  (sizes.scalar_type() == at::kInt || sizes.scalar_type() == at::kLong),
+              "groupgrad: sizes must be a 1-D int32 or int64 CUDA tensor, got ",
+              sizes.scalar_type(), " ", sizes.sizes(), " on ", sizes.device());
+  TORCH_CHECK(sizes.size(0) <= kMaxOffsetsExperts && align > 0, "groupgrad: sizes has ",
+              sizes.size(0), " experts (at most ", kMaxOffsetsExperts, "), align ", align,
+              " (expected > 0)");
+  const at::Tensor counts = sizes.contiguous();
+  const int64_t E = counts.size(0);
+  const auto options = counts.options().dtype(at::kLong);
+  std::vector<at::Tensor> out{at::empty({E + 1}, options), at::empty({E + 1}, options),
+                              at::empty({E + 1}, options)};
+  Fp8OffsetsParams params;
+  params.sizes = counts.data_ptr();
+  params.sizes64 = counts.scalar_type() == at::kLong;
+  params.experts = E;
+  params.align = align;
+  params.row = out[0].data_ptr<int64_t>();
+  params.seg = out[1].data_ptr<int64_t>();
+  params.block = out[2].data_ptr<int64_t>();
+  const c10::cuda::CUDAGuard guard(counts.device());
+  C10_CUDA_CHECK(launch_fp8_offsets(params, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 
 void add_fp8_elementwise_bindings(py::module& m) {
+  m.def("fp8_offsets", &fp8_offsets,
+        "the (128, 1) forms' (row, seg, block) running sums of E token counts",
+        py::arg("sizes"), py::arg("align"));
   m.def("fp8_segments", &fp8_segments, "FP8 (128, 1) + (1, 128) quantizer of an activation",
         py::arg("x"), py::arg("row_offsets"), py::arg("seg_offsets"), py::arg("block_offsets"),
         py::arg("data"), py::arg("scales"), py::arg("row_data"), py::arg("row_scales"));

@@ -31,6 +31,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <cub/block/block_scan.cuh>
 
 #include "fp8_blocks.cuh"
 #include "fp8_quantize.h"
@@ -284,6 +285,58 @@ cudaError_t launch_fp8_segments(const Fp8SegmentsParams& params, cudaStream_t st
   const dim3 grid(static_cast<unsigned>(params.segments.num_blocks),
                   static_cast<unsigned>(params.channels / 128));
   kernel<<<grid, kThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+namespace {
+
+constexpr int kOffsetsThreads = 1024;
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0, as Python's //
+  return a / b - (a % b != 0 && a < 0);
+}
+
+__device__ __forceinline__ int64_t size_at(const Fp8OffsetsParams& p, int64_t e) {
+  return p.sizes64 ? static_cast<const int64_t*>(p.sizes)[e]
+                   : static_cast<int64_t>(static_cast<const int32_t*>(p.sizes)[e]);
+}
+
+// Thread t sums its own run of experts, one block-wide exclusive scan per sum gives the
+// run's first offsets, and the thread writes its run's running sums.
+__global__ void __launch_bounds__(kOffsetsThreads) fp8_offsets_kernel(const Fp8OffsetsParams p) {
+  using Scan = cub::BlockScan<long long, kOffsetsThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t E = p.experts;
+  const int64_t per = (E + kOffsetsThreads - 1) / kOffsetsThreads;
+  const int64_t begin = min(E, static_cast<int64_t>(threadIdx.x) * per);
+  const int64_t end = min(E, begin + per);
+  long long sums[3] = {0, 0, 0};
+  for (int64_t e = begin; e < end; ++e) {
+    const int64_t n = size_at(p, e);
+    sums[0] += n;
+    sums[1] += floor_div(n + p.align - 1, p.align) * p.align;
+    sums[2] += floor_div(n + 127, 128);
+  }
+  long long running[3];
+  for (int k = 0; k < 3; ++k) {
+    Scan(temp).ExclusiveSum(sums[k], running[k]);
+    __syncthreads();  // the temp storage is used again
+  }
+  if (threadIdx.x == 0) {
+    p.row[0] = p.seg[0] = p.block[0] = 0;
+  }
+  for (int64_t e = begin; e < end; ++e) {
+    const int64_t n = size_at(p, e);
+    p.row[e + 1] = running[0] += n;
+    p.seg[e + 1] = running[1] += floor_div(n + p.align - 1, p.align) * p.align;
+    p.block[e + 1] = running[2] += floor_div(n + 127, 128);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_offsets(const Fp8OffsetsParams& params, cudaStream_t stream) {
+  fp8_offsets_kernel<<<1, kOffsetsThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 

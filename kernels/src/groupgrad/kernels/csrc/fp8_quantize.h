@@ -27,4 +27,22 @@ struct Fp8SegmentsParams {
 
 cudaError_t launch_fp8_segments(const Fp8SegmentsParams& params, cudaStream_t stream);
 
+// The (128, 1) forms' three running sums of E token counts, _fp8_ops.offsets_ref's bit for
+// bit: rows, the counts rounded up to `align` (seg) and their 128-token blocks, each (E + 1,)
+// int64 starting at 0, Python's floor division included (a malformed, negative count gives
+// the reference's sums). One CTA; E at most kMaxOffsetsExperts.
+constexpr int64_t kMaxOffsetsExperts = 1 << 20;
+
+struct Fp8OffsetsParams {
+  const void* sizes = nullptr;  // (E,) int32 or int64
+  bool sizes64 = true;
+  int64_t experts = 0;
+  int64_t align = 16;
+  int64_t* row = nullptr;  // (E + 1,) each
+  int64_t* seg = nullptr;
+  int64_t* block = nullptr;
+};
+
+cudaError_t launch_fp8_offsets(const Fp8OffsetsParams& params, cudaStream_t stream);
+
 }  // namespace groupgrad

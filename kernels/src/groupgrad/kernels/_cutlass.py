@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -440,8 +440,9 @@ def fp8_wgrad(
     )  # fmt: skip
 
 
-def fp8_elementwise(kernel: str, *args: object) -> None:
+def fp8_elementwise(kernel: str, *args: object) -> Any:
     """Runs the hand-written FP8 kernel bound as ``kernel`` (csrc/fp8_elementwise_binding.cpp:
     ``fp8_segments``, the one-read activation quantizer, ``_fp8_ops.segments_ref``'s results bit
-    for bit; ``fp8_swiglu_backward``, ``_swiglu_fp8.backward_ref``'s) into the caller's outputs."""
-    getattr(_extension(), kernel)(*args)
+    for bit; ``fp8_swiglu_backward``, ``_swiglu_fp8.backward_ref``'s) into the caller's outputs;
+    ``fp8_offsets`` returns ``_fp8_ops.offsets_ref``'s three tensors."""
+    return getattr(_extension(), kernel)(*args)

@@ -380,7 +380,7 @@ def offsets(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
     if sizes.is_cuda and _ops.direct_call_ok([sizes]):
         cutlass = cuda_extension(sizes.device)
         if cutlass is not None:
-            row, seg, block = cutlass.fp8_offsets(sizes, align)
+            row, seg, block = cutlass.fp8_elementwise("fp8_offsets", sizes, align)
             return row, seg, block
         kernels = triton_for(sizes)
         found = None if kernels is None else kernels.offsets_triton(sizes, align)

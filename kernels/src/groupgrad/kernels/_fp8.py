@@ -135,7 +135,7 @@ class Fp8Blocks:
         data, data_t, scales, row_offsets, seg_offsets, block_offsets = tensors
         if data is None or scales is None:
             raise ValueError("tensors holds no data or no scales, expected both")
-        offsets = {"row_offsets": row_offsets, "seg_offsets": seg_offsets}
+        offsets: dict[str, Any] = {"row_offsets": row_offsets, "seg_offsets": seg_offsets}
         return cls(data, scales, data_t=data_t, block_offsets=block_offsets, **offsets, **meta)
 
     def dequantize(self) -> Tensor | list[Tensor]:
@@ -156,7 +156,7 @@ class Fp8Blocks:
             data, scales = self.data.float().reshape(-1, N // 128, 128, K // 128, 128), self.scales
             out = (data * scales.reshape(-1, N // 128, 1, K // 128, 1)).reshape(-1, N, K)
             return list(out.unbind(0)) if self.listed else out.reshape(self.shape)
-        offsets = self.tensors()[3:]
+        offsets = (self.row_offsets, self.seg_offsets, self.block_offsets)
         if not all(isinstance(o, Tensor) for o in offsets):
             raise ValueError("a (128, 1) Fp8Blocks needs row_offsets, seg_offsets, block_offsets")
         where = token_map(*offsets, self.shape[0])  # type: ignore[arg-type]

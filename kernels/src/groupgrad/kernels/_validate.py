@@ -424,9 +424,10 @@ def fp8_splits_agree(operands: dict[str, Fp8Blocks], splits_E: Tensor, given: ob
     the call's ``splits``) agrees without a look."""
     E = splits_E.shape[0]
     for name, value in operands.items():
-        if _experts(value) != E:
+        experts = _experts(value)
+        if experts != E:
             raise ValueError(
-                f"{name} was quantized for {_experts(value)} experts but splits has {E} entries"
+                f"{name} was quantized for {experts} experts but splits has {E} entries"
             )
     if splits_E.device.type != "cpu" or torch.compiler.is_compiling():
         return

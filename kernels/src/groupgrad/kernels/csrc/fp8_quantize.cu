@@ -296,9 +296,14 @@ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0, 
   return a / b - (a % b != 0 && a < 0);
 }
 
-__device__ __forceinline__ int64_t size_at(const Fp8OffsetsParams& p, int64_t e) {
-  return p.sizes64 ? static_cast<const int64_t*>(p.sizes)[e]
-                   : static_cast<int64_t>(static_cast<const int32_t*>(p.sizes)[e]);
+// Expert e's steps of the three sums: its tokens, rounded up to `align`, its 128-token blocks.
+__device__ __forceinline__ void steps_at(const Fp8OffsetsParams& p, int64_t e,
+                                         long long (&step)[3]) {
+  const int64_t n = p.sizes64 ? static_cast<const int64_t*>(p.sizes)[e]
+                              : static_cast<int64_t>(static_cast<const int32_t*>(p.sizes)[e]);
+  step[0] = n;
+  step[1] = floor_div(n + p.align - 1, p.align) * p.align;
+  step[2] = floor_div(n + 127, 128);
 }
 
 // Thread t sums its own run of experts, one block-wide exclusive scan per sum gives the
@@ -311,11 +316,12 @@ __global__ void __launch_bounds__(kOffsetsThreads) fp8_offsets_kernel(const Fp8O
   const int64_t begin = min(E, static_cast<int64_t>(threadIdx.x) * per);
   const int64_t end = min(E, begin + per);
   long long sums[3] = {0, 0, 0};
+  long long step[3];
   for (int64_t e = begin; e < end; ++e) {
-    const int64_t n = size_at(p, e);
-    sums[0] += n;
-    sums[1] += floor_div(n + p.align - 1, p.align) * p.align;
-    sums[2] += floor_div(n + 127, 128);
+    steps_at(p, e, step);
+    for (int k = 0; k < 3; ++k) {
+      sums[k] += step[k];
+    }
   }
   long long running[3];
   for (int k = 0; k < 3; ++k) {
@@ -325,11 +331,12 @@ __global__ void __launch_bounds__(kOffsetsThreads) fp8_offsets_kernel(const Fp8O
   if (threadIdx.x == 0) {
     p.row[0] = p.seg[0] = p.block[0] = 0;
   }
+  int64_t* const outs[3] = {p.row, p.seg, p.block};
   for (int64_t e = begin; e < end; ++e) {
-    const int64_t n = size_at(p, e);
-    p.row[e + 1] = running[0] += n;
-    p.seg[e + 1] = running[1] += floor_div(n + p.align - 1, p.align) * p.align;
-    p.block[e + 1] = running[2] += floor_div(n + 127, 128);
+    steps_at(p, e, step);
+    for (int k = 0; k < 3; ++k) {
+      outs[k][e + 1] = running[k] += step[k];
+    }
   }
 }
 

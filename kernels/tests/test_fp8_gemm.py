@@ -213,7 +213,7 @@ def test_splits_that_straddle_the_quantized_blocks(operands: dict[str, Fp8Blocks
     moved = [151, 0, 36, 300, 1]
     with pytest.raises(ValueError, match=r"^dy was quantized with splits \[150, 0, 37, 300, 1\]"):
         grouped_wgrad(operands["dy_seg"], operands["x_seg"], moved)
-    with pytest.raises(ValueError, match=r"^dy was quantized for 5 experts but splits has 2"):
+    with pytest.raises(ValueError, match=r"^dy was quantized for 5 experts, splits has 2 entries"):
         grouped_wgrad(operands["dy_seg"], operands["x_seg"], torch.tensor([T - 1, 1]))
 
 
@@ -259,6 +259,29 @@ def test_the_source_dtype_and_the_expert_count_are_checked(operands: dict[str, F
     x_none = quantize_fp8(_randn(0, K, seed=1), block=SEGMENTS, splits=[])
     with pytest.raises(ValueError, match=r"quantized for no expert \(splits had no entries\)"):
         grouped_wgrad(x_none, x_none, [])
+
+
+def test_a_sealed_form_is_held_to_the_gemm_rules_on_every_call(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    # Catches: the seal's mark that the GEMMs' rules hold for its form set before they were
+    # checked (a quantized form no GEMM takes would pass from its second call on), or read
+    # before the source dtype's check.
+    x_none = quantize_fp8(_randn(0, K, seed=1), block=SEGMENTS, splits=[])
+    w_2d = quantize_fp8(_randn(N, K, seed=2), block=WEIGHTS)  # one weight, not (E, N, K)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"quantized for no expert"):
+            grouped_wgrad(x_none, x_none, [])
+        with pytest.raises(ValueError, match=r"^weights is an Fp8Blocks of shape \(256, 384\)"):
+            grouped_fprop(operands["x"], w_2d, SPLITS)
+    x = copy.copy(operands["x"])
+    grouped_fprop(x, operands["w"], SPLITS)
+    seal = x._seal_holds()
+    assert seal is not None
+    assert seal[4]  # marked: the rules held
+    x.dtype = torch.int32
+    with pytest.raises(TypeError, match=r"^x says it was quantized from torch\.int32"):
+        grouped_fprop(x, operands["w"], SPLITS)
 
 
 def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:

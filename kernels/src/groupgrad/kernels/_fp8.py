@@ -90,26 +90,26 @@ class Fp8Blocks:
         self.block, self.dtype, self.shape = tuple(block), dtype, tuple(shape)
         self.row_offsets, self.seg_offsets = row_offsets, seg_offsets
         self.block_offsets, self.splits, self.listed = block_offsets, splits, listed
-        self._seal: tuple[Any, ...] | None = None
+        self._seal: list[Any] | None = None
 
-    def _layout_state(self) -> tuple[Any, ...]:
-        tensors = self.tensors()
-        return self.block, self.shape, [t._version for t in tensors if t is not None], tensors
-
-    def _sealed(self) -> Fp8Blocks:
+    def _sealed(self, *, checked: bool = False) -> Fp8Blocks:
         """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
-        changed in place (any in-place op, ``resize_`` too, moves its version). Not compiled."""
+        changed in place (any in-place op, ``resize_`` too, moves its version). Not compiled.
+        The seal's last entry: the GEMMs' shape rules were found to hold too (``checked``)."""
         if not torch.compiler.is_compiling():
-            self._seal = self._layout_state()
+            tensors = self.tensors()
+            self._seal = [self.block, self.shape, tensors, _versions(tensors), checked]
         return self
 
-    def _seal_holds(self) -> bool:
-        """Whether the layout :meth:`_sealed` recorded still holds."""
-        if self._seal is None or torch.compiler.is_compiling():
-            return False
-        seal, now = self._seal, self._layout_state()
-        return seal[:3] == now[:3] and all(map(operator.is_, seal[3], now[3]))
+    def _seal_holds(self) -> list[Any] | None:
+        """The seal :meth:`_sealed` recorded while it holds (the same tensors, by identity, at
+        the same versions, for the same block and shape), else ``None``."""
+        seal, tensors = self._seal, self.tensors()
+        if seal is None or torch.compiler.is_compiling():
+            return None
+        same = all(map(operator.is_, seal[2], tensors)) and seal[3] == _versions(tensors)
+        return seal if same and seal[:2] == [self.block, self.shape] else None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The tensors, to pass into a custom op.
@@ -166,6 +166,10 @@ class Fp8Blocks:
     def __repr__(self) -> str:
         sizes = f"data={tuple(self.data.shape)}, scales={tuple(self.scales.shape)}"
         return f"Fp8Blocks(block={self.block}, shape={self.shape}, dtype={self.dtype}, {sizes})"
+
+
+def _versions(tensors: tuple[Tensor | None, ...]) -> tuple[int, ...]:
+    return tuple([t._version for t in tensors if t is not None])
 
 
 # ---------------------------------------------------------------- argument checks
@@ -263,14 +267,8 @@ def segment_offsets(
             return _fp8_ops.offsets(sizes, SEGMENT_ALIGN)
         return _fp8_ops.offsets_ref(sizes, SEGMENT_ALIGN)
     counts = [int(n) for n in splits]
-    table = [
-        list(itertools.accumulate((f(n) for n in counts), initial=0))
-        for f in (
-            lambda n: n,
-            lambda n: -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN,
-            lambda n: -(-n // 128),
-        )
-    ]
+    steps = (lambda n: n, lambda n: -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN, lambda n: -(-n // 128))
+    table = [list(itertools.accumulate(map(f, counts), initial=0)) for f in steps]
     row, seg, block = torch.tensor(table, dtype=torch.int64, device=device).unbind(0)
     return row, seg, block
 

@@ -22,7 +22,6 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import cast
 
@@ -300,7 +299,8 @@ def wgrad(
     reference: bool = False,
 ) -> None:
     """Run a validated FP8 wgrad (``reference``: the reference, on any device)."""
-    dy_offsets, x_offsets = list(dy.tensors()[3:]), list(x.tensors()[3:])
+    dy_offsets = [dy.row_offsets, dy.seg_offsets, dy.block_offsets]  # validated: tensors
+    x_offsets = [x.row_offsets, x.seg_offsets, x.block_offsets]
     args = (
         dy.data, dy.scales, cast(list[Tensor], dy_offsets), x.data, x.scales,
         cast(list[Tensor], x_offsets), splits, dy.shape[0], out, accumulate,
@@ -310,8 +310,7 @@ def wgrad(
     elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):
         fp8_wgrad_op(*args)
     elif out[0].is_cuda:
-        kernel = functools.partial(wgrad_on_device, listed=listed)
-        _ops.run_directly("groupgrad::fp8_grouped_wgrad", kernel, *args)
+        _ops.run_directly("groupgrad::fp8_grouped_wgrad", wgrad_on_device, *args, listed=listed)
         torch.autograd.graph.increment_version(out)
     else:
         _ops.run_directly("groupgrad::fp8_grouped_wgrad", wgrad_ref, *args)

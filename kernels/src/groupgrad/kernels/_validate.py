@@ -1,16 +1,15 @@
 """The one validator of the grouped GEMMs: their argument rules, each written once.
 
-Every public entry point — kernel and reference twin alike — passes its
-arguments through :func:`grouped_call` (fprop, dgrad) or :func:`wgrad_call`
-(with ``Fp8Blocks`` operands: :func:`fp8_rows_call`, :func:`fp8_wgrad_call`)
-before anything is written, so a rejected call leaves ``out`` untouched, and
-gets back a :class:`GroupedCall` or :class:`WgradCall` (or their FP8 forms)
-in op form. The rules every call shares are in ``_rules``; the FP8 operand
-rules (:func:`fp8_operand`, :func:`fp8_splits_agree`) are at the end of this
-module, beside the FP8 calls, their only users. Problems
-raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device,
-layout, token counts, overlap) naming the argument — as the caller named it,
-through ``names`` — its value and what was expected.
+Every public entry point — kernel and reference twin alike — passes its arguments
+through :func:`grouped_call` (fprop, dgrad) or :func:`wgrad_call` (with ``Fp8Blocks``
+operands: :func:`fp8_rows_call`, :func:`fp8_wgrad_call`) before anything is written, so
+a rejected call leaves ``out`` untouched, and gets back a :class:`GroupedCall` or
+:class:`WgradCall` (or their FP8 forms) in op form. The rules every call shares are in
+``_rules``; the FP8 operand rules (:func:`fp8_operand`, :func:`fp8_splits_agree`) are at
+the end of this module, beside the FP8 calls, their only users. Problems raise
+``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, layout, token
+counts, overlap) naming the argument — as the caller named it, through ``names`` — its
+value and what was expected.
 
 Each rule has one form: one combined cheap test that accepts the common case
 (plain contiguous tensors on one device, a packed group, integer ``splits``, a
@@ -236,7 +235,7 @@ def fp8_wgrad_call(
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )
-    fp8_splits_agree({"dy": dy8, "x": x8}, splits_E, splits)
+    fp8_splits_agree((("dy", dy8), ("x", x8)), splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]
     members, result, listed = _rules.wgrad_out(
         out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names
@@ -257,8 +256,7 @@ def _host_offsets_counts(name: str, value: Fp8Blocks, starts: list[int]) -> list
         )
     _, seg, block = segment_offsets(counts, torch.device("cpu"))
     for part, want in (("seg_offsets", seg), ("block_offsets", block)):
-        got = getattr(value, part)
-        if not torch.equal(got, want):
+        if not torch.equal(got := getattr(value, part), want):
             raise ValueError(
                 f"{name}.{part} is {got.tolist()}, expected {want.tolist()} from its "
                 "row_offsets (the layout quantize_fp8 writes)"
@@ -278,8 +276,9 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
 
     ``quantize_fp8`` builds them so and seals the form (``Fp8Blocks._sealed``); the
     detailed checks guard a hand-built one, whose wrong layout would make a kernel read
-    past its tensors, and seal it once it passes. A sealed form's tensors are not checked
-    again while the seal holds; its block, shape and expert rules always are.
+    past its tensors, and seal it once it passes. While the seal holds, its tensors are not
+    checked again, nor are the shape rules once they held for it; its block and source
+    dtype always are.
     """
     if not isinstance(value, Fp8Blocks):
         raise TypeError(
@@ -295,8 +294,12 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         raise TypeError(
             f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
         )
+    seal = value._seal_holds()
+    if seal and seal[4]:  # sealed, and this seal's shape passed the rules below before
+        return value
     layout = _layout(block, value.shape, _experts(value))
-    if value._seal_holds():
+    if seal:
+        seal[4] = True
         return value
     data, scales = value.data, value.scales
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
@@ -320,16 +323,15 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
                 f"{name}.{part} is {got}, expected {want} {dtype} on {device} for an Fp8Blocks of "
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
-    return value._sealed()
+    return value._sealed(checked=True)
 
 
 def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     """Whether ``t`` is laid out as ``strides`` say where it matters: a dimension of size 1
     has no stride to speak of (a ``(T, 1)`` scale tensor is column- and row-major at once),
     nor has an empty tensor."""
-    if t.numel() == 0:
-        return True
-    return all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), strides, strict=True))
+    pairs = zip(t.shape, t.stride(), strides, strict=True)
+    return t.numel() == 0 or all(n == 1 or a == b for n, a, b in pairs)
 
 
 def _experts(value: Fp8Blocks) -> int:
@@ -414,24 +416,23 @@ def _fp8_multiples(what: str, shape: tuple[int, ...], dims: tuple[int, ...]) -> 
         raise ValueError(f"{what} has shape {shape}, expected K and N multiples of 128 for FP8")
 
 
-def fp8_splits_agree(operands: dict[str, Fp8Blocks], splits_E: Tensor, given: object) -> None:
-    """Each ``(128, 1)`` operand (by name) was quantized for the experts of ``splits_E``:
-    the same count, and the same token counts where both are on the host (a device tensor
-    is never read; the wgrad's kernels compare the counts on the device, and a mismatch
-    makes every output NaN). The host compares the counts an operand's blocks were cut by
-    (its ``row_offsets``' steps), never the ``splits`` object it was quantized with, which
-    the caller may have refilled since; with device offsets, the very object (``given``,
-    the call's ``splits``) agrees without a look."""
+def fp8_splits_agree(
+    operands: tuple[tuple[str, Fp8Blocks], ...], splits_E: Tensor, given: object
+) -> None:
+    """Each ``(128, 1)`` operand (``(name, form)``, checked by :func:`fp8_operand`) was
+    quantized for the experts of ``splits_E``: the same count, and the same token counts
+    where both are on the host (a device tensor is never read; the wgrad's kernels compare
+    the counts on the device, and a mismatch makes every output NaN). The host compares the
+    counts an operand's blocks were cut by (its ``row_offsets``' steps), never the
+    ``splits`` object it was quantized with, which the caller may have refilled since; with
+    device offsets, the very object (``given``, the call's ``splits``) agrees unread."""
     E = splits_E.shape[0]
-    for name, value in operands.items():
-        experts = _experts(value)
-        if experts != E:
-            raise ValueError(
-                f"{name} was quantized for {experts} experts but splits has {E} entries"
-            )
+    for name, value in operands:
+        if (experts := value.row_offsets.shape[0] - 1) != E:  # type: ignore[union-attr]
+            raise ValueError(f"{name} was quantized for {experts} experts, splits has {E} entries")
     if splits_E.device.type != "cpu" or torch.compiler.is_compiling():
         return
-    for name, value in operands.items():
+    for name, value in operands:
         offsets = value.row_offsets
         if offsets is not None and offsets.device.type == "cpu":
             own_counts = _host_offsets_counts(name, value, offsets.tolist())

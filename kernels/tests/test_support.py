@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._group import listed_facts
-from groupgrad.kernels._support import unsupported_reason
+from groupgrad.kernels._support import fp8_unsupported_reason, unsupported_reason
 
 E, N, K = 4, 16, 24
 T = 19
@@ -158,3 +158,29 @@ def test_alike_members_are_still_checked_for_their_address(read: bool) -> None:
     assert reason("fprop", x, None, [*w_list[:3], misaligned(w_list[3])], rand(T, N)) == (
         "weights[3] is not 16-byte aligned"
     )
+
+
+def test_the_fp8_check_reads_each_operand_s_placement() -> None:
+    # Catches: an FP8 operand's misaligned data or scales, or an out not contiguous or on
+    # another device, taken by CUTLASS (the C++ entry refuses them: an error where the
+    # reference path would serve the call).
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    data = [("dy.data", rand(N, 32, dtype=e4m3)), ("x.data", rand(K, 32, dtype=e4m3, seed=1))]
+    scales = [("dy.scales", rand(2, N, dtype=f32)), ("x.scales", rand(2, K, dtype=f32, seed=2))]
+    out = rand(E, N, K, dtype=torch.float32)
+
+    def reason(**change: object) -> str | None:
+        given = {"data": data, "scales": scales, "out": out, **change}
+        return fp8_unsupported_reason(given["data"], given["scales"], given["out"])
+
+    assert reason() is None
+    assert reason(data=[data[0], ("x.data", misaligned(data[1][1]))]) == (
+        "x.data is not 16-byte aligned"
+    )
+    assert reason(scales=[scales[0], ("x.scales", misaligned(scales[1][1]))]) == (
+        "x.scales is not 16-byte aligned"
+    )
+    assert reason(out=out.transpose(1, 2)) == "out is not contiguous"
+    assert reason(out=out.to("meta")) == "out is on meta, the inputs on cpu"
+    members = list(out.unbind(0))
+    assert reason(out=[*members[:3], misaligned(members[3])]) == "out[3] is not 16-byte aligned"

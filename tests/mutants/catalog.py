@@ -894,6 +894,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "fp8-scales-placement-unchecked",
+        "an FP8 operand's misaligned scales go to CUTLASS, whose entry does not check their "
+        "address, instead of the reference path",
+        "kernels/src/groupgrad/kernels/_support.py",
+        "    for name, t in scales:\n",
+        "    for name, t in scales[:0]:\n",
+        (f"{KERNELS}/test_support.py",),
+    ),
+    Mutant(
         "fp8-seal-skips-the-gemm-rules",
         "a sealed Fp8Blocks skips the GEMMs' shape rules before they were found to hold for it: "
         "a quantized form no GEMM takes (no expert, a 2-D weight) reaches the kernels",

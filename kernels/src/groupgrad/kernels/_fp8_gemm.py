@@ -122,9 +122,9 @@ def _rows_on_device(
     if a_data.shape[0] == 0:
         return
     w_used = w_data if op == "fprop" else w_data_t
-    operands = [("a.data", a_data), ("weights.data", w_used), ("a.scales", a_scales)]
-    operands.append(("weights.scales", w_scales))
-    cutlass, reason = _ops.fp8_cutlass_or_reason(op, operands, out)
+    data = [("a.data", a_data), ("weights.data", w_used)]
+    scales = [("a.scales", a_scales), ("weights.scales", w_scales)]
+    cutlass, reason = _ops.fp8_cutlass_or_reason(op, data, scales, out)
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_{op} runs on the reference path: {reason}")
         rows_ref(op, a_data, a_scales, w_data, w_data_t, w_scales, splits, out)
@@ -177,9 +177,9 @@ def wgrad_on_device(
     if tokens == 0:
         _ops.zero_gradient(out, accumulate)
         return
-    operands = [("dy.data", dy_data), ("x.data", x_data), ("dy.scales", dy_scales)]
-    operands.append(("x.scales", x_scales))
-    cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", operands, out, listed)
+    data, scales = [("dy.data", dy_data), ("x.data", x_data)], [("dy.scales", dy_scales)]
+    scales.append(("x.scales", x_scales))
+    cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", data, scales, out, listed)
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_wgrad runs on the reference path: {reason}")
         wgrad_ref(

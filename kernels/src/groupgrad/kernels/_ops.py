@@ -169,23 +169,24 @@ def cutlass_or_reason(
 
 def fp8_cutlass_or_reason(
     op: str,
-    operands: list[tuple[str, Tensor]],
+    data: list[tuple[str, Tensor]],
+    scales: list[tuple[str, Tensor]],
     out: Tensor | Sequence[Tensor],
     listed: ListedFacts | None = None,
 ) -> tuple[ModuleType | None, str | None]:
     """``(backend, None)`` when CUTLASS runs this validated FP8 call, else ``(None, reason)``.
 
-    ``operands``: ``(name, tensor)`` of every tensor the kernel reads, the
-    first one's device deciding; ``out`` the output or the wgrad's group.
+    ``data``, ``scales``: ``(name, tensor)`` of the operands' tensors the kernel
+    reads, the first data's device deciding; ``out`` the output or the wgrad's group.
     """
     cutlass, reason = load_cutlass()
     if cutlass is None:
         return None, reason
     out_dtype = out.dtype if isinstance(out, Tensor) else out[0].dtype
     reason = (
-        cutlass.unavailable_reason(operands[0][1].device)
+        cutlass.unavailable_reason(data[0][1].device)
         or cutlass.fp8_unsupported_reason(op, out_dtype)
-        or support_check().fp8_unsupported_reason(operands, out, listed)
+        or support_check().fp8_unsupported_reason(data, scales, out, listed)
     )
     return (cutlass, None) if reason is None else (None, reason)
 

@@ -170,30 +170,38 @@ def _listed_reason(
 
 
 def fp8_unsupported_reason(
-    operands: Sequence[tuple[str, Tensor]],
+    data: Sequence[tuple[str, Tensor]],
+    scales: Sequence[tuple[str, Tensor]],
     out: Tensor | Sequence[Tensor],
     listed: ListedFacts | None = None,
 ) -> str | None:
-    """Why the CUTLASS FP8 kernels cannot take these (validated) tensors, or ``None``.
+    """Why the CUTLASS FP8 kernels cannot take these validated operands, or ``None``.
 
     Args:
-        operands: ``(name, tensor)`` of every tensor the kernel reads (FP8
-            data, scales), the first one's device deciding.
+        data: ``(name, tensor)`` of the operands' FP8 data, the first one's
+            device deciding.
+        scales: ``(name, tensor)`` of their scales. The validator put each
+            operand's scales on its data's device, in the layout of its shape
+            (never a larger dimension than the data's), so only their
+            addresses are read here (the extension's entry checks them all).
         out: the fprop/dgrad output, or the wgrad's outputs' group.
         listed: as for :func:`unsupported_reason`.
 
     Returns:
         The reason, naming the tensor, or ``None``.
     """
-    device = operands[0][1].device
+    device = data[0][1].device
     group = [out] if isinstance(out, Tensor) else list(out)
     whole = len(group) == 1 and group[0].dim() in (2, 3)  # a row output or a packed (E, N, K)
     if whole and not group[0].is_contiguous():
         return "out is not contiguous"
-    for name, t in [*operands, ("out", group[0])] if whole else operands:
+    for name, t in [*data, ("out", group[0])] if whole else data:
         reason = _placement_reason(name, t, device)
         if reason is not None:
             return reason
+    for name, t in scales:
+        if t.data_ptr() % ALIGNMENT_BYTES:
+            return f"{name} is not {ALIGNMENT_BYTES}-byte aligned"
     return None if whole else _listed_reason("out", group, device, listed)
 
 

@@ -97,6 +97,30 @@ def host_us(fn: Callable[[int], object], n_sets: int, calls: int = 20, batches: 
     return statistics.median(per_call)
 
 
+def host_us_rounds(
+    fns: dict[str, Callable[[int], object]], n_sets: int, calls: int = 50, rounds: int = 9
+) -> dict[str, list[float]]:
+    """:func:`host_us`'s batches for several functions, interleaved: each round times one
+    batch of ``calls`` calls of every function in turn (rotating who goes first), so a host
+    that changes speed between rounds (another process, a frequency step) moves all of them
+    alike, and a ratio of two functions is best read per round. Returns each function's
+    per-round µs per call."""
+    names = list(fns)
+    for name in names:
+        fns[name](0)
+    torch.cuda.synchronize()
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            start = time.perf_counter()
+            for i in range(calls):
+                fns[name](i % n_sets)
+            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return per_round
+
+
 def peak_bytes(fn: Callable[[int], object], n_sets: int) -> int:
     """Peak CUDA memory one call of ``fn`` allocates beyond what was allocated before it.
 

@@ -871,8 +871,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sealed Fp8Blocks whose tensor was changed in place (transposed, resized) after it was "
         "checked is not checked again: the kernels read another layout than they expect",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "all(map(operator.is_, seal[2], tensors)) and seal[3] == _versions(tensors)",
-        "all(map(operator.is_, seal[2], tensors))",
+        "            and seal[3] == tuple([t._version for t in tensors if t is not None])",
+        "            and True",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -880,8 +880,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sealed Fp8Blocks whose tensor was replaced by another after it was checked is not "
         "checked again",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "all(map(operator.is_, seal[2], tensors)) and seal[3] == _versions(tensors)",
-        "seal[3] == _versions(tensors)",
+        "            all(map(operator.is_, seal[2], tensors))\n",
+        "            True\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -889,8 +889,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sealed Fp8Blocks given another shape keeps its seal: its tensors are not checked "
         "against the new shape's layout",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "seal[:2] == [self.block, self.shape]",
-        "seal[:1] == [self.block]",
+        "            and seal[1] == self.shape\n",
+        "            and True\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

@@ -300,6 +300,7 @@ _FP8_KERNELS: dict[tuple[str, torch.dtype], str] = {
 _FP8_ADDING: dict[tuple[str, torch.dtype], str] = {
     (v.op, _FP8_DTYPES[v.dtype_out]): v.name for v in FP8_VARIANTS if v.adds
 }
+_FP8_PLANS = {v.name: Plan(v.name) for v in FP8_VARIANTS}  # each call's default, made once
 
 
 def fp8_unsupported_reason(op: str, out_dtype: torch.dtype) -> str | None:
@@ -355,7 +356,7 @@ def fp8_fprop(
             the scheduler's tile order; ``None``: the default set's kernel,
             swizzle 1, along M.
     """
-    plan = plan or Plan(_fp8_variant("fprop", out.dtype))
+    plan = plan or _FP8_PLANS[_fp8_variant("fprop", out.dtype)]
     _extension(plan.variant).fp8_fprop(
         x_data, x_scales, w_data, w_scales, splits_E, out,
         plan.variant, plan.max_swizzle, plan.raster_along_n,
@@ -384,7 +385,7 @@ def fp8_dgrad(
             ``splits_E``: csrc/setup_common.cuh).
         plan: as for :func:`fp8_fprop`.
     """
-    plan = plan or Plan(_fp8_variant("dgrad", out.dtype))
+    plan = plan or _FP8_PLANS[_fp8_variant("dgrad", out.dtype)]
     _extension(plan.variant).fp8_dgrad(
         dy_data, dy_scales, wt_data, w_scales, splits_E, out,
         plan.variant, plan.max_swizzle, plan.raster_along_n,
@@ -432,8 +433,8 @@ def fp8_wgrad(
         return
     if plan is None:
         per_expert = tokens / group_size(out)
-        plan = Plan(_fp8_variant(
-            "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert))  # fmt: skip
+        plan = _FP8_PLANS[_fp8_variant(
+            "wgrad", out[0].dtype, accumulate=accumulate, tokens_per_expert=per_expert)]  # fmt: skip
     _extension(plan.variant).fp8_wgrad(
         dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits_E, tokens,
         list(out), accumulate, plan.variant, plan.max_swizzle, plan.raster_along_n,

@@ -99,7 +99,8 @@ class Fp8Blocks:
         The seal's last entry: the GEMMs' shape rules were found to hold too (``checked``)."""
         if not torch.compiler.is_compiling():
             tensors = self.tensors()
-            self._seal = [self.block, self.shape, tensors, _versions(tensors), checked]
+            versions = tuple([t._version for t in tensors if t is not None])
+            self._seal = [self.block, self.shape, tensors, versions, checked]
         return self
 
     def _seal_holds(self) -> list[Any] | None:
@@ -108,8 +109,13 @@ class Fp8Blocks:
         seal, tensors = self._seal, self.tensors()
         if seal is None or torch.compiler.is_compiling():
             return None
-        same = all(map(operator.is_, seal[2], tensors)) and seal[3] == _versions(tensors)
-        return seal if same and seal[:2] == [self.block, self.shape] else None
+        same = (
+            all(map(operator.is_, seal[2], tensors))
+            and seal[3] == tuple([t._version for t in tensors if t is not None])
+            and seal[0] == self.block
+            and seal[1] == self.shape
+        )
+        return seal if same else None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The tensors, to pass into a custom op.
@@ -166,10 +172,6 @@ class Fp8Blocks:
     def __repr__(self) -> str:
         sizes = f"data={tuple(self.data.shape)}, scales={tuple(self.scales.shape)}"
         return f"Fp8Blocks(block={self.block}, shape={self.shape}, dtype={self.dtype}, {sizes})"
-
-
-def _versions(tensors: tuple[Tensor | None, ...]) -> tuple[int, ...]:
-    return tuple([t._version for t in tensors if t is not None])
 
 
 # ---------------------------------------------------------------- argument checks

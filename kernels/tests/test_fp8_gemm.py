@@ -284,6 +284,35 @@ def test_a_sealed_form_is_held_to_the_gemm_rules_on_every_call(
         grouped_fprop(x, operands["w"], SPLITS)
 
 
+def test_out_may_not_overlap_what_the_fp8_kernels_read(operands: dict[str, Fp8Blocks]) -> None:
+    # Catches: out sharing memory with an operand's scales, or with the transposed weights
+    # dgrad reads (only the data fprop reads was compared): on the GPU the kernel would read
+    # what its epilogue wrote, a silent wrong result. Nothing is written on a refusal.
+    w, x, dy_seg = operands["w"], operands["x"], operands["dy_seg"]
+    shared = torch.zeros(E * K * N, dtype=torch.uint8)  # (E, K, N) e4m3 and a (T, K) bf16 out
+    w_t = copy.copy(w)
+    w_t.data_t = shared.view(torch.float8_e4m3fn).view(E, K, N).copy_(w.data_t)
+    before = shared.clone()
+    with pytest.raises(ValueError, match=r"^out overlaps weights in memory"):
+        grouped_dgrad(
+            operands["dy"], w_t, SPLITS, out=shared[: T * K * 2].view(torch.bfloat16).view(T, K)
+        )
+    y = torch.zeros(T, N, dtype=torch.bfloat16)  # x's (T, 3) scales in its first bytes
+    x_s = copy.copy(x)
+    x_s.scales = y.view(-1).view(torch.float32)[: T * 3].view(3, T).t().copy_(x.scales)
+    with pytest.raises(ValueError, match=r"^out overlaps x\.scales in memory"):
+        grouped_fprop(x_s, w, SPLITS, out=y)
+    dw = torch.zeros(E, N, K)  # dy's scales in its first rows
+    dy_s = copy.copy(dy_seg)
+    dy_s.scales = dw.view(-1)[: dy_seg.scales.numel()].view_as(dy_seg.scales).copy_(dy_seg.scales)
+    dw_before = dw.clone()
+    for out in (dw, list(dw.unbind(0))):
+        with pytest.raises(ValueError, match=r"^out(\[0\])? overlaps dy\.scales in memory"):
+            grouped_wgrad(dy_s, operands["x_seg"], SPLITS, out=out, accumulate=True)
+    assert torch.equal(shared, before)
+    assert torch.equal(dw, dw_before)
+
+
 def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     x = operands["x"]
     row_major = Fp8Blocks(x.data, x.scales.contiguous(), block=ROWS, dtype=x.dtype, shape=x.shape)

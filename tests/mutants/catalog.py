@@ -500,7 +500,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cheap-call-ignores-overlap",
         "the cheap test of fprop/dgrad's out lets it share memory with packed weights",
         _RULES,
-        "        and not _group.contiguous_meets(out_TX, (a, w_group[0]))\n",
+        "        and not _group.contiguous_meets(out_TX, (a, w_group[0], *(t for _, t in also)))\n",
         "",
         (f"{KERNELS}/test_validation.py",),
     ),
@@ -845,8 +845,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a hand-built (128, 1) form's seg_offsets and block_offsets are taken as they are (the "
         "reference reads experts into shared columns, or past its tensors)",
         "kernels/src/groupgrad/kernels/_validate.py",
-        "        if not torch.equal(got, want):\n            raise ValueError(",
-        "        if False:\n            raise ValueError(",
+        "        if not torch.equal(got := getattr(value, part), want):\n",
+        "        if not torch.equal(got := getattr(value, part), got):\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -901,6 +901,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "    for name, t in scales:\n",
         "    for name, t in scales[:0]:\n",
         (f"{KERNELS}/test_support.py",),
+    ),
+    Mutant(
+        "fp8-dgrad-out-over-transposed-weights",
+        "an FP8 dgrad's out may share memory with the transposed weights its kernel reads (the "
+        "forward orientation is compared instead)",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        'w8.data if op == "fprop" else w8.data_t',
+        "w8.data",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-row-out-over-scales",
+        "an FP8 fprop/dgrad's out may share memory with its operands' scales",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        '    scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]\n',
+        "    scales = []\n",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-wgrad-out-over-scales",
+        "an FP8 wgrad's out (packed or listed) may share memory with its operands' scales",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        '    scales = [("dy.scales", dy8.scales), ("x.scales", x8.scales)]\n',
+        "    scales = []\n",
+        (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
         "fp8-seal-skips-the-gemm-rules",

@@ -187,8 +187,13 @@ def contiguous_meets(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
     """
     if not out.numel():
         return False
-    start, end = out.data_ptr(), out.data_ptr() + out.nbytes
-    return any(t.numel() and start < t.data_ptr() + t.nbytes and t.data_ptr() < end for t in inputs)
+    start = out.data_ptr()
+    end = start + out.nbytes
+    for t in inputs:  # each address read once; an empty input (touching nothing) last
+        p = t.data_ptr()
+        if start < p + t.nbytes and p < end and t.numel():
+            return True
+    return False
 
 
 def check_no_overlap(outputs: Sequence[Named], inputs: Sequence[Named]) -> None:

@@ -36,12 +36,13 @@ def row_out(
     w_group: list[Tensor],
     listed: ListedFacts | None,
     label: _group.Labeler,
+    also: Sequence[tuple[str, Tensor]] = (),
 ) -> Tensor:
     """fprop/dgrad's ``out`` (``(T, N)`` or ``(T, K)``): checked, or new when ``None``.
 
     ``dtype`` is the output's (the row operand's, or the dtype an FP8 row
-    operand was quantized from); ``a`` and ``w_group`` are the tensors ``out``
-    must not overlap.
+    operand was quantized from); ``a``, ``w_group`` and ``also`` (named dense
+    tensors: FP8 scales) are the tensors ``out`` must not overlap.
     """
     if out is None:
         return a.new_empty(shape, dtype=dtype)
@@ -56,7 +57,7 @@ def row_out(
         and not (out_TX.requires_grad and torch.is_grad_enabled())
         and listed is None
         and w_group[0].is_contiguous()
-        and not _group.contiguous_meets(out_TX, (a, w_group[0]))
+        and not _group.contiguous_meets(out_TX, (a, w_group[0], *(t for _, t in also)))
     ):
         return out_TX
     out_TX = tensor_arg("out", out)
@@ -68,8 +69,19 @@ def row_out(
         raise ValueError(f"out has shape {tuple(out_TX.shape)}, expected {dims} = {shape}")
     check_row_major("out", out_TX)
     check_writable("out", out_TX)
-    _group.check_group_apart(label, w_group, listed, [("out", out_TX)], [(a_name, a)])
+    _group.check_group_apart(label, w_group, listed, [("out", out_TX)], [(a_name, a), *also])
     return out_TX
+
+
+def check_inner(op: str, a_name: str, cols: int, shape: tuple[int, int, int]) -> None:
+    """fprop's ``x`` has ``K`` columns, dgrad's ``dy`` ``N``, for weights of ``shape``."""
+    E, N, K = shape
+    inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
+    if cols != inner:
+        raise ValueError(
+            f"{a_name} has {cols} columns, expected {inner_name} = {inner} "
+            f"like weights of shape (E, N, K) = ({E}, {N}, {K})"
+        )
 
 
 def wgrad_splits(
@@ -97,12 +109,14 @@ def wgrad_out(
     dy: Tensor,
     x: Tensor,
     names: object,
+    also: Sequence[tuple[str, Tensor]] = (),
 ) -> tuple[list[Tensor], Tensor | Sequence[Tensor], ListedFacts | None]:
     """A wgrad's ``out`` of ``shape`` ``(E, N, K)``: ``(op form, result, listed facts)``.
 
     ``None`` allocates ``(E, N, K)`` in ``out_dtype`` or ``default_dtype``;
-    ``dy`` and ``x`` are the tensors ``out`` must not overlap (and ``dy``
-    gives the device); ``names`` name ``out`` (``None``: ``out`` / ``out[e]``).
+    ``dy``, ``x`` and ``also`` (named dense tensors: FP8 scales) are the
+    tensors ``out`` must not overlap (``dy`` gives the device); ``names`` name
+    ``out`` (``None``: ``out`` / ``out[e]``).
     """
     if out_dtype is not None and out_dtype not in WGRAD_OUT_DTYPES:
         raise TypeError(f"out_dtype is {out_dtype}, expected {DTYPE_CHOICES} or None")
@@ -115,7 +129,7 @@ def wgrad_out(
         dw_ENK = torch.empty(shape, dtype=dtype, device=dy.device)
         return [dw_ENK], dw_ENK, None
     if isinstance(out, Tensor):
-        _packed_wgrad_out(label(None), out, shape, out_dtype, dy, x)
+        _packed_wgrad_out(label(None), out, shape, out_dtype, [("dy", dy), ("x", x), *also])
         return [out], out, None
     if not isinstance(out, Iterable) or isinstance(out, str | bytes):
         raise TypeError(
@@ -134,7 +148,7 @@ def wgrad_out(
                 raise TypeError(
                     f"{label(e)} has dtype {dw_NK.dtype}, expected {first.dtype} like {label(0)}"
                 )
-    _group.check_group_apart(label, members, listed, [], [("dy", dy), ("x", x)])
+    _group.check_group_apart(label, members, listed, [], [("dy", dy), ("x", x), *also])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
     return members, result, listed
 
@@ -255,11 +269,16 @@ def _wgrad_out_member(
 
 
 def _packed_wgrad_out(
-    name: str, out: Tensor, shape: tuple[int, int, int], out_dtype: object, dy: Tensor, x: Tensor
+    name: str,
+    out: Tensor,
+    shape: tuple[int, int, int],
+    out_dtype: object,
+    inputs: list[tuple[str, Tensor]],
 ) -> None:
     """A packed ``(E, N, K)`` wgrad output: shaped, typed and placed, its experts apart, apart
-    from the inputs."""
-    if (  # the common out: plain, contiguous (so its experts are apart), apart from dy and x
+    from the (named) inputs, ``dy`` first."""
+    dy = inputs[0][1]
+    if (  # the common out: plain, contiguous (so its experts are apart), apart from the inputs
         type(out) in PLAIN_TYPES
         and not torch.compiler.is_compiling()
         and out.shape == shape
@@ -268,12 +287,12 @@ def _packed_wgrad_out(
         and out.device == dy.device
         and out.is_contiguous()
         and not (out.requires_grad and torch.is_grad_enabled())
-        and not _group.contiguous_meets(out, (dy, x))
+        and not _group.contiguous_meets(out, tuple(t for _, t in inputs))
     ):
         return
     _wgrad_out_member(name, out, shape, "(E, N, K)", out_dtype, dy)
     _group.check_experts_apart(out, name)
-    _group.check_group_apart(name, [out], None, [], [("dy", dy), ("x", x)])
+    _group.check_group_apart(name, [out], None, [], inputs)
 
 
 def splits_arg(

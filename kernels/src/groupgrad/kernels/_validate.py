@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -111,12 +111,7 @@ def grouped_call(
     label = _group.labeler("weights", names)
     w_group, (E, N, K), listed = _rules.weights_arg(weights, a_name, a_TX, label)
     T = a_TX.shape[0]
-    inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
-    if a_TX.shape[1] != inner:
-        raise ValueError(
-            f"{a_name} has {a_TX.shape[1]} columns, expected {inner_name} = {inner} "
-            f"like weights of shape (E, N, K) = ({E}, {N}, {K})"
-        )
+    _rules.check_inner(op, a_name, a_TX.shape[1], (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a_TX.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
     out_TX = _rules.row_out(out, out_shape, a_TX.dtype, a_name, a_TX, w_group, listed, label)
@@ -204,18 +199,15 @@ def fp8_rows_call(
     w8 = fp8_operand(label(None), weights, WEIGHTS)
     _rules.check_device(label(None), w8.data, a_name, a8.data)
     (T, cols), (E, N, K) = a8.shape, w8.shape
-    inner, inner_name = (K, "K") if op == "fprop" else (N, "N")
-    if cols != inner:
-        raise ValueError(
-            f"{a_name} has {cols} columns, expected {inner_name} = {inner} "
-            f"like weights of shape (E, N, K) = ({E}, {N}, {K})"
-        )
+    _rules.check_inner(op, a_name, cols, (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
     dtype = a8.dtype
     if isinstance(out, Tensor) and out.dtype in _rules.WGRAD_OUT_DTYPES:
         dtype = out.dtype
-    out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w8.data], None, label)
+    w_read = cast(Tensor, w8.data if op == "fprop" else w8.data_t)  # what the kernel reads
+    scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]
+    out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, scales)
     return Fp8RowsCall(a8, w8, splits_E, out_TX)
 
 
@@ -237,8 +229,9 @@ def fp8_wgrad_call(
     )
     fp8_splits_agree((("dy", dy8), ("x", x8)), splits_E, splits)
     E, N, K = splits_E.shape[0], dy8.shape[1], x8.shape[1]
+    scales = [("dy.scales", dy8.scales), ("x.scales", x8.scales)]
     members, result, listed = _rules.wgrad_out(
-        out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names
+        out, (E, N, K), out_dtype, accumulate, torch.float32, dy8.data, x8.data, names, scales
     )
     return Fp8WgradCall(dy8, x8, splits_E, members, accumulate, result, listed)
 
@@ -274,11 +267,10 @@ _FP8_ROLES = {
 def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
     """An :class:`Fp8Blocks` of ``block`` whose tensors have the layout the FP8 GEMMs read.
 
-    ``quantize_fp8`` builds them so and seals the form (``Fp8Blocks._sealed``); the
-    detailed checks guard a hand-built one, whose wrong layout would make a kernel read
-    past its tensors, and seal it once it passes. While the seal holds, its tensors are not
-    checked again, nor are the shape rules once they held for it; its block and source
-    dtype always are.
+    ``quantize_fp8`` builds them so and seals the form (``Fp8Blocks._sealed``); the detailed
+    checks guard a hand-built one, whose wrong layout would make a kernel read past its
+    tensors, and seal it once it passes. While the seal holds, its tensors are not checked
+    again, nor the shape rules once they held for it; its block and source dtype always are.
     """
     if not isinstance(value, Fp8Blocks):
         raise TypeError(

@@ -179,7 +179,7 @@ def span(t: Tensor) -> tuple[int, int] | None:
     return start, start + (last + 1) * t.element_size()
 
 
-def contiguous_meets(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+def contiguous_meets(out: Tensor, inputs: Sequence[Tensor]) -> bool:
     """Whether the contiguous ``out`` shares memory with one of the contiguous ``inputs``.
 
     :func:`span` for tensors known to be contiguous, in one pass: what the cheap

@@ -57,7 +57,8 @@ def row_out(
         and not (out_TX.requires_grad and torch.is_grad_enabled())
         and listed is None
         and w_group[0].is_contiguous()
-        and not _group.contiguous_meets(out_TX, (a, w_group[0], *(t for _, t in also)))
+        and not _group.contiguous_meets(out_TX, (a, w_group[0]))
+        and not (also and _group.contiguous_meets(out_TX, [t for _, t in also]))
     ):
         return out_TX
     out_TX = tensor_arg("out", out)
@@ -129,7 +130,7 @@ def wgrad_out(
         dw_ENK = torch.empty(shape, dtype=dtype, device=dy.device)
         return [dw_ENK], dw_ENK, None
     if isinstance(out, Tensor):
-        _packed_wgrad_out(label(None), out, shape, out_dtype, [("dy", dy), ("x", x), *also])
+        _packed_wgrad_out(label(None), out, shape, out_dtype, dy, x, also)
         return [out], out, None
     if not isinstance(out, Iterable) or isinstance(out, str | bytes):
         raise TypeError(
@@ -273,11 +274,12 @@ def _packed_wgrad_out(
     out: Tensor,
     shape: tuple[int, int, int],
     out_dtype: object,
-    inputs: list[tuple[str, Tensor]],
+    dy: Tensor,
+    x: Tensor,
+    also: Sequence[tuple[str, Tensor]],
 ) -> None:
     """A packed ``(E, N, K)`` wgrad output: shaped, typed and placed, its experts apart, apart
-    from the (named) inputs, ``dy`` first."""
-    dy = inputs[0][1]
+    from the inputs (``dy``, ``x`` and ``also``)."""
     if (  # the common out: plain, contiguous (so its experts are apart), apart from the inputs
         type(out) in PLAIN_TYPES
         and not torch.compiler.is_compiling()
@@ -287,12 +289,13 @@ def _packed_wgrad_out(
         and out.device == dy.device
         and out.is_contiguous()
         and not (out.requires_grad and torch.is_grad_enabled())
-        and not _group.contiguous_meets(out, tuple(t for _, t in inputs))
+        and not _group.contiguous_meets(out, (dy, x))
+        and not (also and _group.contiguous_meets(out, [t for _, t in also]))
     ):
         return
     _wgrad_out_member(name, out, shape, "(E, N, K)", out_dtype, dy)
     _group.check_experts_apart(out, name)
-    _group.check_group_apart(name, [out], None, [], inputs)
+    _group.check_group_apart(name, [out], None, [], [("dy", dy), ("x", x), *also])
 
 
 def splits_arg(

@@ -2,11 +2,12 @@
 
 Median µs per call over 11 rounds, each round one batch of 50 calls enqueued back to
 back of every function in turn (``kernels_timing.host_us_rounds``), and each FP8 / bf16
-ratio as the median of the rounds' ratios (the host's speed may drift); device ``splits``, E = 128 small experts (K = N = 256, 8 tokens each) so the
-GPU never waits for the host's work to show: fprop, dgrad, wgrad into a packed
-fp32 ``main_grad`` and into 128 listed fp32 ``main_grad``s, FP8 and bf16.
-Targets (FP8 kernels issue): FP8 ≤ 1.15× the bf16 packed call; 128 listed
-fp32 ``main_grad``s ≤ 140 µs. Usage: ``python benchmarks/host_fp8.py``.
+ratio as the median of the rounds' ratios (the host's speed may drift); device
+``splits``, E = 128 small experts (K = N = 256, 8 tokens each) so the GPU never waits
+for the host's work to show: fprop, dgrad, wgrad into a packed fp32 ``main_grad`` and
+into 128 listed fp32 ``main_grad``s, FP8 and bf16. Targets (FP8 kernels issue): FP8 ≤
+1.15× the bf16 packed call; 128 listed fp32 ``main_grad``s ≤ 140 µs. Usage: ``python
+benchmarks/host_fp8.py``.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def main() -> None:
         print(f"{name:30s} {us:7.1f} µs")
     for fp8 in [name for name in calls if " fp8" in name]:  # FP8 / bf16, median of the rounds'
         ratios = map(operator.truediv, rounds[fp8], rounds[fp8.replace(" fp8", " bf16")])
-        result[f"{fp8} / bf16"] = statistics.median(ratios)
-        print(f"{fp8 + ' / bf16':30s} {result[fp8 + ' / bf16']:7.3f}")
+        key = f"{fp8} / bf16"
+        result[key] = statistics.median(ratios)
+        print(f"{key:30s} {result[key]:7.3f}")
     print(json.dumps(result))
 
 

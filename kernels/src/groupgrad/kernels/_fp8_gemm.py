@@ -177,8 +177,8 @@ def wgrad_on_device(
     if tokens == 0:
         _ops.zero_gradient(out, accumulate)
         return
-    data, scales = [("dy.data", dy_data), ("x.data", x_data)], [("dy.scales", dy_scales)]
-    scales.append(("x.scales", x_scales))
+    data = [("dy.data", dy_data), ("x.data", x_data)]
+    scales = [("dy.scales", dy_scales), ("x.scales", x_scales)]
     cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", data, scales, out, listed)
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_wgrad runs on the reference path: {reason}")

@@ -22,7 +22,9 @@ bf16 operands is printed beside it. Cells: DeepGEMM's wgrad shapes, those of
 kernels compile on first use (``--warm`` compiles one cell's and exits, so
 several processes can compile in parallel first). Writes
 ``results/deepgemm_<gpu>.json``. Usage: ``python benchmarks/bench_deepgemm.py
-[--reps 16] [--cells 0 1 ...] [--warm]``.
+[--reps 16] [--cells 0 1 ...] [--warm]``. Not yet measured: on the H200
+machine DeepGEMM's JIT crashes before compiling a kernel (DEVICE_RUNS
+166–173), so this script has run there only up to DeepGEMM's first call.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """

@@ -987,4 +987,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
+    Mutant(
+        "second-derivative-silently-zero",
+        "under create_graph=True a grouped op's gradients come back as constants: a gradient "
+        "penalty or Hessian-vector product through it silently lacks the op's terms",
+        "packages/modules/src/groupgrad/modules/_once.py",
+        "            if torch.compiler.is_compiling() or not torch.is_grad_enabled():",
+        "            if True:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "second-derivative-guard-only-where-grads-record",
+        "the second-derivative guard wraps only gradients that already record a graph (none do: "
+        "the kernels' results), so it never fires",
+        "packages/modules/src/groupgrad/modules/_once.py",
+        "            given = [g.detach().requires_grad_() for g",
+        "            given = [g.detach() for g",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
 )

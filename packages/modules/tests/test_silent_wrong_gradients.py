@@ -12,7 +12,13 @@ import torch
 from torch.nn import functional as F
 
 from groupgrad.kernels import grouped_wgrad
-from groupgrad.modules import GroupedLinear, GroupedMLP, grouped_linear, grouped_mlp
+from groupgrad.modules import (
+    GroupedLinear,
+    GroupedMLP,
+    grouped_linear,
+    grouped_mlp,
+    routed_grouped_mlp,
+)
 from groupgrad.protocol import accumulate_grads_like_autograd
 
 E, K, N = 4, 16, 8
@@ -658,3 +664,48 @@ def test_hooks_held_for_a_dropped_deferred_job_go_back_to_autograd() -> None:
     module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hook
     module(x, SPLITS).sum().backward()
     assert calls == [1]
+
+
+def _twice_differentiable_case(op: str) -> tuple[object, torch.Tensor, list[torch.Tensor]]:
+    """``(fn, x, params)``: one grouped op of ``x`` and its weights (and router weights)."""
+    if op == "linear":
+        w = _randn(E, N, K, seed=40).requires_grad_()
+        return (lambda x: grouped_linear(x, w, SPLITS)), _randn(sum(SPLITS), K, seed=41), [w]
+    hidden, ffn = (128, 128) if op == "mlp_fp8" else (K, N)
+    w1 = _randn(E, 2 * ffn, hidden, seed=42).requires_grad_()
+    w2 = _randn(E, hidden, ffn, seed=43).requires_grad_()
+    x = _randn(sum(SPLITS), hidden, seed=44)
+    if op == "routed":
+        slots = torch.arange(sum(SPLITS))  # top-1, tokens already in expert order
+        top = torch.rand(sum(SPLITS), 1, generator=torch.Generator().manual_seed(45))
+        top.requires_grad_()
+        fn = lambda x: routed_grouped_mlp(x, w1, w2, slots, SPLITS, top)  # noqa: E731
+        return fn, x, [w1, w2, top]
+    recipe = "blockwise" if op == "mlp_fp8" else None
+    return (lambda x: grouped_mlp(x, w1, w2, SPLITS, fp8_recipe=recipe)), x, [w1, w2]
+
+
+@pytest.mark.parametrize("op", ["linear", "mlp", "mlp_fp8", "routed"])
+@pytest.mark.parametrize("loss", ["square", "sum"])
+def test_a_second_derivative_through_a_grouped_op_is_an_error_not_zero(op: str, loss: str) -> None:
+    # Catches: the backward's gradients handed to create_graph=True as constants, so a gradient
+    # penalty or a Hessian-vector product silently lacks the op's terms (x's second derivative
+    # came out as the penalty's other term alone, the weights' as None). "sum": the output
+    # gradient is a constant and the gradients depend on the op's inputs only.
+    fn, x, params = _twice_differentiable_case(op)
+    x.requires_grad_()
+    leaves = [x, *params]
+
+    def first_order(create_graph: bool) -> tuple[torch.Tensor, ...]:
+        y = fn(x)  # type: ignore[operator]
+        out = y.square().sum() if loss == "square" else y.sum()
+        return torch.autograd.grad(out, leaves, create_graph=create_graph)
+
+    plain, graphed = first_order(False), first_order(True)
+    for a, b in zip(plain, graphed, strict=True):
+        assert torch.equal(a, b.detach())  # first-order values unchanged
+        assert not a.requires_grad
+        assert b.requires_grad
+    penalty = sum(g.square().sum() for g in graphed) + x.sum()
+    with pytest.raises(RuntimeError, match="is differentiable once: a second derivative"):
+        penalty.backward()

@@ -52,6 +52,7 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
+from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
@@ -247,6 +248,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y_TN
 
     @staticmethod
+    @differentiable_once("grouped_linear")
     def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.needs_input_grad[0]:  # before anything is written
             check_forward_versions(ctx.spec, ctx.weights, ctx.versions)

@@ -84,6 +84,7 @@ from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported f
     mlp_arguments,
 )
 from groupgrad.modules._mlp_forms import MLPForms
+from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue
 from groupgrad.protocol import is_distributed_weight
@@ -155,6 +156,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         return y_TH
 
     @staticmethod
+    @differentiable_once("grouped_mlp")
     def backward(ctx: Any, dy_TH: Tensor) -> tuple[Tensor | None, ...]:
         saved = iter(ctx.saved_tensors)
         x_form, h_form = ctx.kept_forms

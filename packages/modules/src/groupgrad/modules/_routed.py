@@ -49,6 +49,7 @@ from groupgrad.modules._group import (
 )
 from groupgrad.modules._linear_fn import layer_dgrad, layer_fprop
 from groupgrad.modules._mlp_fn import MLPLayout, check_activation, check_mlp_inputs, mlp_arguments
+from groupgrad.modules._once import differentiable_once
 
 __all__ = ["routed_grouped_mlp"]
 
@@ -115,6 +116,7 @@ class RoutedMLPFunction(torch.autograd.Function):
         return out_TH
 
     @staticmethod
+    @differentiable_once("routed_grouped_mlp")
     def backward(ctx: Any, dout_TH: Tensor) -> tuple[Tensor | None, ...]:
         x_TH, rows_S, slots_S, h_S2F, probs_S = ctx.saved_tensors
         if _released(h_S2F):

@@ -1005,4 +1005,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "            given = [g.detach() for g",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "wgrad-runs-for-an-input-only-backward",
+        "torch.autograd.grad(loss, [x]) or backward(inputs=[x]) runs the wgrad GEMMs anyway: "
+        "main_grad (or a backward_dw() job) gets a gradient nobody asked for",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "any(gradient_delivered(p) is not False for p in",
+        "any(True for p in",
+        (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
+    ),
 )

@@ -315,3 +315,19 @@ def test_weights_computed_from_parameters_keep_their_gradient_when_compiled(laye
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match="computed from another tensor"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(x, p)
+
+
+def test_compiled_backward_for_the_input_only_leaves_main_grad_alone() -> None:
+    layer = _linear(accumulate_into_main_grad=True)
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(T, H, dtype=BF16, requires_grad=True)
+    step = torch.compile(layer, fullgraph=True)
+    splits = torch.tensor([5, 0, 11, 8])
+    step(x, splits).float().sum().backward(inputs=[x])
+    (dx,) = torch.autograd.grad(step(x, splits).float().sum(), [x])
+    assert x.grad is not None
+    assert torch.equal(dx, x.grad)
+    assert not layer.weight.main_grad.any()  # no wgrad GEMM ran into it
+    step(x, splits).float().sum().backward()
+    assert layer.weight.main_grad.any()

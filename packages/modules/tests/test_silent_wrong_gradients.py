@@ -709,3 +709,52 @@ def test_a_second_derivative_through_a_grouped_op_is_an_error_not_zero(op: str, 
     penalty = sum(g.square().sum() for g in graphed) + x.sum()
     with pytest.raises(RuntimeError, match="is differentiable once: a second derivative"):
         penalty.backward()
+
+
+def _writing_main_grads(kind: str, delay: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """A layer writing every weight's fp32 ``main_grad`` (``"mlp_fp8"``: H = F = 128, FP8)."""
+    torch.manual_seed(50)
+    if kind == "linear":
+        layer: torch.nn.Module = GroupedLinear(
+            E, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+        )
+    else:
+        size = 128 if kind == "mlp_fp8" else K
+        layer = GroupedMLP(
+            E, size, size, accumulate_into_main_grad=True, delay_wgrad_compute=delay,
+            fp8_recipe="blockwise" if kind == "mlp_fp8" else None,
+        )  # fmt: skip
+    weights = list(layer.parameters())
+    _attach_main_grad(weights)
+    return layer, weights
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_fp8"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+@pytest.mark.parametrize("ask", ["autograd.grad", "inputs"])
+def test_a_backward_for_the_input_only_leaves_main_grad_alone(
+    kind: str, delay: bool, ask: str
+) -> None:
+    # Catches: torch.autograd.grad(loss, [x]) (adversarial examples, input saliency) or
+    # backward(inputs=[x]) running the wgrad GEMMs anyway — into main_grad, or into a
+    # backward_dw() job — so the next optimizer step reads a gradient nobody asked for.
+    layer, weights = _writing_main_grads(kind, delay)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=51).requires_grad_()
+    out = layer(x, SPLITS).square().sum()
+    if ask == "inputs":
+        out.backward(inputs=[x])
+        dx = x.grad
+    else:
+        (dx,) = torch.autograd.grad(out, [x])
+    assert dx is not None
+    assert float(dx.abs().sum()) > 0
+    assert all(not w.main_grad.any() for w in weights)
+    assert all(w.grad is None for w in weights)
+    if delay:  # nothing was queued: backward_dw() has no job
+        with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+            layer.backward_dw()  # type: ignore[operator]
+    # the same layer's full backward still writes every main_grad, once
+    layer(x.detach(), SPLITS).square().sum().backward()
+    if delay:
+        layer.backward_dw()  # type: ignore[operator]
+    assert all(w.main_grad.any() for w in weights)

@@ -37,7 +37,6 @@ and the queue's registry number (:meth:`WgradQueue.number`).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,12 @@ import torch
 from torch import Tensor
 from torch._library.effects import EffectType
 
-from groupgrad.modules._grads import LayerGrads, parameter_grads
+from groupgrad.modules._grads import (
+    LayerGrads,
+    autograd_dispatch,
+    gradient_delivered,
+    parameter_grads,
+)
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._operands import Fp8Form, Operand, operand_rows, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
@@ -132,33 +136,15 @@ def _engine_accumulates(param: Tensor, name: str) -> bool:
         RuntimeError: ``torch.autograd.grad`` asked for ``param``'s gradient:
             the compiled op cannot return it through the traced graph.
     """
-    with torch.enable_grad():  # a backward runs with grad mode off
-        node = torch.autograd.graph.get_gradient_edge(param).node
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError as error:  # a leaf's gradient is being captured by autograd.grad
+    delivered = gradient_delivered(param)
+    if delivered is None:
         raise RuntimeError(
             f"torch.autograd.grad asked for the gradient of parameter {name!r} of a groupgrad "
             "layer under torch.compile; compiled, groupgrad delivers parameter gradients into "
             ".grad itself (the traced graph would round an fp32 gradient of a bf16 parameter). "
             "Call .backward() and read .grad, or run this layer without torch.compile"
-        ) from error
-
-
-@contextlib.contextmanager
-def _autograd_dispatch() -> Iterator[None]:
-    """Autograd's dispatch on again inside the op's kernel, which runs below it.
-
-    So that a parameter's gradient accumulator can be looked up, and its
-    post-accumulate-grad hooks run as they do under autograd's AccumulateGrad.
-    """
-    key = torch._C.DispatchKey.AutogradFunctionality
-    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
-    torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
-        yield
-    finally:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+        )
+    return delivered
 
 
 def _deliver(
@@ -230,7 +216,7 @@ def _parameter_grads_op(
     dys, xs = [t[0] for t in taken], [t[1] for t in taken]
     bias_dys = [t[2] for t in taken if t[2] is not None] or None
     answers = parameter_grads(layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys)
-    with _autograd_dispatch():
+    with autograd_dispatch():
         _deliver(layers, answers, dummies)
 
 

@@ -15,7 +15,8 @@ compiled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -27,7 +28,14 @@ from groupgrad.modules._operands import Operand
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradQueue, WgradTarget
 from groupgrad.protocol import autograd_grad_dtype
 
-__all__ = ["LayerGrads", "bias_grad", "bias_grads", "parameter_grads"]
+__all__ = [
+    "LayerGrads",
+    "autograd_dispatch",
+    "bias_grad",
+    "bias_grads",
+    "gradient_delivered",
+    "parameter_grads",
+]
 
 
 def bias_grad(dy_TN: Tensor, expert_T: Tensor, num_groups: int, dtype: torch.dtype) -> Tensor:
@@ -50,6 +58,43 @@ def bias_grads(
     db_EN = bias_grad(dy_TN, expert_T, num_groups, autograd_grad_dtype(biases))
     grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
     return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
+
+
+@contextlib.contextmanager
+def autograd_dispatch() -> Iterator[None]:
+    """Autograd's dispatch on, also inside a custom op's kernel (which runs below it).
+
+    So that a parameter's gradient edge can be looked up there, and its
+    post-accumulate-grad hooks run as they do under autograd's AccumulateGrad.
+    """
+    key = torch._C.DispatchKey.AutogradFunctionality
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+
+
+def gradient_delivered(param: Tensor) -> bool | None:
+    """Whether the backward now running delivers ``param``'s gradient.
+
+    ``.backward()`` delivers every parameter's; ``backward(inputs=[...])`` and
+    ``torch.autograd.grad(outputs, [...])`` only those of the tensors named
+    (and of nothing the backward does not reach): a wgrad GEMM for another
+    parameter, into its ``main_grad`` or a ``backward_dw()`` job, would be a
+    gradient nobody asked for, added where the next step reads it.
+
+    Returns:
+        ``True`` or ``False``; ``None`` where ``torch.autograd.grad`` captures
+        ``param``'s gradient itself (it is named among the inputs).
+    """
+    with autograd_dispatch(), torch.enable_grad():  # a backward runs with grad mode off
+        node = torch.autograd.graph.get_gradient_edge(param).node
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf whose gradient torch.autograd.grad captures
+        return None
 
 
 @dataclass(frozen=True)
@@ -104,10 +149,17 @@ def parameter_grads(
             nothing was written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
+    # a layer whose weights' gradients this backward does not deliver runs no wgrad GEMM
+    taken = {
+        id(layer): any(gradient_delivered(p) is not False for p in layer.target.params
+                       if p.requires_grad)
+        for layer in layers
+    }  # fmt: skip
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [
-            layer.target.early(dy, x, splits) for layer, dy, x in zip(layers, dys, xs, strict=True)
+            layer.target.early(dy, x, splits) if taken[id(layer)] else None
+            for layer, dy, x in zip(layers, dys, xs, strict=True)
         ]
     expert_T = None
     # a bias gradient sums the unquantized dy: bias_dys where dys are FP8 forms
@@ -117,7 +169,10 @@ def parameter_grads(
         expert_T = expert_index(splits, layers[0].target.num_groups, T, sums[0].device)
     answers: list[Tensor | None] = []
     for layer, dy, x, ready, dy_TN in zip(layers, dys, xs, readied, sums, strict=True):
-        answers += layer.target.step(dy, x, splits, deferred, layer.operands, ready)
+        if taken[id(layer)]:
+            answers += layer.target.step(dy, x, splits, deferred, layer.operands, ready)
+        else:
+            answers += [None] * len(layer.target.params)
         answers += bias_grads(dy_TN, layer.biases, expert_T, layer.target.spec.packed)
     if queue is not None and deferred is not None:
         queue.push(deferred)

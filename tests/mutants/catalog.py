@@ -1010,8 +1010,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch.autograd.grad(loss, [x]) or backward(inputs=[x]) runs the wgrad GEMMs anyway: "
         "main_grad (or a backward_dw() job) gets a gradient nobody asked for",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "any(gradient_delivered(p) is not False for p in",
-        "any(True for p in",
+        "    return any(gradient_delivered(p) is not False for p in target.params",
+        "    return any(True for p in target.params",
         (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
     ),
 )

@@ -97,6 +97,11 @@ def gradient_delivered(param: Tensor) -> bool | None:
         return None
 
 
+def _weights_delivered(target: WgradTarget) -> bool:
+    """Whether this backward delivers the gradient of any of ``target``'s trainable weights."""
+    return any(gradient_delivered(p) is not False for p in target.params if p.requires_grad)
+
+
 @dataclass(frozen=True)
 class LayerGrads:
     """One layer of an op, as its backward's parameter gradients see it.
@@ -128,6 +133,11 @@ def parameter_grads(
 ) -> list[Tensor | None]:
     """Run one backward's wgrad GEMMs (or queue them) and sum its bias gradients.
 
+    A layer none of whose weights' gradients this backward delivers
+    (:func:`gradient_delivered`: ``torch.autograd.grad(loss, [x])``,
+    ``backward(inputs=[...])``) runs no wgrad GEMM and queues nothing; its
+    weights get ``None``.
+
     Args:
         layers: The op's layers, in the order their GEMMs run.
         dys: Each layer's ``(T, N)`` output gradient, as its wgrad GEMM reads
@@ -149,17 +159,12 @@ def parameter_grads(
             nothing was written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
-    # a layer whose weights' gradients this backward does not deliver runs no wgrad GEMM
-    taken = {
-        id(layer): any(gradient_delivered(p) is not False for p in layer.target.params
-                       if p.requires_grad)
-        for layer in layers
-    }  # fmt: skip
+    taken = [_weights_delivered(layer.target) for layer in layers]
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [
-            layer.target.early(dy, x, splits) if taken[id(layer)] else None
-            for layer, dy, x in zip(layers, dys, xs, strict=True)
+            layer.target.early(dy, x, splits) if takes else None
+            for layer, dy, x, takes in zip(layers, dys, xs, taken, strict=True)
         ]
     expert_T = None
     # a bias gradient sums the unquantized dy: bias_dys where dys are FP8 forms
@@ -168,10 +173,12 @@ def parameter_grads(
         T = sums[0].shape[0]
         expert_T = expert_index(splits, layers[0].target.num_groups, T, sums[0].device)
     answers: list[Tensor | None] = []
-    for layer, dy, x, ready, dy_TN in zip(layers, dys, xs, readied, sums, strict=True):
-        if taken[id(layer)]:
+    for layer, dy, x, ready, dy_TN, takes in zip(
+        layers, dys, xs, readied, sums, taken, strict=True
+    ):
+        if takes:
             answers += layer.target.step(dy, x, splits, deferred, layer.operands, ready)
-        else:
+        else:  # no weight of it requires grad, or this backward delivers none of theirs
             answers += [None] * len(layer.target.params)
         answers += bias_grads(dy_TN, layer.biases, expert_T, layer.target.spec.packed)
     if queue is not None and deferred is not None:

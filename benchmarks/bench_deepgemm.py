@@ -18,7 +18,7 @@ on the same random bf16 data (two input sets rotated between calls):
 TFLOP/s count the real tokens' FLOPs for every column (DeepGEMM's padding is
 its cost). Each result's error against the fp32 product of the unquantized
 bf16 operands is printed beside it. Cells: DeepGEMM's wgrad shapes, those of
-``bench_fp8_gemm.py`` (same token counts). DeepGEMM must be importable; its
+``bench_fp8_gemm.py`` (``deepgemm_cells``: the same token counts). DeepGEMM must be importable; its
 kernels compile on first use (``--warm`` compiles one cell's and exits, so
 several processes can compile in parallel first). Writes
 ``results/deepgemm_<gpu>.json``. Usage: ``python benchmarks/bench_deepgemm.py
@@ -39,20 +39,9 @@ from pathlib import Path
 
 import kernels_timing as kt
 import torch
-from bench_fp8_gemm import DEEPGEMM_WGRAD, N_SETS, SEGMENTS
+from bench_fp8_gemm import N_SETS, SEGMENTS, deepgemm_cells
 
 from groupgrad.kernels import grouped_wgrad, quantize_fp8
-
-
-def cells() -> list[tuple[int, int, int, str, list[int]]]:
-    """``(E, N, K, label, splits)`` of DeepGEMM's shapes, drawn as ``bench_fp8_gemm.py`` draws them."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for E, N, K in DEEPGEMM_WGRAD:
-        for label in ("uniform 4096", "U[4096, 8192]"):
-            ragged = torch.randint(4096, 8193, (E,), generator=gen).tolist()
-            out.append((E, N, K, label, [4096] * E if label.startswith("uniform") else ragged))
-    return out
 
 
 def _deepgemm_operand(t: torch.Tensor, splits: list[int], cast: Callable) -> tuple:
@@ -158,7 +147,7 @@ def main() -> None:
         import deep_gemm
     except ImportError as error:
         raise SystemExit(f"bench_deepgemm.py needs DeepGEMM importable: {error}") from None
-    chosen = cells()
+    chosen = deepgemm_cells()
     picked = args.cells if args.cells is not None else range(len(chosen))
     rows = []
     for index in picked:

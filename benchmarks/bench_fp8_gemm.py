@@ -271,6 +271,18 @@ def bench_wgrad(E: int, N: int, K: int, splits: list[int], label: str, reps: int
             **{f"{k}_tflops": _tflops(flops, v) for k, v in ms.items()}}  # fmt: skip
 
 
+def deepgemm_cells() -> list[tuple[int, int, int, str, list[int]]]:
+    """``(E, N, K, label, splits)`` of DeepGEMM's wgrad shapes: 4,096 tokens per expert, or
+    U[4096, 8192] (drawn from seed 0, one draw per cell, so every benchmark gets the same)."""
+    gen = torch.Generator().manual_seed(0)
+    cells = []
+    for E, N, K in DEEPGEMM_WGRAD:
+        for label in ("uniform 4096", "U[4096, 8192]"):
+            ragged = torch.randint(4096, 8193, (E,), generator=gen).tolist()
+            cells.append((E, N, K, label, [4096] * E if label.startswith("uniform") else ragged))
+    return cells
+
+
 def _dense_fp8_1x128_tflops(size: int = 8192) -> float:
     """cuBLASLt's dense 1×128·1×128 blockwise rate on random data (the wgrad floor's rate)."""
     a = quantize_fp8(_randn(size, size, seed=1), block=ROWS)
@@ -327,17 +339,13 @@ def main() -> None:
             rows.append(bench_wgrad(E, N, K, splits, kind, args.reps, 100 + index, rates))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-    gen = torch.Generator().manual_seed(0)
-    for E, N, K in DEEPGEMM_WGRAD if "wgrad" in args.ops else ():
+    for E, N, K, label, splits in deepgemm_cells() if "wgrad" in args.ops else ():
         if args.quick and E == 16:
             continue
-        for label in ("uniform 4096", "U[4096, 8192]"):
-            ragged = torch.randint(4096, 8193, (E,), generator=gen).tolist()
-            splits = [4096] * E if label.startswith("uniform") else ragged
-            tag = f"deepgemm {label}"
-            rows.append(bench_wgrad(E, N, K, splits, tag, args.reps, 200 + E, rates))
-            print(json.dumps(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
+        tag = f"deepgemm {label}"
+        rows.append(bench_wgrad(E, N, K, splits, tag, args.reps, 200 + E, rates))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name()
     result = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -1,4 +1,4 @@
-"""One FP8 GEMM call for Nsight Compute: ours or cuBLASLt's blockwise ``scaled_mm``, one cell.
+"""One FP8 GEMM call for Nsight Compute: ours, cuBLASLt's blockwise ``scaled_mm`` or DeepGEMM's.
 
 Builds the inputs, warms the implementation up, then runs it once between
 ``cudaProfilerStart`` and ``cudaProfilerStop``; profile only that window::
@@ -9,7 +9,7 @@ Builds the inputs, warms the implementation up, then runs it once between
 Cells: fprop ``E = 8, K = 7168, N = 4096, T = 32768`` (uniform; cuBLASLt: the
 dense ``(T, N, K)`` product with expert 0's weight), wgrad DeepGEMM's ``E = 8,
 N = 4096, K = 7168``, 4,096 tokens per expert (cuBLASLt: expert 0's product,
-fp32 out). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
+fp32 out; DeepGEMM: its k-grouped wgrad, as ``bench_deepgemm.py`` calls it). Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
 
 from __future__ import annotations
@@ -24,11 +24,25 @@ from groupgrad.kernels import grouped_fprop, grouped_wgrad, quantize_fp8
 BW = F.ScalingType.BlockWise1x128
 
 
+def _deepgemm_wgrad(dy: torch.Tensor, x: torch.Tensor, splits: list[int], out: torch.Tensor):
+    """DeepGEMM's k-grouped FP8 wgrad of ``dy``, ``x`` into ``out`` (accumulating), as a call."""
+    import deep_gemm
+    from bench_deepgemm import _deepgemm_operand
+    from deep_gemm.utils import per_channel_cast_to_fp8
+
+    a, padded = _deepgemm_operand(dy, splits, per_channel_cast_to_fp8)
+    b, _ = _deepgemm_operand(x, splits, per_channel_cast_to_fp8)
+    layout = torch.tensor(padded, device="cuda", dtype=torch.int32)
+    return lambda: deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a, b, out, padded, layout, c=out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=("fprop", "wgrad"), required=True)
-    parser.add_argument("--impl", choices=("ours", "cublaslt"), required=True)
+    parser.add_argument("--impl", choices=("ours", "cublaslt", "deepgemm"), required=True)
     args = parser.parse_args()
+    if args.impl == "deepgemm" and args.op != "wgrad":
+        parser.error("--impl deepgemm profiles the wgrad only (DeepGEMM's k-grouped GEMM)")
     E, K, N, per = 8, 7168, 4096, 4096
     T = E * per
     splits = torch.full((E,), per, device="cuda")
@@ -59,7 +73,7 @@ def main() -> None:
             "cublaslt": lambda: F.scaled_mm(
                 a.data, b.data.t(), a.scales, BW, b.scales, BW, output_dtype=torch.float32
             ),
-        }[args.impl]
+        }.get(args.impl) or _deepgemm_wgrad(dy, x, [per] * E, main_grad)
     for _ in range(3):
         run()
     torch.cuda.synchronize()

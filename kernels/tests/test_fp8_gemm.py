@@ -387,6 +387,19 @@ def test_a_sealed_form_changed_after_quantization_is_checked_again(
     x.scales.t_()  # in place: a metadata change moves the version
     with pytest.raises(ValueError, match=r"^x\.scales is \(3, 488\) \(488, 1\) torch\.float32"):
         grouped_fprop(x, operands["w"], SPLITS)
+    # `.data =` gives a tensor other memory and moves no version: checked again all the same.
+    x = copy.copy(operands["x"])
+    x.scales = x.scales.clone()
+    grouped_fprop(x, operands["w"], SPLITS)
+    x.scales.data = x.scales.contiguous()  # row-major now: the kernels read them column-major
+    with pytest.raises(ValueError, match=r"^x\.scales is \(488, 3\) \(3, 1\) torch\.float32"):
+        grouped_fprop(x, operands["w"], SPLITS)
+    x = copy.copy(operands["x"])
+    x.data = x.data.clone()
+    grouped_fprop(x, operands["w"], SPLITS)
+    x.data.data = x.data[: T - 8]  # the same address and strides, fewer rows
+    with pytest.raises(ValueError, match=r"^x\.data is \(480, 384\) \(384, 1\)"):
+        grouped_fprop(x, operands["w"], SPLITS)
     longer = copy.copy(operands["x"])
     longer.shape = (T + 1, K)  # the same tensors, another shape
     with pytest.raises(ValueError, match=r"^x\.data is \(488, 384\) \(384, 1\) .* expected \(489"):

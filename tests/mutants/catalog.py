@@ -871,8 +871,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sealed Fp8Blocks whose tensor was changed in place (transposed, resized) after it was "
         "checked is not checked again: the kernels read another layout than they expect",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "            and seal[3] == tuple([t._version for t in tensors if t is not None])",
+        "            and seal[3] == _states(tensors)",
         "            and True",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-seal-blind-to-data-swaps",
+        "a sealed Fp8Blocks whose tensor was given other memory through `.data =` (no version "
+        "moves) is not checked again: the kernels read another layout than they expect",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "        [(t._version, t.data_ptr(), t.shape, t.stride()) for t in tensors if t is not None]",
+        "        [t._version for t in tensors if t is not None]",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

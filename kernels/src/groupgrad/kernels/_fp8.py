@@ -31,6 +31,14 @@ Splits = Sequence[int] | Tensor
 Block = tuple[int, int]
 
 
+def _states(tensors: tuple[Tensor | None, ...]) -> tuple[tuple[Any, ...], ...]:
+    """What a seal remembers of each tensor: its version (any in-place op moves it) and its
+    memory (address, shape, strides), which ``t.data = other`` replaces without a version."""
+    return tuple(
+        [(t._version, t.data_ptr(), t.shape, t.stride()) for t in tensors if t is not None]
+    )
+
+
 class Fp8Blocks:
     """FP8 e4m3 data and fp32 block scales of one tensor, in the layout its FP8 GEMM reads.
 
@@ -95,12 +103,13 @@ class Fp8Blocks:
     def _sealed(self, *, checked: bool = False) -> Fp8Blocks:
         """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
-        changed in place (any in-place op, ``resize_`` too, moves its version). Not compiled.
+        changed in place (any in-place op, ``resize_`` too, moves its version) or given other
+        memory through ``.data =`` (which moves no version: its address, shape or strides
+        change). Not compiled.
         The seal's last entry: the GEMMs' shape rules were found to hold too (``checked``)."""
         if not torch.compiler.is_compiling():
             tensors = self.tensors()
-            versions = tuple([t._version for t in tensors if t is not None])
-            self._seal = [self.block, self.shape, tensors, versions, checked]
+            self._seal = [self.block, self.shape, tensors, _states(tensors), checked]
         return self
 
     def _seal_holds(self) -> list[Any] | None:
@@ -111,7 +120,7 @@ class Fp8Blocks:
             return None
         same = (
             all(map(operator.is_, seal[2], tensors))
-            and seal[3] == tuple([t._version for t in tensors if t is not None])
+            and seal[3] == _states(tensors)
             and seal[0] == self.block
             and seal[1] == self.shape
         )

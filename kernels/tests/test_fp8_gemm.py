@@ -278,7 +278,7 @@ def test_a_sealed_form_is_held_to_the_gemm_rules_on_every_call(
     grouped_fprop(x, operands["w"], SPLITS)
     seal = x._seal_holds()
     assert seal is not None
-    assert seal[4]  # marked: the rules held
+    assert seal[3]  # marked: the rules held
     x.dtype = torch.int32
     with pytest.raises(TypeError, match=r"^x says it was quantized from torch\.int32"):
         grouped_fprop(x, operands["w"], SPLITS)
@@ -384,10 +384,21 @@ def test_a_sealed_form_changed_after_quantization_is_checked_again(
     assert not x._seal_holds()
     grouped_fprop(x, operands["w"], SPLITS)
     assert x._seal_holds()
-    x.scales.t_()  # in place: a metadata change moves the version
+    x.scales.t_()  # in place: another shape and strides
     with pytest.raises(ValueError, match=r"^x\.scales is \(3, 488\) \(488, 1\) torch\.float32"):
         grouped_fprop(x, operands["w"], SPLITS)
-    # `.data =` gives a tensor other memory and moves no version: checked again all the same.
+    # `.data =` gives a tensor other memory, shape, strides or dtype and moves no version:
+    # checked again all the same (each x below has tensors of its own: the fixture's stay).
+    x = copy.copy(operands["x"])
+    x.scales = x.scales.clone()
+    grouped_fprop(x, operands["w"], SPLITS)
+    x.scales.data = x.scales.clone()  # another address, the same layout: passes, sealed again
+    assert not x._seal_holds()
+    grouped_fprop(x, operands["w"], SPLITS)
+    assert x._seal_holds()
+    x.scales.data = x.scales.view(torch.int32)  # the same memory, read as int32
+    with pytest.raises(TypeError, match=r"^x holds torch\.float8_e4m3fn data and torch\.int32"):
+        grouped_fprop(x, operands["w"], SPLITS)
     x = copy.copy(operands["x"])
     x.scales = x.scales.clone()
     grouped_fprop(x, operands["w"], SPLITS)
@@ -489,3 +500,27 @@ def test_one_block_of_channels() -> None:
     got_w = grouped_wgrad(dy_seg, x_seg, splits)
     want_w = _expected_wgrad(dy_seg, x_seg, splits)
     torch.testing.assert_close(got_w.double(), want_w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("ref", [False, True], ids=["kernel", "ref"])
+def test_fp8_operands_autograd_would_record_are_refused(
+    operands: dict[str, Fp8Blocks], ref: bool
+) -> None:
+    """Quantized from a tensor that requires grad (grad mode on), an operand carries autograd's
+    record; the GEMMs are not differentiable, so they refuse it instead of returning an
+    output through which that tensor would silently get no gradient."""
+    fprop, wgrad = (grouped_fprop_ref, grouped_wgrad_ref) if ref else (grouped_fprop, grouped_wgrad)
+    x = _randn(T, K, seed=1).requires_grad_()
+    x_rows, x_segments = quantize_fp8(x, block=(ROWS, SEGMENTS), splits=SPLITS)
+    y = torch.full((T, N), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^x\.data requires grad, but grouped_fprop is not"):
+        fprop(x_rows, operands["w"], SPLITS, out=y)
+    out = torch.full((E, N, K), 7.0)
+    with pytest.raises(ValueError, match=r"^x\.data requires grad, but grouped_wgrad is not"):
+        wgrad(operands["dy_seg"], x_segments, SPLITS, out=out, accumulate=True)
+    assert bool((y == 7).all())  # nothing written
+    assert bool((out == 7).all())
+    with torch.no_grad():  # not recorded: the same operands run
+        x_rows, _ = quantize_fp8(x, block=(ROWS, SEGMENTS), splits=SPLITS)
+        fprop(x_rows, operands["w"], SPLITS, out=y)
+    assert torch.equal(y, fprop(operands["x"], operands["w"], SPLITS))

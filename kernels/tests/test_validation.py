@@ -282,6 +282,22 @@ CASES = [
          ValueError, r"accumulate=True needs out: there is nothing to accumulate into"),
     Case("accumulate-not-bool", "wgrad", lambda a: a.update(accumulate="yes"), TypeError,
          r"accumulate must be a bool, got str"),
+    # inputs autograd would record: the kernels are not differentiable (grad mode is on)
+    Case("x-requires-grad", "fprop", lambda a: a["x"].requires_grad_(), ValueError,
+         r"^x requires grad, but grouped_fprop is not differentiable: autograd would give x no "
+         r"gradient"),
+    Case("weights-requires-grad", "dgrad", lambda a: a["weights"].requires_grad_(), ValueError,
+         r"^weights requires grad, but grouped_dgrad is not differentiable"),
+    Case("weights-member-requires-grad", "fprop",
+         lambda a: weights_list(a, 2, rand(N, K).requires_grad_()), ValueError,
+         r"^weights requires grad, but grouped_fprop is not differentiable"),
+    Case("weights-odd-member-requires-grad", "dgrad",
+         lambda a: weights_list(a, 3, rand(N, 2 * K)[:, :K].requires_grad_()), ValueError,
+         r"^weights requires grad, but grouped_dgrad"),
+    Case("wgrad-dy-requires-grad", "wgrad", lambda a: a["dy"].requires_grad_(), ValueError,
+         r"^dy requires grad, but grouped_wgrad is not differentiable"),
+    Case("wgrad-x-requires-grad", "wgrad", lambda a: a["x"].requires_grad_(), ValueError,
+         r"^x requires grad, but grouped_wgrad is not differentiable"),
 ]  # fmt: skip
 
 
@@ -388,3 +404,12 @@ def test_a_listed_wgrad_runs_the_overlap_rule_once_naming_its_members(monkeypatc
     outs[1] = outs[0]
     with pytest.raises(ValueError, match=r"weight1\.main_grad overlaps weight0\.main_grad"):
         grouped_wgrad(dy, x, [3, 4], out=outs, names=names)
+
+
+@pytest.mark.parametrize("impl", list(GEMMS))
+def test_inputs_that_require_grad_are_fine_without_grad_mode(impl):
+    """The rule is autograd's recording, not the flag: under no_grad the same call runs."""
+    x, w = rand(T, K).requires_grad_(), rand(E, N, K).requires_grad_()
+    with torch.no_grad():
+        y = GEMMS[impl].fprop(x=x, weights=w, splits=SPLITS)
+    assert torch.equal(y, GEMMS[impl].fprop(x=x.detach(), weights=w.detach(), splits=SPLITS))

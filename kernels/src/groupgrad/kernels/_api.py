@@ -40,7 +40,8 @@ def grouped_fprop(
     call (bf16/fp16, contiguous, ``K`` and ``N`` multiples of 8, 16-byte
     aligned); otherwise, and on every other device, the reference runs (a
     fallback is logged once). Products accumulate in fp32. Not differentiable:
-    autograd lives in ``groupgrad.modules``.
+    autograd lives in ``groupgrad.modules``; with grad mode on, inputs that
+    require grad are refused (their gradient would silently be lost).
 
     **FP8**: with ``x`` an :class:`Fp8Blocks` of block ``(1, 128)`` and
     ``weights`` one of block ``(128, 128)`` (both from :func:`quantize_fp8`),

@@ -10,7 +10,6 @@ CUDA) lives in ``_fp8_ops``.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -31,12 +30,10 @@ Splits = Sequence[int] | Tensor
 Block = tuple[int, int]
 
 
-def _states(tensors: tuple[Tensor | None, ...]) -> tuple[tuple[Any, ...], ...]:
-    """What a seal remembers of each tensor: its version (any in-place op moves it) and its
-    memory (address, shape, strides), which ``t.data = other`` replaces without a version."""
-    return tuple(
-        [(t._version, t.data_ptr(), t.shape, t.stride()) for t in tensors if t is not None]
-    )
+def _states(ts: tuple[Tensor | None, ...]) -> tuple[Any, ...]:
+    """What a seal remembers of each tensor: address, shape, strides and dtype (another tensor
+    in its place, ``.data =``, ``resize_``, ``t_`` or ``set_`` change them; values do not)."""
+    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts if t is not None])
 
 
 class Fp8Blocks:
@@ -103,36 +100,26 @@ class Fp8Blocks:
     def _sealed(self, *, checked: bool = False) -> Fp8Blocks:
         """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
-        changed in place (any in-place op, ``resize_`` too, moves its version) or given other
-        memory through ``.data =`` (which moves no version: its address, shape or strides
-        change). Not compiled.
-        The seal's last entry: the GEMMs' shape rules were found to hold too (``checked``)."""
+        given other memory, shape, strides or dtype (:func:`_states`). Not compiled. Its last
+        entry: the GEMMs' shape rules were found to hold (``checked``)."""
         if not torch.compiler.is_compiling():
-            tensors = self.tensors()
-            self._seal = [self.block, self.shape, tensors, _states(tensors), checked]
+            self._seal = [self.block, self.shape, _states(self.tensors()), checked]
         return self
 
     def _seal_holds(self) -> list[Any] | None:
-        """The seal :meth:`_sealed` recorded while it holds (the same tensors, by identity, at
-        the same versions, for the same block and shape), else ``None``."""
-        seal, tensors = self._seal, self.tensors()
+        """The seal :meth:`_sealed` recorded while it holds (the same block, shape and tensor
+        states), else ``None``."""
+        seal = self._seal
         if seal is None or torch.compiler.is_compiling():
             return None
-        same = (
-            all(map(operator.is_, seal[2], tensors))
-            and seal[3] == _states(tensors)
-            and seal[0] == self.block
-            and seal[1] == self.shape
-        )
-        return seal if same else None
+        if seal[0] != self.block or seal[1] != self.shape:
+            return None
+        return seal if seal[2] == _states(self.tensors()) else None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        """The tensors, to pass into a custom op.
-
-        Returns:
-            ``(data, data_t, scales, row_offsets, seg_offsets, block_offsets)``,
-            ``None`` where the form has none; :meth:`from_tensors` takes it back.
-        """
+        """The tensors, to pass into a custom op: ``(data, data_t, scales, row_offsets,
+        seg_offsets, block_offsets)``, ``None`` where the form has none (:meth:`from_tensors`
+        takes it back)."""
         offsets = self.row_offsets, self.seg_offsets, self.block_offsets
         return self.data, self.data_t, self.scales, *offsets
 

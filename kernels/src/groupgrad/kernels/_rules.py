@@ -382,6 +382,30 @@ def check_row_major(name: str, t: Tensor) -> None:
         )
 
 
+def check_unrecorded(
+    op: str, inputs: Sequence[tuple[str, Tensor | Sequence[Tensor]]], listed: ListedFacts | None
+) -> None:
+    """Reject inputs autograd would record: the kernels are not differentiable, so a gradient
+    through their output would silently never reach them. An input may be a group of
+    matrices (op form); ``listed`` is what one pass over a listed group found."""
+    if not torch.is_grad_enabled():
+        return
+    for name, value in inputs:
+        if isinstance(value, Tensor):
+            recorded = value.requires_grad
+        elif listed is not None and listed.alike:
+            recorded = listed.requires_grad
+        else:
+            recorded = _group.any_requires_grad(value)
+        if recorded:
+            raise ValueError(
+                f"{name} requires grad, but grouped_{op} is not differentiable: autograd would "
+                f"give {name} no gradient through it; expected tensors that do not require grad "
+                "(call it under torch.no_grad() or on detached tensors), or the autograd-aware "
+                "layers of groupgrad.modules (grouped_linear, grouped_mlp)"
+            )
+
+
 def check_writable(name: str, t: Tensor) -> None:
     """Reject an output autograd tracks: the kernels write it in place, outside autograd."""
     if t.requires_grad and torch.is_grad_enabled():

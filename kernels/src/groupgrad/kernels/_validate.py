@@ -110,6 +110,7 @@ def grouped_call(
     a_TX = _rules.input_matrix(a_name, a)
     label = _group.labeler("weights", names)
     w_group, (E, N, K), listed = _rules.weights_arg(weights, a_name, a_TX, label)
+    _rules.check_unrecorded(op, [(a_name, a_TX), (label(None), w_group)], listed)
     T = a_TX.shape[0]
     _rules.check_inner(op, a_name, a_TX.shape[1], (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a_TX.device, experts=E)
@@ -136,6 +137,7 @@ def wgrad_call(
     if x_TK.dtype != dy_TN.dtype:
         raise TypeError(f"x has dtype {x_TK.dtype}, expected {dy_TN.dtype} like dy")
     _rules.check_device("x", x_TK, "dy", dy_TN)
+    _rules.check_unrecorded("wgrad", [("dy", dy_TN), ("x", x_TK)], None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x_TK.shape[0], dy_TN.shape[0], x_TK.device, accumulate
     )
@@ -198,6 +200,7 @@ def fp8_rows_call(
     a8 = fp8_operand(a_name, a, ROWS)
     w8 = fp8_operand(label(None), weights, WEIGHTS)
     _rules.check_device(label(None), w8.data, a_name, a8.data)
+    _rules.check_unrecorded(op, _fp8_inputs((a_name, a8), (label(None), w8)), None)
     (T, cols), (E, N, K) = a8.shape, w8.shape
     _rules.check_inner(op, a_name, cols, (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
@@ -224,6 +227,7 @@ def fp8_wgrad_call(
     dy8 = fp8_operand("dy", dy, SEGMENTS)
     x8 = fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
+    _rules.check_unrecorded("wgrad", _fp8_inputs(("dy", dy8), ("x", x8)), None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )
@@ -264,6 +268,15 @@ _FP8_ROLES = {
 }
 
 
+def _fp8_inputs(*forms: tuple[str, Fp8Blocks]) -> list[tuple[str, Tensor]]:
+    """The tensors of FP8 operands a GEMM reads, named for :func:`_rules.check_unrecorded`."""
+    return [
+        (f"{name}.{part}", getattr(form, part))
+        for name, form in forms
+        for part in ("data", "scales")
+    ]
+
+
 def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
     """An :class:`Fp8Blocks` of ``block`` whose tensors have the layout the FP8 GEMMs read.
 
@@ -287,11 +300,11 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
         )
     seal = value._seal_holds()
-    if seal and seal[4]:  # sealed, and this seal's shape passed the rules below before
+    if seal and seal[3]:  # sealed, and this seal's shape passed the rules below before
         return value
     layout = _layout(block, value.shape, _experts(value))
     if seal:
-        seal[4] = True
+        seal[3] = True
         return value
     data, scales = value.data, value.scales
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:

@@ -10,6 +10,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -524,3 +525,19 @@ def test_fp8_operands_autograd_would_record_are_refused(
         x_rows, _ = quantize_fp8(x, block=(ROWS, SEGMENTS), splits=SPLITS)
         fprop(x_rows, operands["w"], SPLITS, out=y)
     assert torch.equal(y, fprop(operands["x"], operands["w"], SPLITS))
+
+
+def test_fake_forms_are_not_sealed() -> None:
+    """A fake tensor has no address to remember (reading one warns, and will raise): forms of
+    fake tensors stay unsealed, and the validator checks them in full on every call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            x8 = quantize_fp8(_randn(T, K, seed=1), block=ROWS)
+            w8 = quantize_fp8(_randn(E, N, K, seed=3), block=WEIGHTS)
+            y = grouped_fprop(x8, w8, SPLITS)
+    assert x8._seal is None
+    assert w8._seal is None
+    assert tuple(y.shape) == (T, N)

@@ -912,6 +912,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "fp8-seal-of-fake-forms",
+        "forms of fake tensors are sealed: their addresses are read (a deprecation warning "
+        "now, an error in later torch)",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "        if not torch.compiler.is_compiling() and set(map(type, tensors)) <= _SEALABLE:",
+        "        if not torch.compiler.is_compiling():",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
         "fp8-seal-blind-to-the-shape",
         "a sealed Fp8Blocks given another shape keeps its seal: its tensors are not checked "
         "against the new shape's layout",

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from groupgrad.kernels import _fp8_ops
 from groupgrad.kernels._fp8_ops import token_map
-from groupgrad.kernels._group import listed_facts
+from groupgrad.kernels._group import PLAIN_TYPES, listed_facts
 
 __all__ = ["Fp8Blocks", "check_splits", "quantize_fp8", "quantize_fp8_ref", "segment_offsets"]
 
@@ -28,6 +28,7 @@ SEGMENT_ALIGN = 16  # tokens: each expert's data columns start 16-byte aligned
 
 Splits = Sequence[int] | Tensor
 Block = tuple[int, int]
+_SEALABLE = {*PLAIN_TYPES, type(None)}
 
 
 def _states(ts: tuple[Tensor | None, ...]) -> tuple[Any, ...]:
@@ -102,8 +103,9 @@ class Fp8Blocks:
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
         given other memory, shape, strides or dtype (:func:`_states`). Not compiled. Its last
         entry: the GEMMs' shape rules were found to hold (``checked``)."""
-        if not torch.compiler.is_compiling():
-            self._seal = [self.block, self.shape, _states(self.tensors()), checked]
+        tensors = self.tensors()  # plain ones only: a fake tensor has no address to remember
+        if not torch.compiler.is_compiling() and set(map(type, tensors)) <= _SEALABLE:
+            self._seal = [self.block, self.shape, _states(tensors), checked]
         return self
 
     def _seal_holds(self) -> list[Any] | None:

@@ -200,7 +200,8 @@ def fp8_rows_call(
     a8 = fp8_operand(a_name, a, ROWS)
     w8 = fp8_operand(label(None), weights, WEIGHTS)
     _rules.check_device(label(None), w8.data, a_name, a8.data)
-    _rules.check_unrecorded(op, _fp8_inputs((a_name, a8), (label(None), w8)), None)
+    read = [(a_name, [a8.data, a8.scales]), (label(None), [w8.data, w8.scales])]
+    _rules.check_unrecorded(op, read, None)
     (T, cols), (E, N, K) = a8.shape, w8.shape
     _rules.check_inner(op, a_name, cols, (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
@@ -227,7 +228,8 @@ def fp8_wgrad_call(
     dy8 = fp8_operand("dy", dy, SEGMENTS)
     x8 = fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
-    _rules.check_unrecorded("wgrad", _fp8_inputs(("dy", dy8), ("x", x8)), None)
+    read = [("dy", [dy8.data, dy8.scales]), ("x", [x8.data, x8.scales])]
+    _rules.check_unrecorded("wgrad", read, None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )
@@ -266,15 +268,6 @@ _FP8_ROLES = {
     WEIGHTS: "the weights of fprop/dgrad",
     SEGMENTS: "dy and x of wgrad, with splits",
 }
-
-
-def _fp8_inputs(*forms: tuple[str, Fp8Blocks]) -> list[tuple[str, Tensor]]:
-    """The tensors of FP8 operands a GEMM reads, named for :func:`_rules.check_unrecorded`."""
-    return [
-        (f"{name}.{part}", getattr(form, part))
-        for name, form in forms
-        for part in ("data", "scales")
-    ]
 
 
 def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:

@@ -63,30 +63,38 @@ def _deepgemm_operand(t: torch.Tensor, splits: list[int], cast: Callable) -> tup
     return (torch.cat(data), torch.cat(scales).t()), padded
 
 
-def bench_cell(E: int, N: int, K: int, label: str, splits: list[int], reps: int,
-               warm_only: bool) -> dict | None:  # fmt: skip
+def deepgemm_wgrad(
+    dy: torch.Tensor, x: torch.Tensor, splits: list[int], out: torch.Tensor
+) -> tuple[Callable[[], None], list[int]]:
+    """DeepGEMM's k-grouped FP8 wgrad of ``dy``, ``x`` (on its own quantization) accumulating
+    into ``out`` ``(E, N, K)``, as a call; and the padded token counts it runs on."""
     import deep_gemm
     from deep_gemm.utils import per_channel_cast_to_fp8
 
+    a, padded = _deepgemm_operand(dy, splits, per_channel_cast_to_fp8)
+    b, _ = _deepgemm_operand(x, splits, per_channel_cast_to_fp8)
+    layout = torch.tensor(padded, device=dy.device, dtype=torch.int32)
+
+    def call() -> None:
+        deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a, b, out, padded, layout, c=out)
+
+    return call, padded
+
+
+def bench_cell(E: int, N: int, K: int, label: str, splits: list[int], reps: int,
+               warm_only: bool) -> dict | None:  # fmt: skip
     T = sum(splits)
     dev = torch.tensor(splits, device="cuda")
     gens = [torch.Generator(device="cuda").manual_seed(300 + E + i) for i in range(2 * N_SETS)]
     dy = [torch.randn(T, N, generator=gens[i], device="cuda").bfloat16() for i in range(N_SETS)]
     x = [torch.randn(T, K, generator=gens[N_SETS + i], device="cuda").bfloat16()
          for i in range(N_SETS)]  # fmt: skip
-    dg_a, dg_b = [], []
-    for i in range(N_SETS):
-        a, padded = _deepgemm_operand(dy[i], splits, per_channel_cast_to_fp8)
-        b, _ = _deepgemm_operand(x[i], splits, per_channel_cast_to_fp8)
-        dg_a.append(a)
-        dg_b.append(b)
-    layout = torch.tensor(padded, device="cuda", dtype=torch.int32)
     dg_out = torch.zeros(E, N, K, device="cuda")
+    dg_calls = [deepgemm_wgrad(dy[i], x[i], splits, dg_out) for i in range(N_SETS)]
+    padded = dg_calls[0][1]
 
     def deepgemm(i: int) -> None:
-        deep_gemm.k_grouped_fp8_gemm_nt_contiguous(
-            dg_a[i], dg_b[i], dg_out, padded, layout, c=dg_out
-        )
+        dg_calls[i][0]()
 
     deepgemm(0)  # compiles DeepGEMM's kernel for this shape on first use
     torch.cuda.synchronize()

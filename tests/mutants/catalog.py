@@ -1046,8 +1046,45 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch.autograd.grad(loss, [x]) or backward(inputs=[x]) runs the wgrad GEMMs anyway: "
         "main_grad (or a backward_dw() job) gets a gradient nobody asked for",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "    return any(gradient_delivered(p) is not False for p in target.params",
-        "    return any(True for p in target.params",
+        "    taken = [state is not False for state in states]",
+        "    taken = [True for state in states]",
         (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
+    ),
+    Mutant(
+        "wgrad-runs-for-some-of-a-layers-weights",
+        "backward(inputs=[weight0]) or torch.autograd.grad(loss, [weight0]) runs the layer's one "
+        "GEMM past autograd for every member: weight1's main_grad (or backward_dw() job) gets a "
+        "gradient nobody asked for",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    if all(taken) or not any(taken):\n        return taken[0]",
+        "    if True:\n        return any(taken)",
+        (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
+    ),
+    Mutant(
+        "some-weights-refused-where-autograd-takes-the-wgrads",
+        "the all-or-none rule applied where the wgrads go back to autograd (which keeps only "
+        "those asked for): one expert's gradient asked of a plain layer is refused",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "        if len(live) < 2 or not past:",
+        "        if len(live) < 2:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "compiled-some-weights-refused-where-autograd-takes-the-wgrads",
+        "under torch.compile the all-or-none rule applied where the wgrads go to .grad: one "
+        "expert's gradient asked of a plain layer is refused",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "        if len(trainable) < 2 or not past:",
+        "        if len(trainable) < 2:",
+        (_COMPILE_TESTS,),
+    ),
+    Mutant(
+        "mlp-delivery-read-off-the-other-layers-nodes",
+        "the fused MLP reads fc1's weights' delivery off fc2's gradient nodes: a backward asking "
+        "for fc1's gradients writes fc2's main_grads and leaves fc1's",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "fc1_nodes, _, fc2_nodes, _ = gradient_nodes(ctx, w1, b1, w2, b2)",
+        "fc2_nodes, _, fc1_nodes, _ = gradient_nodes(ctx, w1, b1, w2, b2)",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

@@ -331,3 +331,32 @@ def test_compiled_backward_for_the_input_only_leaves_main_grad_alone() -> None:
     assert not layer.weight.main_grad.any()  # no wgrad GEMM ran into it
     step(x, splits).float().sum().backward()
     assert layer.weight.main_grad.any()
+
+
+def test_compiled_backward_for_some_weights_writing_main_grad_is_an_error() -> None:
+    # The compiled op reads each expert's delivery at run time, as eager does from its context.
+    torch.manual_seed(3)
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=False, accumulate_into_main_grad=True)
+    weights = list(layer.parameters())
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape)
+    step = torch.compile(layer, fullgraph=True)
+    x, splits = torch.randn(T, H, dtype=BF16), torch.tensor([5, 0, 11, 8])
+    with pytest.raises(RuntimeError, match="asks for the gradients of weight0 but not of weight1"):
+        step(x, splits).float().sum().backward(inputs=[weights[0]])
+    assert not any(w.main_grad.any() for w in weights)
+    step(x, splits).float().sum().backward(inputs=weights)  # all of them: delivered
+    assert all(w.main_grad.any() for w in weights[:1] + weights[2:])  # expert 1 has no tokens
+
+
+def test_compiled_backward_for_some_weights_going_to_grad_delivers_exactly_those() -> None:
+    torch.manual_seed(3)
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=False)
+    weights = list(layer.parameters())
+    x, splits = torch.randn(T, H, dtype=BF16), torch.tensor([5, 0, 11, 8])
+    layer(x, splits).float().sum().backward()
+    want = weights[2].grad
+    layer.zero_grad(set_to_none=True)
+    torch.compile(layer, fullgraph=True)(x, splits).float().sum().backward(inputs=[weights[2]])
+    assert torch.equal(weights[2].grad, want)
+    assert all(w.grad is None for w in weights[:2] + weights[3:])

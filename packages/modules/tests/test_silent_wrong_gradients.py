@@ -711,22 +711,31 @@ def test_a_second_derivative_through_a_grouped_op_is_an_error_not_zero(op: str, 
         penalty.backward()
 
 
-def _writing_main_grads(kind: str, delay: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
-    """A layer writing every weight's fp32 ``main_grad`` (``"mlp_fp8"``: H = F = 128, FP8)."""
+def _writing_main_grads(
+    kind: str, delay: bool, main_grad: bool = True
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """A per-expert layer writing every weight's fp32 ``main_grad`` (``"mlp_fp8"``: H = F =
+    128, FP8); with ``main_grad=False`` one whose wgrads go to ``.grad``."""
     torch.manual_seed(50)
     if kind == "linear":
         layer: torch.nn.Module = GroupedLinear(
-            E, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+            E, K, N, bias=False, accumulate_into_main_grad=main_grad, delay_wgrad_compute=delay
         )
     else:
         size = 128 if kind == "mlp_fp8" else K
         layer = GroupedMLP(
-            E, size, size, accumulate_into_main_grad=True, delay_wgrad_compute=delay,
+            E, size, size, accumulate_into_main_grad=main_grad, delay_wgrad_compute=delay,
             fp8_recipe="blockwise" if kind == "mlp_fp8" else None,
         )  # fmt: skip
     weights = list(layer.parameters())
-    _attach_main_grad(weights)
+    if main_grad:
+        _attach_main_grad(weights)
     return layer, weights
+
+
+def _first_layer(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of ``layer``'s first grouped linear (a ``GroupedMLP``'s fc1)."""
+    return list((layer.fc1 if isinstance(layer, GroupedMLP) else layer).parameters())
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_fp8"])
@@ -758,3 +767,78 @@ def test_a_backward_for_the_input_only_leaves_main_grad_alone(
     if delay:
         layer.backward_dw()  # type: ignore[operator]
     assert all(w.main_grad.any() for w in weights)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_fp8"])
+@pytest.mark.parametrize("route", ["main_grad", "main_grad delayed", "grad delayed"])
+@pytest.mark.parametrize("ask", ["autograd.grad", "inputs"])
+def test_a_backward_for_some_of_a_layers_weights_is_an_error_where_its_wgrads_pass_autograd(
+    kind: str, route: str, ask: str
+) -> None:
+    # Catches: backward(inputs=[weight0]) or torch.autograd.grad(loss, [weight0]) running the
+    # layer's one wgrad GEMM for every member anyway, into main_grad or a backward_dw() job
+    # (which accumulates .grad), so weight1 gets a gradient nobody asked for.
+    main_grad, delay = route.startswith("main_grad"), route.endswith("delayed")
+    layer, weights = _writing_main_grads(kind, delay, main_grad)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=52).requires_grad_()
+    out = layer(x, SPLITS).square().sum()
+    first = _first_layer(layer)[0]
+    refused = r"asks for the gradients of \S*weight0 but not of \S*weight1, .*name all of"
+    run = (
+        (lambda: out.backward(inputs=[first]))
+        if ask == "inputs"
+        else (lambda: torch.autograd.grad(out, [first]))
+    )
+    with pytest.raises(RuntimeError, match=refused):
+        run()
+    for w in weights:  # nothing written, flagged or queued
+        assert w.grad is None
+        if main_grad:
+            assert not w.main_grad.any()
+            assert w.grad_added_to_main_grad is False
+    if delay:
+        with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+            layer.backward_dw()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlp_fp8"])
+def test_a_backward_for_one_layers_weights_writes_that_layers_main_grads_only(kind: str) -> None:
+    # Catches: a layer's delivery read off another layer's (or another member's) gradient node
+    # — fc2's main_grads written for a backward that asks for fc1's, or fc1's left unwritten.
+    layer, weights = _writing_main_grads(kind, False)
+    fc1 = _first_layer(layer)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=53)
+    layer(x, SPLITS).square().sum().backward(inputs=fc1)
+    asked = [w.main_grad.clone() for w in fc1]
+    assert all(not w.main_grad.any() for w in weights if all(w is not f for f in fc1))
+    _attach_main_grad(weights)
+    layer(x, SPLITS).square().sum().backward()  # the full backward's fc1 main_grads
+    assert all(got.any() for got in asked)
+    for got, w in zip(asked, fc1, strict=True):
+        assert torch.equal(got, w.main_grad)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("ask", ["autograd.grad", "inputs"])
+def test_a_backward_for_some_weights_is_exact_where_autograd_takes_the_wgrads(
+    kind: str, ask: str
+) -> None:
+    # Catches: the all-or-none rule applied where the wgrads go back to autograd, which keeps
+    # only those asked for: one expert's gradient asked of a plain layer would be refused.
+    layer, weights = _writing_main_grads(kind, False, main_grad=False)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=54)
+    dy = _randn(sum(SPLITS), weights[-1].shape[0], seed=55)
+    first = _first_layer(layer)[1]
+    out = (layer(x, SPLITS) * dy).sum()
+    if ask == "inputs":
+        out.backward(inputs=[first])
+        got = first.grad
+    else:
+        (got,) = torch.autograd.grad(out, [first])
+    if kind == "linear":
+        want = _weight_grads_fp64(x, weights, SPLITS, dy)[1]
+    else:
+        fc1, fc2 = _first_layer(layer), list(layer.fc2.parameters())  # type: ignore[union-attr]
+        want = _mlp_grads_fp64(x, fc1, fc2, SPLITS, torch.ones(sum(SPLITS)), dy)[1][1]
+    _close(got, want)
+    assert all(w.grad is None for w in weights if w is not first)

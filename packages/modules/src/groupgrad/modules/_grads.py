@@ -18,15 +18,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from operator import itemgetter
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from groupgrad.modules._group import Splits, expert_index
 from groupgrad.modules._operands import Operand
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradQueue, WgradTarget
-from groupgrad.protocol import autograd_grad_dtype
+from groupgrad.protocol import WgradRoute, autograd_grad_dtype
+
+#: A layer's weights' gradient nodes, in the weights' order (``None`` for one that requires
+#: no grad): :func:`gradient_nodes`.
+WeightNodes = tuple[Node | None, ...]
 
 __all__ = [
     "LayerGrads",
@@ -34,6 +40,7 @@ __all__ = [
     "bias_grad",
     "bias_grads",
     "gradient_delivered",
+    "gradient_nodes",
     "parameter_grads",
 ]
 
@@ -76,6 +83,33 @@ def autograd_dispatch() -> Iterator[None]:
         torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
 
 
+def gradient_nodes(ctx: Any, *groups: Sequence[Tensor]) -> list[WeightNodes | None]:
+    """The gradient nodes of each group of an autograd Function's parameters, read off its
+    context (``ctx.next_functions``): the groups, in this order, are the last inputs of its
+    ``apply`` (e.g. fc1's weights, fc1's biases, fc2's weights, fc2's biases). Cheaper than a
+    lookup per parameter (:func:`gradient_delivered`): at 128 experts a layer's nodes cost
+    microseconds, its lookups a fraction of a millisecond. ``None`` for every group while
+    ``torch.compile`` traces: the compiled op looks them up at run time."""
+    if torch.compiler.is_compiling():
+        return [None] * len(groups)
+    edges = ctx.next_functions
+    start = len(edges) - sum(map(len, groups))
+    nodes: list[WeightNodes | None] = []
+    for group in groups:
+        nodes.append(tuple(map(itemgetter(0), edges[start : start + len(group)])))
+        start += len(group)
+    return nodes
+
+
+def _executes(node: Node) -> bool | None:
+    """Whether the backward now running executes ``node``; ``None`` where
+    ``torch.autograd.grad`` captures the gradient of a leaf it stands for."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf whose gradient torch.autograd.grad captures
+        return None
+
+
 def gradient_delivered(param: Tensor) -> bool | None:
     """Whether the backward now running delivers ``param``'s gradient.
 
@@ -91,15 +125,61 @@ def gradient_delivered(param: Tensor) -> bool | None:
     """
     with autograd_dispatch(), torch.enable_grad():  # a backward runs with grad mode off
         node = torch.autograd.graph.get_gradient_edge(param).node
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:  # a leaf whose gradient torch.autograd.grad captures
-        return None
+    return _executes(node)
 
 
-def _weights_delivered(target: WgradTarget) -> bool:
-    """Whether this backward delivers the gradient of any of ``target``'s trainable weights."""
-    return any(gradient_delivered(p) is not False for p in target.params if p.requires_grad)
+def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: bool) -> bool:
+    """Whether this backward delivers the gradients of ``target``'s trainable weights.
+
+    Where the wgrads go back to autograd, which drops those nobody asked for,
+    any one weight delivered runs the GEMM. Where they go past autograd — into
+    ``main_grad``, a distributed group's buffers or a ``backward_dw()`` job
+    (``queued``) — the one GEMM writes every member's, so this backward must
+    deliver all of them or none.
+
+    Args:
+        nodes: The weights' gradient nodes (:func:`gradient_nodes`); ``None``:
+            looked up per weight.
+
+    Raises:
+        RuntimeError: Past autograd, some trainable weights delivered and
+            others not (``backward(inputs=...)`` or ``torch.autograd.grad``
+            naming some of them); nothing was written.
+    """
+    past = queued or target.spec.wgrad_into_main_grad or target.route() is WgradRoute.DISTRIBUTED
+    if nodes is None:  # compiled: looked up at run time, weight by weight
+        trainable = [p for p in target.params if p.requires_grad]
+        if len(trainable) < 2 or not past:
+            return any(gradient_delivered(p) is not False for p in trainable)
+        states = list(map(gradient_delivered, trainable))
+    else:
+        live = [node for node in nodes if node is not None]  # the trainable weights'
+        if len(live) < 2 or not past:
+            return any(_executes(node) is not False for node in live)
+        try:  # one pass, the common case: no gradient is captured
+            states = list(map(torch._C._will_engine_execute_node, live))
+        except RuntimeError:  # torch.autograd.grad captures one of them
+            states = list(map(_executes, live))
+    taken = [state is not False for state in states]
+    if all(taken) or not any(taken):
+        return taken[0]
+    names = [n for n, p in zip(target.spec.names, target.params, strict=True) if p.requires_grad]
+    asked = [name for name, t in zip(names, taken, strict=True) if t]
+    left = [name for name, t in zip(names, taken, strict=True) if not t]
+    raise RuntimeError(
+        f"this backward asks for the gradients of {_listing(asked)} but not of "
+        f"{_listing(left)} (backward(inputs=...) or torch.autograd.grad naming some of them): "
+        "groupgrad writes a grouped layer's weight gradients past autograd (into main_grad, a "
+        "distributed group's buffers or a backward_dw() job) in one GEMM for all of them, so "
+        "the others would get a gradient nobody asked for; name all of the layer's trainable "
+        "weights, or none of them"
+    )
+
+
+def _listing(names: Sequence[str]) -> str:
+    """``names`` joined for a message, the first few of a long list."""
+    shown = ", ".join(names[:4])
+    return shown if len(names) <= 4 else f"{shown}, … ({len(names)} in all)"
 
 
 @dataclass(frozen=True)
@@ -110,11 +190,14 @@ class LayerGrads:
         target: The layer's wgrad GEMM target (weight layout, shape, weights).
         biases: The layer's bias parameters (empty without bias).
         operands: How messages name the wgrad GEMM's ``dy`` and ``x``.
+        nodes: The weights' gradient nodes where the op's backward has them
+            (:func:`gradient_nodes`); ``None``: looked up where needed.
     """
 
     target: WgradTarget
     biases: tuple[Tensor, ...] = ()
     operands: tuple[str, str] = ("dy", "x")
+    nodes: WeightNodes | None = None
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -136,7 +219,8 @@ def parameter_grads(
     A layer none of whose weights' gradients this backward delivers
     (:func:`gradient_delivered`: ``torch.autograd.grad(loss, [x])``,
     ``backward(inputs=[...])``) runs no wgrad GEMM and queues nothing; its
-    weights get ``None``.
+    weights get ``None``. One whose wgrads go past autograd must have all of
+    its trainable weights delivered or none (:func:`_weights_delivered`).
 
     Args:
         layers: The op's layers, in the order their GEMMs run.
@@ -155,11 +239,11 @@ def parameter_grads(
         concatenated in layer order.
 
     Raises:
-        RuntimeError: A ``main_grad`` of any layer is missing or malformed;
-            nothing was written then.
+        RuntimeError: A ``main_grad`` of any layer is missing or malformed, or
+            a layer's weights are delivered in part; nothing was written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
-    taken = [_weights_delivered(layer.target) for layer in layers]
+    taken = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in layers]
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [

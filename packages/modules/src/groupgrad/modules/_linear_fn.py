@@ -40,7 +40,7 @@ from groupgrad.modules._fp8_recipe import (
     check_fp8_sizes,
     fp8_for_forward,
 )
-from groupgrad.modules._grads import LayerGrads
+from groupgrad.modules._grads import LayerGrads, gradient_nodes
 from groupgrad.modules._group import (
     Splits,
     WeightGroupSpec,
@@ -267,7 +267,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dx_TK = layer_dgrad(
                     dy_gemm, ctx.splits, ctx.spec, ctx.weights, ctx.cast_dtype, fp8=fp8
                 )
-            layer = LayerGrads(ctx.target, ctx.biases)
+            nodes, _ = gradient_nodes(ctx, ctx.weights, ctx.biases)
+            layer = LayerGrads(ctx.target, ctx.biases, nodes=nodes)
             grads = hand_over(
                 [layer],
                 [dy_TN if dy_wgrad is None else dy_wgrad],  # None: no weight takes a gradient

@@ -60,7 +60,7 @@ from groupgrad.kernels import Fp8Blocks
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
 from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._fp8_recipe import check_fp8_recipe, check_fp8_sizes, fp8_for_forward
-from groupgrad.modules._grads import LayerGrads
+from groupgrad.modules._grads import LayerGrads, gradient_nodes
 from groupgrad.modules._group import (
     Splits,
     autocast_input,
@@ -177,8 +177,9 @@ def _mlp_backward(
         check_forward_versions(layout.fc1, w1, ctx.versions[0])
     check_forward_versions(layout.fc2, w2, ctx.versions[1])  # every gradient reads da
     splits = ctx.splits
-    fc2 = LayerGrads(ctx.fc2, b2, ("dy", "fc2's input"))
-    fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"))
+    fc1_nodes, _, fc2_nodes, _ = gradient_nodes(ctx, w1, b1, w2, b2)  # MLPLayout.split's order
+    fc2 = LayerGrads(ctx.fc2, b2, ("dy", "fc2's input"), fc2_nodes)
+    fc1 = LayerGrads(ctx.fc1, b1, ("fc1's output grad", "x"), fc1_nodes)
     fc2_trains = fc2.target.trainable()
     dy_dgrad, dy_wgrad = forms.grad(dy_TH, splits, "fc2", rows=True, tokens=fc2_trains)
     dy_dgrad = cast(Tensor | Fp8Blocks, dy_dgrad)  # rows=True: always there

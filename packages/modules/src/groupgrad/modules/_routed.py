@@ -39,7 +39,7 @@ from torch import Tensor
 
 from groupgrad.kernels import swiglu_probs, swiglu_probs_backward
 from groupgrad.modules._compiled import hand_over, refuse_derived_parameters
-from groupgrad.modules._grads import LayerGrads
+from groupgrad.modules._grads import LayerGrads, gradient_nodes
 from groupgrad.modules._group import (
     Splits,
     autocast_input,
@@ -146,14 +146,14 @@ def _routed_backward(
     dh_S2F, dprobs_S, a_SF = swiglu_probs_backward(da_SF, h_S2F, probs_S)
     del da_SF
     _release(h_S2F)
-    fc2_grads = hand_over(
-        [LayerGrads(ctx.fc2, (), ("dy", "fc2's input"))], [dy_SH], [a_SF], splits, None
-    )
+    fc1_nodes, fc2_nodes = gradient_nodes(ctx, w1, w2)
+    fc2 = LayerGrads(ctx.fc2, (), ("dy", "fc2's input"), fc2_nodes)
+    fc2_grads = hand_over([fc2], [dy_SH], [a_SF], splits, None)
     del dy_SH, a_SF
     x_SH = x_TH.index_select(0, rows_S)
     if ctx.cast_dtype is not None:
         x_SH = x_SH.to(ctx.cast_dtype)
-    fc1 = LayerGrads(ctx.fc1, (), ("fc1's output grad", "x"))
+    fc1 = LayerGrads(ctx.fc1, (), ("fc1's output grad", "x"), fc1_nodes)
     fc1_grads = hand_over([fc1], [dh_S2F], [x_SH], splits, None)
     del x_SH
 

@@ -79,6 +79,12 @@ class WgradTarget:
         """Whether any parameter requires grad (else there is no GEMM to run)."""
         return any(param.requires_grad for param in self.params)
 
+    def route(self) -> WgradRoute:
+        """Where the wgrad goes (the protocol's :func:`~groupgrad.protocol.wgrad_route`)."""
+        return wgrad_route(
+            self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
+        )
+
     def plan(self, dtype: torch.dtype, device: torch.device, deferred: bool) -> WeightGradPlan:
         """The protocol's plan, made now (``overwrite_main_grad`` and ``get_main_grad()`` read now)."""
         return plan_weight_grads(
@@ -118,10 +124,7 @@ class WgradTarget:
         """
         if not self.trainable():
             return None
-        route = wgrad_route(
-            self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
-        )
-        if route is not WgradRoute.MAIN_GRAD:
+        if self.route() is not WgradRoute.MAIN_GRAD:
             return None
         plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
         return self.ready(dy_TN, x_TK, splits, plan)

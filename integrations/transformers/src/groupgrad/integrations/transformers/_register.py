@@ -104,4 +104,4 @@ def _watch_set_experts_implementation() -> None:
         return result
 
     set_experts_implementation._groupgrad_watched = True  # type: ignore[attr-defined]
-    PreTrainedModel.set_experts_implementation = set_experts_implementation  # type: ignore[method-assign]
+    PreTrainedModel.set_experts_implementation = set_experts_implementation  # type: ignore[method-assign,unused-ignore]

@@ -1061,6 +1061,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
     ),
     Mutant(
+        "distributed-group-delivered-in-part",
+        "a backward naming some of a distributed group's weights runs its one GEMM and the "
+        "leader's finalize for all of them",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    past = queued or target.spec.wgrad_into_main_grad or target.route() is WgradRoute.DISTRIBUTED",
+        "    past = queued or target.spec.wgrad_into_main_grad",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "some-weights-refused-where-autograd-takes-the-wgrads",
         "the all-or-none rule applied where the wgrads go back to autograd (which keeps only "
         "those asked for): one expert's gradient asked of a plain layer is refused",

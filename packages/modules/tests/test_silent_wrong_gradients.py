@@ -20,6 +20,7 @@ from groupgrad.modules import (
     routed_grouped_mlp,
 )
 from groupgrad.protocol import accumulate_grads_like_autograd
+from groupgrad.protocol.testing import make_fake_group
 
 E, K, N = 4, 16, 8
 SPLITS = [4, 4, 3, 1]
@@ -799,6 +800,17 @@ def test_a_backward_for_some_of_a_layers_weights_is_an_error_where_its_wgrads_pa
     if delay:
         with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
             layer.backward_dw()  # type: ignore[operator]
+
+
+def test_a_backward_for_some_of_a_distributed_groups_weights_is_an_error() -> None:
+    # Catches: the all-or-none rule skipped for a distributed group without main_grad: its
+    # one GEMM fills every member's buffer and the leader's finalize reduces them all.
+    group = make_fake_group([_randn(N, K, seed=60 + e) for e in range(E)])
+    out = grouped_linear(_randn(sum(SPLITS), K, seed=64), group, SPLITS).square().sum()
+    with pytest.raises(RuntimeError, match="gradients of weight1 but not of weight0, weight2"):
+        out.backward(inputs=[group[1]])
+    assert group[0].calls["finalize_group_grads"] == 0  # type: ignore[attr-defined]
+    assert all(w.grad is None for w in group)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "mlp_fp8"])

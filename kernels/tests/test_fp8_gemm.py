@@ -258,7 +258,7 @@ def test_the_source_dtype_and_the_expert_count_are_checked(operands: dict[str, F
     with pytest.raises(ValueError, match=r"shape \(0, 256, 384\), expected at least one expert"):
         grouped_fprop(operands["x"], none, [])
     x_none = quantize_fp8(_randn(0, K, seed=1), block=SEGMENTS, splits=[])
-    with pytest.raises(ValueError, match=r"quantized for no expert \(splits had no entries\)"):
+    with pytest.raises(ValueError, match=r"^dy was quantized for no expert \(splits had no entr"):
         grouped_wgrad(x_none, x_none, [])
 
 
@@ -338,6 +338,10 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     overlapping.seg_offsets = torch.tensor([0, 0, 160, 208, 512, 528])
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \[0, 0, 160, 208, 512, 528\], exp"):
         grouped_wgrad(overlapping, operands["x_seg"], SPLITS)
+    matrix = copy.copy(dy)  # no expert count to read off it
+    matrix.row_offsets = dy.row_offsets[:, None]
+    with pytest.raises(ValueError, match=r"^x\.row_offsets is of shape \(6, 1\), expected an \(E"):
+        grouped_wgrad(operands["dy_seg"], matrix, SPLITS)
     shifted = copy.copy(dy)  # past the tensors: an IndexError in the reference before
     shifted.row_offsets = dy.row_offsets + 1000
     with pytest.raises(ValueError, match=r"^dy\.row_offsets is \[1000, 1150"):

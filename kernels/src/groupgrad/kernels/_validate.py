@@ -295,7 +295,7 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
     seal = value._seal_holds()
     if seal and seal[3]:  # sealed, and this seal's shape passed the rules below before
         return value
-    layout = _layout(block, value.shape, _experts(value))
+    layout = _layout(block, value.shape, _experts(name, value))
     if seal:
         seal[3] = True
         return value
@@ -332,7 +332,7 @@ def _same_memory(t: Tensor, strides: tuple[int, ...]) -> bool:
     return t.numel() == 0 or all(n == 1 or a == b for n, a, b in pairs)
 
 
-def _experts(value: Fp8Blocks) -> int:
+def _experts(name: str, value: Fp8Blocks) -> int:
     """A ``(128, 1)`` form's expert count, from its ``row_offsets`` (0 for other blocks)."""
     if value.block != SEGMENTS:
         return 0
@@ -340,11 +340,11 @@ def _experts(value: Fp8Blocks) -> int:
     E = offsets.shape[0] - 1 if isinstance(offsets, Tensor) and offsets.dim() == 1 else -1
     if E == 0:
         raise ValueError(
-            "a (128, 1) Fp8Blocks was quantized for no expert (splits had no entries), expected "
-            "at least one"
+            f"{name} was quantized for no expert (splits had no entries), expected at least one"
         )
     if E < 0:
-        raise ValueError(f"a (128, 1) Fp8Blocks has row_offsets {offsets!r}, expected (E + 1,)")
+        got = f"of shape {tuple(offsets.shape)}" if isinstance(offsets, Tensor) else repr(offsets)
+        raise ValueError(f"{name}.row_offsets is {got}, expected an (E + 1,) tensor")
     return E
 
 

@@ -103,8 +103,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "compiled-grad-written-when-not-accumulated",
         "under torch.compile .grad is written although the backward does not accumulate there",
         _COMPILED,
-        "if g is not None and not d and _engine_accumulates(p, n)",
-        "if g is not None and not d",
+        "picked = [(p, g) for (p, g, _), takes in zip(given, accumulates, strict=True) if takes]",
+        "picked = [(p, g) for (p, g, _), takes in zip(given, accumulates, strict=True)]",
         (_COMPILE_TESTS,),
     ),
     Mutant(

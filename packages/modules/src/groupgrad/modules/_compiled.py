@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ from torch._library.effects import EffectType
 from groupgrad.modules._grads import (
     LayerGrads,
     autograd_dispatch,
-    gradient_delivered,
+    gradients_delivered,
     parameter_grads,
 )
 from groupgrad.modules._group import Splits, WeightGroupSpec
@@ -129,22 +129,25 @@ def _bind_all(layouts: Sequence[_Layout], params: Sequence[Tensor]) -> list[Laye
     return layers
 
 
-def _engine_accumulates(param: Tensor, name: str) -> bool:
-    """Whether the backward now running accumulates into ``param.grad`` (``.backward()`` does).
+def _engine_accumulates(params: Sequence[Tensor], names: Sequence[str]) -> list[bool]:
+    """Whether the backward now running accumulates into each parameter's ``.grad``
+    (``.backward()`` does; ``backward(inputs=...)`` only for those named), their gradient
+    nodes looked up together.
 
     Raises:
-        RuntimeError: ``torch.autograd.grad`` asked for ``param``'s gradient:
+        RuntimeError: ``torch.autograd.grad`` asked for a parameter's gradient:
             the compiled op cannot return it through the traced graph.
     """
-    delivered = gradient_delivered(param)
-    if delivered is None:
+    delivered = gradients_delivered(params)
+    if None in delivered:
+        name = names[delivered.index(None)]
         raise RuntimeError(
             f"torch.autograd.grad asked for the gradient of parameter {name!r} of a groupgrad "
             "layer under torch.compile; compiled, groupgrad delivers parameter gradients into "
             ".grad itself (the traced graph would round an fp32 gradient of a bf16 parameter). "
             "Call .backward() and read .grad, or run this layer without torch.compile"
         )
-    return delivered
+    return cast(list[bool], delivered)
 
 
 def _deliver(
@@ -161,11 +164,13 @@ def _deliver(
             "torch.compile traced this layer (it hands autograd a zero dummy exactly where "
             "they say); set them before the first compiled step, or call torch._dynamo.reset()"
         )
-    picked = [
-        (p, g)
+    given = [
+        (p, g, n)
         for p, g, d, n in zip(params, answers, expected, names, strict=True)
-        if g is not None and not d and _engine_accumulates(p, n)
+        if g is not None and not d
     ]
+    accumulates = _engine_accumulates([p for p, _, _ in given], [n for _, _, n in given])
+    picked = [(p, g) for (p, g, _), takes in zip(given, accumulates, strict=True) if takes]
     if picked:  # the hooks: autograd's AccumulateGrad runs them next, as for a None gradient
         params, grads = [p for p, _ in picked], [g for _, g in picked]
         accumulate_grads_like_autograd(params, grads, run_hooks=False)

@@ -41,6 +41,7 @@ __all__ = [
     "bias_grads",
     "gradient_delivered",
     "gradient_nodes",
+    "gradients_delivered",
     "parameter_grads",
 ]
 
@@ -126,6 +127,12 @@ def gradient_delivered(param: Tensor) -> bool | None:
     with autograd_dispatch(), torch.enable_grad():  # a backward runs with grad mode off
         node = torch.autograd.graph.get_gradient_edge(param).node
     return _executes(node)
+
+
+def gradients_delivered(params: Sequence[Tensor]) -> list[bool | None]:
+    """:func:`gradient_delivered` of each of ``params`` (each requiring grad), their gradient
+    nodes looked up together (:func:`_lookup_nodes`)."""
+    return list(map(_executes, _lookup_nodes(params))) if params else []
 
 
 def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: bool) -> bool:

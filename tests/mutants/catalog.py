@@ -1046,8 +1046,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch.autograd.grad(loss, [x]) or backward(inputs=[x]) runs the wgrad GEMMs anyway: "
         "main_grad (or a backward_dw() job) gets a gradient nobody asked for",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "    taken = [state is not False for state in states]",
-        "    taken = [True for state in states]",
+        "    taken = [state is not False for state in _states(live)]",
+        "    taken = [True for state in _states(live)]",
         (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
     ),
     Mutant(

@@ -241,8 +241,7 @@ def test_the_reference_op_makes_a_wgrad_of_other_counts_nan(operands: dict[str, 
     out = [torch.zeros(N, K) for _ in range(E)]
     moved = torch.tensor([151, 0, 36, 300, 1])
     torch.ops.groupgrad.fp8_grouped_wgrad(
-        dy.data, dy.scales, list(dy.tensors()[3:]), x.data, x.scales, list(x.tensors()[3:]),
-        moved, T, out, True,
+        dy.data, dy.scales, dy.row_offsets, x.data, x.scales, x.row_offsets, moved, T, out, True,
     )  # fmt: skip
     assert all(dw.isnan().all() for dw in out)
 
@@ -279,7 +278,7 @@ def test_a_sealed_form_is_held_to_the_gemm_rules_on_every_call(
     grouped_fprop(x, operands["w"], SPLITS)
     seal = x._seal_holds()
     assert seal is not None
-    assert seal[3]  # marked: the rules held
+    assert seal[1]  # marked: the rules held
     x.dtype = torch.int32
     with pytest.raises(TypeError, match=r"^x says it was quantized from torch\.int32"):
         grouped_fprop(x, operands["w"], SPLITS)
@@ -346,8 +345,9 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     shifted.row_offsets = dy.row_offsets + 1000
     with pytest.raises(ValueError, match=r"^dy\.row_offsets is \[1000, 1150"):
         grouped_wgrad(shifted, operands["x_seg"], SPLITS)
-    strided = copy.copy(dy)
-    strided.seg_offsets = torch.stack([dy.seg_offsets] * 2, 1)[:, 0]
+    strided_seg = torch.stack([dy.seg_offsets] * 2, 1)[:, 0]  # a hand-built form: all checked
+    parts = (dy.data, None, dy.scales, dy.row_offsets, strided_seg, dy.block_offsets)
+    strided = Fp8Blocks.from_tensors(parts, block=SEGMENTS, dtype=dy.dtype, shape=dy.shape)
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \(6,\) \(2,\) torch\.int64"):
         grouped_wgrad(strided, operands["x_seg"], SPLITS)
     expanded = copy.copy(w)
@@ -454,8 +454,8 @@ def test_custom_ops_pass_opcheck(operands: dict[str, Fp8Blocks]) -> None:
         (_fp8_gemm.fp8_dgrad_op,
          (dyr.data, dyr.scales, w.data, w.data_t, w.scales, splits, torch.empty(T, K))),
         (_fp8_gemm.fp8_wgrad_op,
-         (dy.data, dy.scales, list(dy.tensors()[3:]), xs.data, xs.scales,
-          list(xs.tensors()[3:]), splits, T, list(torch.empty(E, N, K)), True)),
+         (dy.data, dy.scales, dy.row_offsets, xs.data, xs.scales, xs.row_offsets, splits, T,
+          list(torch.empty(E, N, K)), True)),
     ]  # fmt: skip
     for op, args in calls:
         inputs = [t for t in args[:-1] if isinstance(t, torch.Tensor)]

@@ -31,10 +31,17 @@ Block = tuple[int, int]
 _SEALABLE = {*PLAIN_TYPES, type(None)}
 
 
-def _states(ts: tuple[Tensor | None, ...]) -> tuple[Any, ...]:
-    """What a seal remembers of each tensor: address, shape, strides and dtype (another tensor
-    in its place, ``.data =``, ``resize_``, ``t_`` or ``set_`` change them; values do not)."""
-    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts if t is not None])
+def _state(form: Fp8Blocks) -> list[Any]:
+    """What a seal remembers of ``form``: its block and shape, and of each tensor a GEMM reads
+    (``data``, ``data_t``, ``scales``, ``row_offsets``: the GEMMs derive a ``(128, 1)``
+    form's other offsets from its token counts, as its quantizer did) the address, shape,
+    strides and dtype (another tensor in its place, ``.data =``, ``resize_``, ``t_`` or
+    ``set_`` change them; values do not)."""
+    state: list[Any] = [form.block, form.shape]
+    for t in (form.data, form.data_t, form.scales, form.row_offsets):
+        if t is not None:
+            state += (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    return state
 
 
 class Fp8Blocks:
@@ -101,11 +108,11 @@ class Fp8Blocks:
     def _sealed(self, *, checked: bool = False) -> Fp8Blocks:
         """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
-        given other memory, shape, strides or dtype (:func:`_states`). Not compiled. Its last
-        entry: the GEMMs' shape rules were found to hold (``checked``)."""
+        given other memory, shape, strides or dtype (:func:`_state`). Not compiled. The
+        seal's last entry: the GEMMs' shape rules were found to hold (``checked``)."""
         tensors = self.tensors()  # plain ones only: a fake tensor has no address to remember
         if not torch.compiler.is_compiling() and set(map(type, tensors)) <= _SEALABLE:
-            self._seal = [self.block, self.shape, _states(tensors), checked]
+            self._seal = [_state(self), checked]
         return self
 
     def _seal_holds(self) -> list[Any] | None:
@@ -114,9 +121,7 @@ class Fp8Blocks:
         seal = self._seal
         if seal is None or torch.compiler.is_compiling():
             return None
-        if seal[0] != self.block or seal[1] != self.shape:
-            return None
-        return seal if seal[2] == _states(self.tensors()) else None
+        return seal if seal[0] == _state(self) else None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The tensors, to pass into a custom op: ``(data, data_t, scales, row_offsets,

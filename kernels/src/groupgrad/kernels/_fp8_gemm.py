@@ -22,14 +22,13 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _group, _ops, _reference
-from groupgrad.kernels._fp8 import ROWS, SEGMENTS, WEIGHTS, Fp8Blocks
+from groupgrad.kernels import _fp8_ops, _group, _ops, _reference
+from groupgrad.kernels._fp8 import ROWS, SEGMENT_ALIGN, SEGMENTS, WEIGHTS, Fp8Blocks
 from groupgrad.kernels._group import ListedFacts
 
 # --------------------------------------------------------------------------- reference
@@ -44,8 +43,10 @@ def _weights(data: Tensor, scales: Tensor) -> Tensor:
     return _dequantized(blocks)
 
 
-def _segments(data: Tensor, scales: Tensor, offsets: Sequence[Tensor], tokens: int) -> Tensor:
-    row, seg, block = offsets
+def _segments(data: Tensor, scales: Tensor, row_offsets: Tensor, tokens: int) -> Tensor:
+    """A ``(128, 1)`` operand dequantized in the layout its token counts (``row_offsets``'
+    steps) give, as the CUDA kernels' setup derives it: its other offsets are not read."""
+    row, seg, block = _fp8_ops.offsets_ref(torch.diff(row_offsets), SEGMENT_ALIGN)
     blocks = Fp8Blocks(
         data, scales, block=SEGMENTS, dtype=torch.float32, shape=(tokens, data.shape[0]),
         row_offsets=row, seg_offsets=seg, block_offsets=block,
@@ -79,10 +80,10 @@ def rows_ref(
 def wgrad_ref(
     dy_data: Tensor,
     dy_scales: Tensor,
-    dy_offsets: Sequence[Tensor],
+    dy_row_offsets: Tensor,
     x_data: Tensor,
     x_scales: Tensor,
-    x_offsets: Sequence[Tensor],
+    x_row_offsets: Tensor,
     splits: Tensor,
     tokens: int,
     out: list[Tensor],
@@ -95,12 +96,12 @@ def wgrad_ref(
     (csrc/fp8_setup.cu): a device tensor is never compared on the host, and
     under ``torch.compile`` no host check runs at all.
     """
-    dy32 = _segments(dy_data, dy_scales, dy_offsets, tokens)
-    x32 = _segments(x_data, x_scales, x_offsets, tokens)
+    dy32 = _segments(dy_data, dy_scales, dy_row_offsets, tokens)
+    x32 = _segments(x_data, x_scales, x_row_offsets, tokens)
     _reference.wgrad(dy32, x32, splits, out, accumulate)
     counts = splits.to(device=dy_data.device, dtype=torch.int64)
     cut_otherwise = torch.zeros((), dtype=torch.bool, device=dy_data.device)
-    for row in (dy_offsets[0], x_offsets[0]):
+    for row in (dy_row_offsets, x_row_offsets):
         cut_otherwise |= (row[0] != 0) | (torch.diff(row) != counts).any()
     for dw in out:
         dw.masked_fill_(cut_otherwise.to(dw.device), float("nan"))
@@ -162,10 +163,10 @@ def dgrad_on_device(
 def wgrad_on_device(
     dy_data: Tensor,
     dy_scales: Tensor,
-    dy_offsets: Sequence[Tensor],
+    dy_row_offsets: Tensor,
     x_data: Tensor,
     x_scales: Tensor,
-    x_offsets: Sequence[Tensor],
+    x_row_offsets: Tensor,
     splits: Tensor,
     tokens: int,
     out: list[Tensor],
@@ -183,13 +184,13 @@ def wgrad_on_device(
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_wgrad runs on the reference path: {reason}")
         wgrad_ref(
-            dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, splits, tokens, out,
-            accumulate,
+            dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits, tokens,
+            out, accumulate,
         )  # fmt: skip
         return
     on_device = _group.on_device(splits, dy_data.device)
     cutlass.fp8_wgrad(
-        dy_data, dy_scales, dy_offsets[0], x_data, x_scales, x_offsets[0], on_device, tokens,
+        dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, on_device, tokens,
         out, accumulate,
     )  # fmt: skip
 
@@ -229,10 +230,10 @@ def fp8_dgrad_op(
 def fp8_wgrad_op(
     dy_data: Tensor,
     dy_scales: Tensor,
-    dy_offsets: list[Tensor],
+    dy_row_offsets: Tensor,
     x_data: Tensor,
     x_scales: Tensor,
-    x_offsets: list[Tensor],
+    x_row_offsets: Tensor,
     splits: Tensor,
     tokens: int,
     out: list[Tensor],
@@ -240,8 +241,9 @@ def fp8_wgrad_op(
 ) -> None:
     """Reference kernel: ``dw_e = dy_e.T @ x_e`` from ``(128, 1)`` operands, into ``out``."""
     wgrad_ref(
-        dy_data, dy_scales, dy_offsets, x_data, x_scales, x_offsets, splits, tokens, out, accumulate
-    )
+        dy_data, dy_scales, dy_row_offsets, x_data, x_scales, x_row_offsets, splits, tokens, out,
+        accumulate,
+    )  # fmt: skip
 
 
 fp8_fprop_op.register_kernel("cuda")(fprop_on_device)
@@ -299,12 +301,10 @@ def wgrad(
     reference: bool = False,
 ) -> None:
     """Run a validated FP8 wgrad (``reference``: the reference, on any device)."""
-    dy_offsets = [dy.row_offsets, dy.seg_offsets, dy.block_offsets]  # validated: tensors
-    x_offsets = [x.row_offsets, x.seg_offsets, x.block_offsets]
     args = (
-        dy.data, dy.scales, cast(list[Tensor], dy_offsets), x.data, x.scales,
-        cast(list[Tensor], x_offsets), splits, dy.shape[0], out, accumulate,
-    )  # fmt: skip
+        dy.data, dy.scales, cast(Tensor, dy.row_offsets), x.data, x.scales,
+        cast(Tensor, x.row_offsets), splits, dy.shape[0], out, accumulate,
+    )  # fmt: skip  # validated: the offsets are tensors
     if reference:
         wgrad_ref(*args)
     elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):

@@ -293,11 +293,11 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
             f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
         )
     seal = value._seal_holds()
-    if seal and seal[3]:  # sealed, and this seal's shape passed the rules below before
+    if seal and seal[1]:  # sealed, and this seal's shape passed the rules below before
         return value
     layout = _layout(block, value.shape, _experts(name, value))
     if seal:
-        seal[3] = True
+        seal[1] = True
         return value
     data, scales = value.data, value.scales
     if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:

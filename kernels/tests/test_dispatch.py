@@ -220,3 +220,37 @@ def test_splits_on_device_keeps_values_and_makes_int64():
         moved = _group.on_device(torch.tensor(SPLITS, dtype=dtype), torch.device("cpu"))
         assert moved.dtype == torch.int64
         assert moved.tolist() == SPLITS
+
+
+def test_outputs_made_in_inference_mode_are_written_like_any_other(fake) -> None:
+    # Catches: the reference writing an output made under torch.inference_mode() in place
+    # outside that mode (PyTorch refuses): a RuntimeError after some experts were written,
+    # where the CUDA kernels write every expert through its address.
+    from groupgrad.kernels import grouped_dgrad, grouped_fprop, grouped_wgrad, quantize_fp8
+
+    def inference(t: Tensor) -> Tensor:
+        with torch.inference_mode():
+            return t.clone()
+
+    x, dy, w = rand(T, K), rand(T, N, seed=1), rand(E, N, K, seed=2)
+    y, dx = grouped_fprop(x, w, SPLITS), grouped_dgrad(dy, w, SPLITS)
+    assert torch.equal(grouped_fprop(x, w, SPLITS, out=inference(nans(T, N))), y)
+    assert torch.equal(grouped_dgrad(dy, w, SPLITS, out=inference(nans(T, K))), dx)
+    start = [rand(N, K, dtype=torch.float32, seed=3 + e) for e in range(E)]
+    for op in (grouped_wgrad, grouped_wgrad_ref):
+        want = op(dy, x, SPLITS, out=[t.clone() for t in start], accumulate=True)
+        listed = [t.clone() for t in start]
+        listed[2] = inference(listed[2])  # one main_grad of the group
+        assert all(map(torch.equal, op(dy, x, SPLITS, out=listed, accumulate=True), want))
+        packed = op(dy, x, SPLITS, out=inference(torch.stack(start)), accumulate=True)
+        assert torch.equal(packed, torch.stack(want))
+    splits = [130, 0, 60, 66]  # FP8: 128-column operands, the reference's NaN mask written too
+    dy8, x8 = (quantize_fp8(rand(sum(splits), 128, seed=s), block=(128, 1), splits=splits)
+               for s in (5, 6))  # fmt: skip
+    want = grouped_wgrad(dy8, x8, splits)
+    got = grouped_wgrad(dy8, x8, splits, out=[inference(nans(128, 128, dtype=torch.float32))
+                                               for _ in splits])  # fmt: skip
+    assert all(map(torch.equal, got, want))
+    zeroed = [inference(nans(N, K, dtype=torch.float32)) for _ in range(E)]  # no tokens at all
+    _ops.wgrad_on_device(rand(0, N), rand(0, K), torch.zeros(E, dtype=torch.int64), zeroed, False)
+    assert all(torch.equal(t, torch.zeros(N, K)) for t in zeroed)

@@ -41,6 +41,19 @@ def packed_out_holding_x(args: dict) -> None:
     args.update(out=out, x=out.view(-1)[: T * K].view(T, K))
 
 
+def out_inside_padded_x(args: dict) -> None:
+    """``x`` row-major with padded rows (stride ``2K``: it spans more than its bytes) and a
+    contiguous ``out`` lying in the memory of its later rows."""
+    base = rand(T, 2 * K)
+    args.update(x=base[:, :K], out=base.view(-1)[T * K :][: T * N].view(T, N))
+
+
+def packed_out_inside_padded_x(args: dict) -> None:
+    """A contiguous bf16 ``(E, N, K)`` out lying in the memory of a row-padded ``x``'s later rows."""
+    base = rand(-(-(T * K + E * N * K) // (2 * K)), 2 * K)
+    args.update(x=base[:T, :K], out=base.view(-1)[T * K :][: E * N * K].view(E, N, K))
+
+
 def column_major(t: Tensor) -> Tensor:
     return t.mT.contiguous().mT
 
@@ -184,6 +197,8 @@ CASES = [
          ValueError, r"out must be row-major"),
     Case("out-overlaps-x", "fprop", lambda a: a.update(out=a["x"][:, :N]), ValueError,
          r"out overlaps x in memory; outputs must not overlap each other or the inputs"),
+    Case("out-inside-padded-x", "fprop", out_inside_padded_x, ValueError,
+         r"out overlaps x in memory"),
     Case("out-overlaps-weights", "fprop",
          lambda a: a.update(out=a["weights"].view(-1)[: T * N].view(T, N)), ValueError,
          r"out overlaps weights in memory"),
@@ -258,6 +273,8 @@ CASES = [
          lambda a: a.update(out=full(N, E, K, dtype=FP32).permute(1, 0, 2)), ValueError,
          r"out\[1\] overlaps out\[0\] in memory"),
     Case("out-packed-overlaps-x", "wgrad", packed_out_holding_x, ValueError,
+         r"out overlaps x in memory"),
+    Case("out-packed-inside-padded-x", "wgrad", packed_out_inside_padded_x, ValueError,
          r"out overlaps x in memory"),
     Case("out-overlaps-x", "wgrad",
          lambda a: a.update(out=[a["x"].view(-1)[: N * K].view(N, K),

@@ -505,6 +505,33 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_validation.py",),
     ),
     Mutant(
+        "cheap-overlap-measures-padded-inputs-by-their-bytes",
+        "the cheap overlap test takes a row-padded input to end after its bytes, not its last "
+        "row: an out lying in its later rows is accepted and the GEMM overwrites what it reads",
+        "kernels/src/groupgrad/kernels/_group.py",
+        "        if t.is_contiguous():\n            p = t.data_ptr()",
+        "        if True:\n            p = t.data_ptr()",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "reference-refuses-inference-outputs-midway",
+        "the reference writes an output made under torch.inference_mode() in place outside it: "
+        "PyTorch raises after some experts were written, where CUTLASS writes them all",
+        "kernels/src/groupgrad/kernels/_reference.py",
+        "    if any(map(Tensor.is_inference, [out] if isinstance(out, Tensor) else out)):",
+        "    if False:",
+        (f"{KERNELS}/test_dispatch.py",),
+    ),
+    Mutant(
+        "fp8-cache-lets-the-quantized-memory-go",
+        "the FP8 weight cache does not hold the memory its weights had: two `.data =` "
+        "assignments can put a weight back at the recorded address, and False serves stale FP8",
+        "packages/modules/src/groupgrad/modules/_fp8_cache.py",
+        "        storages = tuple(p.untyped_storage() for p in params)",
+        "        storages = ()",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

@@ -168,6 +168,24 @@ def test_the_cache_drops_weights_it_sees_changed(edit: str) -> None:
     assert torch.equal(after, _y(layer, x, None))
 
 
+def test_the_cache_keeps_the_addresses_it_recorded_taken() -> None:
+    # Catches: a cache that lets a weight's memory go. Two `.data =` assignments can then put
+    # the weight back at the address the cache recorded (the allocator reuses the freed
+    # block), moving no version counter: False would serve the old weights' FP8 form.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    layer, x = _layer(bias=False), _randn(T, K, seed=1)
+    _y(layer, x, True)
+    weight = layer.weight2
+    quantized_from = StorageWeakRef(weight.untyped_storage())
+    weight.data = -1.5 * weight.data
+    weight.data = 0.5 * weight.data
+    assert not quantized_from.expired()  # its address cannot come back while the entry lives
+    assert torch.equal(_y(layer, x, False), _y(layer, x, None))
+    _y(layer, x, True)  # a new entry lets the old memory go
+    assert quantized_from.expired()
+
+
 def test_a_cached_layer_converts_with_swapped_tensors() -> None:
     """The cache holds no weak reference: ``torch.utils.swap_tensors`` (``module.to()`` with
     torch's swap-on-conversion) takes the cached parameters, and the cache sees them changed."""

@@ -103,8 +103,9 @@ def wgrad_ref(
     cut_otherwise = torch.zeros((), dtype=torch.bool, device=dy_data.device)
     for row in (dy_row_offsets, x_row_offsets):
         cut_otherwise |= (row[0] != 0) | (torch.diff(row) != counts).any()
-    for dw in out:
-        dw.masked_fill_(cut_otherwise.to(dw.device), float("nan"))
+    with _reference.writing(out):
+        for dw in out:
+            dw.masked_fill_(cut_otherwise.to(dw.device), float("nan"))
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -180,18 +180,22 @@ def span(t: Tensor) -> tuple[int, int] | None:
 
 
 def contiguous_meets(out: Tensor, inputs: Sequence[Tensor]) -> bool:
-    """Whether the contiguous ``out`` shares memory with one of the contiguous ``inputs``.
+    """Whether the contiguous ``out`` shares memory with one of ``inputs``.
 
-    :func:`span` for tensors known to be contiguous, in one pass: what the cheap
-    tests of the common call (``_validate``) ask before the detailed rule.
+    :func:`span` in one pass, the contiguous inputs' ends read off ``nbytes``: what the
+    cheap tests of the common call (``_rules``) ask before the detailed rule. An input
+    with gaps (padded rows) spans more than its bytes.
     """
     if not out.numel():
         return False
     start = out.data_ptr()
     end = start + out.nbytes
     for t in inputs:  # each address read once; an empty input (touching nothing) last
-        p = t.data_ptr()
-        if start < p + t.nbytes and p < end and t.numel():
+        if t.is_contiguous():
+            p = t.data_ptr()
+            if start < p + t.nbytes and p < end and t.numel():
+                return True
+        elif (reach := span(t)) is not None and start < reach[1] and reach[0] < end:
             return True
     return False
 

@@ -145,7 +145,9 @@ def wgrad_on_device(
 def zero_gradient(out: Sequence[Tensor], accumulate: bool) -> None:
     """A wgrad with no tokens at all: ``out`` exactly zero when overwriting, untouched when
     accumulating (the gradient is zero either way)."""
-    if not accumulate:
+    if accumulate:
+        return
+    with _reference.writing(out):
         for dw in out:
             dw.zero_()
 

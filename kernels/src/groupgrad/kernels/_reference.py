@@ -15,13 +15,15 @@ in fp32 before that single rounding (``D = C + A·B``, as the CUTLASS epilogue
 does); overwriting never reads ``out``. An fp32 ``out`` (e.g. a ``main_grad``)
 is written in place by the matrix product itself, with no weight-sized
 scratch. An ambient ``torch.autocast`` does not apply: the products run in
-fp32 as stated, like the CUTLASS kernels, whatever the caller's context.
+fp32 as stated, like the CUTLASS kernels, whatever the caller's context; an output
+made under ``torch.inference_mode()`` is written as the CUTLASS kernels write it.
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar
@@ -35,18 +37,37 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _autocast_off(kernel: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run ``kernel`` with autocast off on its first operand's device (fp32 stays fp32)."""
+def writing(out: Tensor | Sequence[Tensor]) -> contextlib.AbstractContextManager[object]:
+    """Where ``out`` is written in place: inside ``torch.inference_mode()`` where it holds a
+    tensor made in that mode and the caller is outside it (PyTorch refuses such in-place
+    updates there; the CUDA kernels write through the address, and the reference writes it
+    as they do), else in the caller's context."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    if any(map(Tensor.is_inference, [out] if isinstance(out, Tensor) else out)):
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
+def _as_kernel(kernel: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``kernel`` as the CUDA kernels run, whatever the caller's context: autocast off on
+    its first operand's device (fp32 stays fp32), and its output (the fourth argument)
+    written even where it is an inference tensor (:func:`writing`)."""
 
     @functools.wraps(kernel)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        device_type = args[0].device.type  # type: ignore[attr-defined]
-        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):
-                return kernel(*args, **kwargs)
-        return kernel(*args, **kwargs)
+        with writing(args[3]):  # type: ignore[arg-type]
+            return _autocast_off(kernel, *args, **kwargs)
 
     return run
+
+
+def _autocast_off(kernel: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    device_type = args[0].device.type  # type: ignore[attr-defined]
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return kernel(*args, **kwargs)
+    return kernel(*args, **kwargs)
 
 
 def _per_expert_and_counts(
@@ -56,13 +77,13 @@ def _per_expert_and_counts(
     return per_expert(group), host_values(splits_E, rows_of.shape[0], rows_name)
 
 
-@_autocast_off
+@_as_kernel
 def fprop(x_TK: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, y_TN: Tensor) -> None:
     """``y_e = x_e @ w_e.T`` for each expert ``e``; overwrites ``y_TN``."""
     _rows_times_weights(x_TK, "x", w_group, splits_E, y_TN, transpose_weights=True)
 
 
-@_autocast_off
+@_as_kernel
 def dgrad(dy_TN: Tensor, w_group: Sequence[Tensor], splits_E: Tensor, dx_TK: Tensor) -> None:
     """``dx_e = dy_e @ w_e`` for each expert ``e``; overwrites ``dx_TK``."""
     _rows_times_weights(dy_TN, "dy", w_group, splits_E, dx_TK, transpose_weights=False)
@@ -87,7 +108,7 @@ def _rows_times_weights(
         start += count
 
 
-@_autocast_off
+@_as_kernel
 def wgrad(
     dy_TN: Tensor,
     x_TK: Tensor,

@@ -18,7 +18,11 @@ The entry holds its parameters by strong reference, not by ``weakref``: a
 weak reference makes ``torch.utils.swap_tensors`` (``module.to()`` and
 ``load_state_dict`` with ``torch.__future__``'s swap on) refuse the
 parameter. A parameter replaced in the module stays alive until the next
-``True`` (or ``clear``) replaces the entry.
+``True`` (or ``clear``) replaces the entry. So does the memory each
+parameter had when it was quantized (its storage): were it freed by a
+``.data =`` assignment, the allocator could give that very address to the
+next one (``p.data = a; p.data = b``), which moves no version counter, and
+the stamps would match weights they were not taken from.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class _Entry:
     """One cached FP8 weight and what it was quantized from."""
 
     params: tuple[Tensor, ...]
+    storages: tuple[torch.UntypedStorage, ...]  # held, never read: their addresses stay taken
     stamps: list[_Stamp]
     steps: int
     dtype: torch.dtype
@@ -108,7 +113,10 @@ class Fp8WeightCache:
 
     def put(self, params: Sequence[Tensor], dtype: torch.dtype, blocks: Fp8Blocks) -> None:
         """Hold ``blocks``, the weights ``params`` quantized from ``dtype`` (replacing any entry)."""
-        self._entry = _Entry(tuple(params), _stamps(params), optimizer_steps(), dtype, blocks)
+        storages = tuple(p.untyped_storage() for p in params)
+        self._entry = _Entry(
+            tuple(params), storages, _stamps(params), optimizer_steps(), dtype, blocks
+        )
 
     def clear(self) -> None:
         """Drop the entry (its memory goes when no backward holds it)."""

@@ -328,11 +328,19 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     int32_offsets = copy.copy(dy)
     int32_offsets.row_offsets = dy.row_offsets.int()
     with pytest.raises(
-        ValueError,
+        TypeError,  # a dtype: a TypeError, whatever else the message shows
         match=r"^dy\.row_offsets is \(6,\) \(1,\) torch\.int32 cpu, expected \(6,\) with strides "
         r"\(1,\) torch\.int64",
     ):
         grouped_wgrad(int32_offsets, operands["x_seg"], SPLITS)
+    e5m2 = copy.copy(w)
+    e5m2.data_t = w.data_t.view(torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"^weights\.data_t is \(5, 384, 256\) .*float8_e5m2"):
+        grouped_dgrad(operands["dy"], e5m2, SPLITS)
+    listed_shape = copy.copy(x)
+    listed_shape.shape = list(x.shape)  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"^x\.shape is \[488, 384\], expected a tuple"):
+        grouped_fprop(listed_shape, w, SPLITS)
     overlapping = copy.copy(dy)  # in bounds, but experts 0 and 1 would share columns
     overlapping.seg_offsets = torch.tensor([0, 0, 160, 208, 512, 528])
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \[0, 0, 160, 208, 512, 528\], exp"):
@@ -545,3 +553,16 @@ def test_fake_forms_are_not_sealed() -> None:
     assert x8._seal is None
     assert w8._seal is None
     assert tuple(y.shape) == (T, N)
+
+
+def test_an_fp8_row_output_of_another_dtype_names_the_ones_it_takes(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    y64 = torch.zeros(T, N, dtype=torch.float64)
+    with pytest.raises(
+        TypeError,
+        match=r"^out has dtype torch\.float64, expected torch\.bfloat16, torch\.float16 or "
+        r"torch\.float32 \(an FP8 fprop writes any of them; x was quantized from",
+    ):
+        grouped_fprop(operands["x"], operands["w"], SPLITS, out=y64)
+    assert not y64.any()

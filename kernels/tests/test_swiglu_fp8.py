@@ -177,8 +177,10 @@ def test_backward_errors_name_the_argument() -> None:
         swiglu_probs_backward_fp8(da, a_rows, splits=SPLITS)
     with pytest.raises(ValueError, match=r"da has shape \(300, 200\), expected F a multiple"):
         swiglu_probs_backward_fp8(da[:, :200], h_rows, splits=SPLITS)
-    with pytest.raises(TypeError, match="da is"):
+    with pytest.raises(ValueError, match=r"^da has shape \(256,\), expected \(T, F\)"):
         swiglu_probs_backward_fp8(da[0], h_rows, splits=SPLITS)
+    with pytest.raises(TypeError, match=r"^da is torch\.int64, expected a floating-point"):
+        swiglu_probs_backward_fp8(da.long(), h_rows, splits=SPLITS)
     with pytest.raises(ValueError, match="splits sums to 299 but da has 300 rows"):
         swiglu_probs_backward_fp8(da, h_rows, splits=[100, 0, 36, 163])
     with pytest.raises(ValueError, match=r"probs has shape \(2,\)"):

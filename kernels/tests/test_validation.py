@@ -183,6 +183,14 @@ CASES = [
          r"splits\[1\] must be an int, got bool"),
     Case("splits-none", "fprop", lambda a: a.update(splits=None), TypeError,
          r"splits must be a sequence of ints or an integer tensor, got NoneType"),
+    # sets and dicts have no expert order; a generator is read once (and returned spent)
+    Case("splits-set", "fprop", lambda a: a.update(splits=set(SPLITS)), TypeError,
+         r"splits must be a sequence of ints or an integer tensor, got set"),
+    Case("weights-set", "fprop", lambda a: a.update(weights=set(a["weights"].unbind(0))),
+         TypeError, r"weights must be an \(E, N, K\) tensor or a sequence of E \(N, K\) "
+         r"tensors, got set"),
+    Case("weights-dict", "dgrad", lambda a: a.update(weights=dict(enumerate(a["weights"]))),
+         TypeError, r"weights must be .*, got dict"),
     # fprop: out
     Case("out-shape", "fprop", lambda a: a.update(out=full(T, N + 1)), ValueError,
          r"out has shape \(12, 9\), expected \(T, N\) = \(12, 8\)"),
@@ -272,6 +280,11 @@ CASES = [
     Case("out-packed-interleaved", "wgrad",
          lambda a: a.update(out=full(N, E, K, dtype=FP32).permute(1, 0, 2)), ValueError,
          r"out\[1\] overlaps out\[0\] in memory"),
+    Case("out-generator", "wgrad", lambda a: a.update(out=iter(a["out"])), TypeError,
+         r"out must be an \(E, N, K\) tensor or a sequence of E \(N, K\) tensors, got "
+         r"list_iterator"),
+    Case("out-set", "wgrad", lambda a: a.update(out=set(a["out"])), TypeError,
+         r"out must be .*, got set"),
     Case("out-packed-overlaps-x", "wgrad", packed_out_holding_x, ValueError,
          r"out overlaps x in memory"),
     Case("out-packed-inside-padded-x", "wgrad", packed_out_inside_padded_x, ValueError,

@@ -532,6 +532,33 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_fp8_linear.py",),
     ),
     Mutant(
+        "groups-take-unordered-collections",
+        "weights, out or splits given as a set (no expert order), a dict or a generator (read "
+        "once, returned spent) are taken: experts get each other's weights",
+        _RULES,
+        "        value, str | bytes | Set | Mapping | Iterator",
+        "        value, str | bytes",
+        (f"{KERNELS}/test_validation.py", f"{KERNELS}/test_fp8_quant.py"),
+    ),
+    Mutant(
+        "empty-device-splits-unchecked",
+        "a device splits tensor of no entries passes for a tensor of rows: its length, readable "
+        "without a sync, is not compared",
+        _RULES,
+        "        elif splits.shape[0] == 0:  # no counts to read: none sum to rows but 0 rows",
+        "        elif False:",
+        (f"{KERNELS}/test_fp8_quant.py",),
+    ),
+    Mutant(
+        "fp8-layout-dtype-misfit-is-a-valueerror",
+        "an Fp8Blocks tensor of another dtype (int32 row_offsets, e5m2 data_t) raises ValueError, "
+        "not the TypeError every wrong dtype raises",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "            raise (TypeError if wrong_dtype else ValueError)(",
+        "            raise ValueError(",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _fp8_ops
+from groupgrad.kernels import _fp8_ops, _rules
 from groupgrad.kernels._fp8_ops import token_map
 from groupgrad.kernels._group import PLAIN_TYPES, listed_facts
 
@@ -225,38 +225,12 @@ def _check_tensor(t: object, name: str) -> Tensor:
     return t
 
 
-def _check_counts(counts: list[int], T: int, rows: str) -> None:
-    for i, n in enumerate(counts):
-        if n < 0:
-            raise ValueError(f"splits[{i}] is {n}, expected a token count >= 0")
-    if sum(counts) != T:
-        raise ValueError(f"splits sums to {sum(counts)} but {rows} has {T} rows")
-
-
-def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") -> int:
-    """The number of experts; a device tensor's values are never read (no host sync).
-    ``rows``: the argument whose ``T`` rows ``splits`` counts, for messages."""
-    if isinstance(splits, Tensor):
-        if splits.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"splits has dtype {splits.dtype}, expected torch.int32 or torch.int64")
-        if splits.dim() != 1:
-            raise ValueError(f"splits has shape {tuple(splits.shape)}, expected (E,)")
-        if splits.device.type != "cpu" and splits.device != device:
-            raise ValueError(f"splits is on {splits.device}, expected the CPU or {rows}'s {device}")
-        if splits.device.type == "cpu" and not torch.compiler.is_compiling():
-            _check_counts(splits.tolist(), T, rows)
-        elif splits.shape[0] == 0:
-            _check_counts([], T, rows)
-        return int(splits.shape[0])
-    ints = (int, torch.SymInt)
-    if not isinstance(splits, list | tuple) or not all(
-        isinstance(n, ints) and not isinstance(n, bool) for n in splits
-    ):
-        raise TypeError(
-            f"splits is {splits!r}, expected a list or tuple of ints or an int32/int64 tensor"
-        )
-    _check_counts(list(splits), T, rows)
-    return len(splits)
+def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") -> Splits:
+    """``splits`` checked by the GEMMs' rule (``_rules.splits_arg``: a device tensor's values
+    are never read): a tensor as given, any other form as a list of ints. ``rows``: the
+    argument whose ``T`` rows ``splits`` counts, for messages."""
+    checked = _rules.splits_arg(splits, rows, T, device, experts=None)
+    return splits if isinstance(splits, Tensor) else checked.tolist()
 
 
 def segment_offsets(
@@ -334,8 +308,9 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
 
 
 def _tokens(x: Tensor, splits: Splits, with_rows: bool, impl: _Impl) -> dict[Block, Fp8Blocks]:
-    T, E = x.shape[0], check_splits(splits, x.shape[0], x.device)
-    row, seg, block = segment_offsets(splits, x.device, fused=impl is OPS)
+    counts = check_splits(splits, x.shape[0], x.device)
+    T, E = x.shape[0], len(counts)
+    row, seg, block = segment_offsets(counts, x.device, fused=impl is OPS)
     num_blocks = -(-T // 128) + E
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN
     data, scales, row_data, row_scales = impl.segments(

@@ -13,7 +13,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import cast
 
 import torch
@@ -132,7 +132,7 @@ def wgrad_out(
     if isinstance(out, Tensor):
         _packed_wgrad_out(label(None), out, shape, out_dtype, dy, x, also)
         return [out], out, None
-    if not isinstance(out, Iterable) or isinstance(out, str | bytes):
+    if not ordered_collection(out):
         raise TypeError(
             f"{label(None)} must be an (E, N, K) tensor or a sequence of E (N, K) tensors, "
             f"got {type(out).__name__}"
@@ -152,6 +152,15 @@ def wgrad_out(
     _group.check_group_apart(label, members, listed, [], [("dy", dy), ("x", x), *also])
     result = cast("Tensor | Sequence[Tensor]", out)  # the caller's own object, returned as is
     return members, result, listed
+
+
+def ordered_collection(value: object) -> bool:
+    """Whether ``value`` may hold a group's members or the token counts: iterable in a fixed
+    order, again and again (a list, a tuple, an ``nn.ParameterList``, a NumPy array) — not a
+    set or a dict (their order is not the experts'), a generator (read once) or a string."""
+    return isinstance(value, Iterable) and not isinstance(
+        value, str | bytes | Set | Mapping | Iterator
+    )
 
 
 def tensor_arg(name: str, value: object) -> Tensor:
@@ -211,7 +220,7 @@ def weights_arg(
             raise ValueError(f"{name} has shape (0, N, K), expected at least one expert")
         _weight_member(name, weights, a_name, a, None, "")
         return _group.op_form(weights), (E, N, K), None
-    if not isinstance(weights, Iterable) or isinstance(weights, str | bytes):
+    if not ordered_collection(weights):
         raise TypeError(f"{label(None)} must be {expected}, got {type(weights).__name__}")
     members = list(weights)
     if not members:
@@ -316,7 +325,7 @@ def splits_arg(
         if splits_E.device.type == "cpu":
             if _group.counts_fit(splits_E.tolist(), rows):
                 return splits_E
-        elif splits_E.device == device:
+        elif splits_E.device == device and splits_E.shape[0]:
             return splits_E
     if isinstance(splits, Tensor):
         if splits.dtype not in _group.SPLITS_DTYPES:
@@ -329,8 +338,10 @@ def splits_arg(
             raise ValueError(f"splits is on {splits.device}, expected {where} like {rows_name}")
         if splits.device.type == "cpu" and not torch.compiler.is_compiling():
             _group.check_values(splits.tolist(), rows, rows_name)
+        elif splits.shape[0] == 0:  # no counts to read: none sum to rows but 0 rows
+            _group.check_values([], rows, rows_name)
         return splits
-    if not isinstance(splits, Iterable) or isinstance(splits, str | bytes):
+    if not ordered_collection(splits):
         raise TypeError(
             f"splits must be a sequence of ints or an integer tensor, got {type(splits).__name__}"
         )

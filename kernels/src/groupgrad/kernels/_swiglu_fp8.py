@@ -313,9 +313,11 @@ def _backward(
     da_TF: Tensor, h: Fp8Blocks, probs_T: Tensor | None, splits: Splits,
     forms: tuple[bool, bool, bool], run: Any,
 ) -> tuple[Fp8Blocks | None, Fp8Blocks | None, Tensor | None, Fp8Blocks | None]:  # fmt: skip
-    if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point or da_TF.dim() != 2:
-        what = f"{da_TF.dtype} {tuple(da_TF.shape)}" if isinstance(da_TF, Tensor) else type(da_TF)
+    if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
+        what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
         raise TypeError(f"da is {what}, expected a floating-point (T, F) tensor")
+    if da_TF.dim() != 2:
+        raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F)")
     T, F = da_TF.shape
     if F % 128:
         raise ValueError(f"da has shape {(T, F)}, expected F a multiple of 128")
@@ -324,8 +326,9 @@ def _backward(
     if da_TF.device != device:
         raise ValueError(f"da is on {da_TF.device}, expected h's device {device}")
     check_probs(probs_T, T, device)
-    E = check_splits(splits, T, device, "da")
-    row, seg, block = segment_offsets(splits, device, fused=run is _backward_call)
+    counts = check_splits(splits, T, device, "da")
+    E = len(counts)
+    row, seg, block = segment_offsets(counts, device, fused=run is _backward_call)
     num_blocks, padded = -(-T // 128) + E, -(-(T + 15 * E) // 16) * 16
     probs = None if probs_T is None else probs_T.contiguous()
     da = da_TF.contiguous().to(h.dtype)

@@ -207,7 +207,12 @@ def fp8_rows_call(
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
     dtype = a8.dtype
-    if isinstance(out, Tensor) and out.dtype in _rules.WGRAD_OUT_DTYPES:
+    if isinstance(out, Tensor):
+        if out.dtype not in _rules.WGRAD_OUT_DTYPES:
+            raise TypeError(
+                f"out has dtype {out.dtype}, expected {_rules.DTYPE_CHOICES} (an FP8 {op} "
+                f"writes any of them; {a_name} was quantized from {a8.dtype})"
+            )
         dtype = out.dtype
     w_read = cast(Tensor, w8.data if op == "fprop" else w8.data_t)  # what the kernel reads
     scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]
@@ -295,6 +300,8 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
     seal = value._seal_holds()
     if seal and seal[1]:  # sealed, and this seal's shape passed the rules below before
         return value
+    if not isinstance(value.shape, tuple):
+        raise TypeError(f"{name}.shape is {value.shape!r}, expected a tuple (its source's shape)")
     layout = _layout(block, value.shape, _experts(name, value))
     if seal:
         seal[1] = True
@@ -317,7 +324,8 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         ):
             got = f"{tuple(t.shape)} {t.stride()} {t.dtype} {t.device}" if t is not None else t
             want = f"{shape} with strides {strides}" if strides else f"{shape}"
-            raise ValueError(
+            wrong_dtype = isinstance(t, Tensor) and t.dtype != dtype
+            raise (TypeError if wrong_dtype else ValueError)(
                 f"{name}.{part} is {got}, expected {want} {dtype} on {device} for an Fp8Blocks of "
                 f"block {block} and shape {value.shape}; build it with quantize_fp8"
             )
@@ -440,7 +448,11 @@ def fp8_splits_agree(
             own = value.splits
             if isinstance(own, Tensor) and own.device.type != "cpu":
                 continue
-            own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own or ()]
+            own_counts = (
+                own.tolist()
+                if isinstance(own, Tensor)
+                else [int(n) for n in (() if own is None else own)]
+            )
         if own_counts != splits_E.tolist():
             raise ValueError(
                 f"{name} was quantized with splits {own_counts} but splits is "

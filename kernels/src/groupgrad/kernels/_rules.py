@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
-from typing import cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -154,7 +154,7 @@ def wgrad_out(
     return members, result, listed
 
 
-def ordered_collection(value: object) -> bool:
+def ordered_collection(value: object) -> TypeGuard[Iterable[Any]]:
     """Whether ``value`` may hold a group's members or the token counts: iterable in a fixed
     order, again and again (a list, a tuple, an ``nn.ParameterList``, a NumPy array) — not a
     set or a dict (their order is not the experts'), a generator (read once) or a string."""

@@ -559,6 +559,33 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "delayed-weight-hooks-ignored",
+        "a Tensor.register_hook hook on a weight whose gradient backward_dw() puts into .grad "
+        "is called with None by autograd, and the gradient lands unhooked",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    elif queue is not None:\n        _refuse_hooked(",
+        "    elif False:\n        _refuse_hooked(",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "compiled-parameter-hooks-ignored",
+        "compiled, a Tensor.register_hook hook on a weight or bias is called with None and the "
+        "gradient the op puts into .grad lands unhooked",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    if compiled:\n        _refuse_hooked(",
+        "    if False:\n        _refuse_hooked(",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "autograd-grad-of-delayed-weights-answered-none",
+        "torch.autograd.grad over a delayed layer's weights (no main_grad) gets None while a "
+        "backward_dw() job is queued that later writes .grad",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    if queued and None in states and target.route() is WgradRoute.AUTOGRAD:",
+        "    if False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,
@@ -1109,8 +1136,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch.autograd.grad(loss, [x]) or backward(inputs=[x]) runs the wgrad GEMMs anyway: "
         "main_grad (or a backward_dw() job) gets a gradient nobody asked for",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "    taken = [state is not False for state in _states(live)]",
-        "    taken = [True for state in _states(live)]",
+        "    taken = [state is not False for state in states]",
+        "    taken = [True for state in states]",
         (f"{MODULES}/test_silent_wrong_gradients.py", _COMPILE_TESTS),
     ),
     Mutant(
@@ -1137,8 +1164,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the all-or-none rule applied where the wgrads go back to autograd (which keeps only "
         "those asked for): one expert's gradient asked of a plain layer is refused",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "        if len(live) < 2 or not past:",
-        "        if len(live) < 2:",
+        "        if not live or not past:",
+        "        if not live:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1146,8 +1173,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "under torch.compile the all-or-none rule applied where the wgrads go to .grad: one "
         "expert's gradient asked of a plain layer is refused",
         "packages/modules/src/groupgrad/modules/_grads.py",
-        "        if len(trainable) < 2 or not past:",
-        "        if len(trainable) < 2:",
+        "        if not trainable or not past:",
+        "        if not trainable:",
         (_COMPILE_TESTS,),
     ),
     Mutant(

@@ -349,6 +349,25 @@ def test_compiled_backward_for_some_weights_writing_main_grad_is_an_error() -> N
     assert all(w.main_grad.any() for w in weights[:1] + weights[2:])  # expert 1 has no tokens
 
 
+@pytest.mark.parametrize("on", ["weight1", "bias1"])
+def test_a_gradient_hook_on_a_compiled_layers_parameter_is_an_error(on: str) -> None:
+    # Catches: compiled, the op puts the gradients into .grad past autograd, which then called
+    # a Tensor.register_hook hook with None: a gradient mask or clip silently not applied.
+    torch.manual_seed(3)
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=True)
+    getattr(layer, on).register_hook(lambda g: g * 0)
+    x, splits = torch.randn(T, H, dtype=BF16), torch.tensor([5, 1, 10, 8])
+    step = torch.compile(layer, fullgraph=True)
+    name = "bias 1 of weight0" if on == "bias1" else on
+    hooked = rf"^a gradient hook \(Tensor\.register_hook\) is on {name}, .*under torch\.compile"
+    with pytest.raises(RuntimeError, match=hooked):
+        step(x, splits).float().sum().backward()
+    assert all(p.grad is None for p in layer.parameters())
+    x.requires_grad_()
+    step(x, splits).float().sum().backward(inputs=[x])  # no parameter's gradient: no error
+    assert x.grad is not None
+
+
 def test_compiled_backward_for_some_weights_going_to_grad_delivers_exactly_those() -> None:
     torch.manual_seed(3)
     layer = GroupedLinear(E, H, H, dtype=BF16, bias=False)

@@ -785,6 +785,8 @@ def test_a_backward_for_some_of_a_layers_weights_is_an_error_where_its_wgrads_pa
     out = layer(x, SPLITS).square().sum()
     first = _first_layer(layer)[0]
     refused = r"asks for the gradients of \S*weight0 but not of \S*weight1, .*name all of"
+    if route == "grad delayed" and ask == "autograd.grad":  # no backward_dw() can answer it
+        refused = r"^torch\.autograd\.grad asks for the gradient of \S*weight0, which delay_wgr"
     run = (
         (lambda: out.backward(inputs=[first]))
         if ask == "inputs"
@@ -800,6 +802,55 @@ def test_a_backward_for_some_of_a_layers_weights_is_an_error_where_its_wgrads_pa
     if delay:
         with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
             layer.backward_dw()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_fp8"])
+@pytest.mark.parametrize("allow_unused", [False, True])
+def test_autograd_grad_of_delayed_weights_is_an_error_and_queues_nothing(
+    kind: str, allow_unused: bool
+) -> None:
+    # Catches: torch.autograd.grad(loss, weights) of a layer with delay_wgrad_compute and no
+    # main_grad answered None (or PyTorch's "appears to not have been used in the graph")
+    # while a backward_dw() job was queued that would later put the gradient into .grad,
+    # which torch.autograd.grad never touches.
+    layer, weights = _writing_main_grads(kind, delay=True, main_grad=False)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=53).requires_grad_()
+    out = layer(x, SPLITS).square().sum()
+    with pytest.raises(RuntimeError, match=r"^torch\.autograd\.grad asks for the gradient of "):
+        torch.autograd.grad(out, weights, allow_unused=allow_unused)
+    assert all(w.grad is None for w in weights)
+    with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+        layer.backward_dw()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_gradient_hook_on_a_delayed_weight_is_an_error(kind: str) -> None:
+    # Catches: a Tensor.register_hook hook (a gradient mask, a clip) on a weight whose
+    # gradient backward_dw() puts into .grad: autograd called it with None at backward and
+    # the unhooked gradient landed in .grad.
+    layer, weights = _writing_main_grads(kind, delay=True, main_grad=False)
+    _first_layer(layer)[0].register_hook(lambda g: g * 0)
+    out = layer(_randn(sum(SPLITS), weights[0].shape[-1], seed=54), SPLITS).square().sum()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^a gradient hook \(Tensor\.register_hook\) is on "
+        r"\S*weight0, .*delay_wgrad_compute=True",
+    ):
+        out.backward()
+    assert all(w.grad is None for w in weights)
+    with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+        layer.backward_dw()  # type: ignore[operator]
+
+
+def test_a_gradient_hook_on_a_delayed_layers_bias_runs_as_under_autograd() -> None:
+    # A bias's gradient goes back through autograd at backward, delay or not: its hook runs.
+    layer = GroupedLinear(E, K, N, bias=True, delay_wgrad_compute=True)
+    layer.bias0.register_hook(lambda g: g * 0)
+    layer(_randn(sum(SPLITS), K, seed=55), SPLITS).square().sum().backward()
+    layer.backward_dw()
+    assert not layer.bias0.grad.any()
+    assert layer.bias1.grad.any()
+    assert layer.weight0.grad.any()
 
 
 def test_a_backward_for_some_of_a_distributed_groups_weights_is_an_error() -> None:

@@ -220,7 +220,9 @@ def _parameter_grads_op(
     taken = [part.take(stream, tokens, counted) for part in parts]
     dys, xs = [t[0] for t in taken], [t[1] for t in taken]
     bias_dys = [t[2] for t in taken if t[2] is not None] or None
-    answers = parameter_grads(layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys)
+    answers = parameter_grads(
+        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True
+    )
     with autograd_dispatch():
         _deliver(layers, answers, dummies)
 

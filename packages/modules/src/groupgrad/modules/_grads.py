@@ -162,17 +162,25 @@ def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: b
     past = queued or target.spec.wgrad_into_main_grad or target.route() is WgradRoute.DISTRIBUTED
     if nodes is None:  # compiled: looked up at run time
         trainable = [p for p in target.params if p.requires_grad]
-        if len(trainable) < 2 or not past:
+        if not trainable or not past:
             return any(gradient_delivered(p) is not False for p in trainable)
         live = _lookup_nodes(trainable)
     else:
         live = [node for node in nodes if node is not None]  # the trainable weights'
-        if len(live) < 2 or not past:
+        if not live or not past:
             return any(_executes(node) is not False for node in live)
-    taken = [state is not False for state in _states(live)]
+    states = _states(live)
+    names = [n for n, p in zip(target.spec.names, target.params, strict=True) if p.requires_grad]
+    if queued and None in states and target.route() is WgradRoute.AUTOGRAD:
+        raise RuntimeError(
+            f"torch.autograd.grad asks for the gradient of {names[states.index(None)]}, which "
+            "delay_wgrad_compute=True defers to backward_dw() (it puts the gradient into "
+            ".grad): call .backward(), then backward_dw(), or build the layer without "
+            "delay_wgrad_compute"
+        )
+    taken = [state is not False for state in states]
     if all(taken) or not any(taken):
         return taken[0]
-    names = [n for n, p in zip(target.spec.names, target.params, strict=True) if p.requires_grad]
     asked = [name for name, t in zip(names, taken, strict=True) if t]
     left = [name for name, t in zip(names, taken, strict=True) if not t]
     raise RuntimeError(
@@ -183,6 +191,41 @@ def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: b
         "the others would get a gradient nobody asked for; name all of the layer's trainable "
         "weights, or none of them"
     )
+
+
+def _refuse_hooked(
+    layers: Sequence[LayerGrads], taken: Sequence[bool], how: str, biases: bool
+) -> None:
+    """Raise where a parameter whose gradient reaches ``.grad`` past autograd (``how`` says
+    why: a ``backward_dw()`` job, the compiled op) has a tensor hook (``Tensor.register_hook``):
+    autograd would call the hook with ``None``, and the gradient would land unhooked.
+
+    The weights of each layer ``taken`` on the autograd route, and with ``biases`` the
+    biases (compiled, theirs go past autograd too) this backward delivers; checked before
+    anything is written. Post-accumulate-grad hooks run on the delivered gradient as
+    autograd runs them (:func:`groupgrad.protocol.accumulate_grads_like_autograd`).
+    """
+    hooked: list[tuple[str, Tensor]] = []
+    for layer, takes in zip(layers, taken, strict=True):
+        spec = layer.target.spec
+        if takes and layer.target.route() is WgradRoute.AUTOGRAD:
+            pairs = zip(spec.names, layer.target.params, strict=True)
+            hooked += [(name, p) for name, p in pairs if p.requires_grad and p._backward_hooks]
+        if biases:
+            named = [(f"bias {i} of {spec.names[0]}", b) for i, b in enumerate(layer.biases)]
+            hooked += [(name, b) for name, b in named if b.requires_grad and b._backward_hooks]
+    if not hooked:
+        return
+    delivered = gradients_delivered([p for _, p in hooked])
+    names = [name for (name, _), state in zip(hooked, delivered, strict=True) if state]
+    if names:
+        raise RuntimeError(
+            f"a gradient hook (Tensor.register_hook) is on {_listing(names)}, whose gradient "
+            f"goes into .grad past autograd {how}: autograd would call the hook with None and "
+            "the gradient would land unhooked. Register it with "
+            "register_post_accumulate_grad_hook (run on the delivered .grad), or hook the "
+            "layer's output instead"
+        )
 
 
 def _lookup_nodes(params: Sequence[Tensor]) -> list[Node]:
@@ -236,6 +279,7 @@ def parameter_grads(
     queue: WgradQueue | None,
     *,
     bias_dys: Sequence[Tensor] | None = None,
+    compiled: bool = False,
 ) -> list[Tensor | None]:
     """Run one backward's wgrad GEMMs (or queue them) and sum its bias gradients.
 
@@ -256,17 +300,25 @@ def parameter_grads(
         bias_dys: Each layer's output gradient as a tensor, for its bias
             gradient, where ``dys`` are FP8 forms (a bias gradient is summed
             from the unquantized ``dy``); ``None``: ``dys`` themselves.
+        compiled: Run by the compiled op, which puts the gradients into
+            ``.grad`` itself (``groupgrad.modules._compiled``).
 
     Returns:
         What autograd receives for :attr:`LayerGrads.params` of every layer,
         concatenated in layer order.
 
     Raises:
-        RuntimeError: A ``main_grad`` of any layer is missing or malformed, or
-            a layer's weights are delivered in part; nothing was written then.
+        RuntimeError: A ``main_grad`` of any layer is missing or malformed, a
+            layer's weights are delivered in part, or a parameter whose
+            gradient goes past autograd has a tensor hook; nothing was
+            written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
     taken = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in layers]
+    if compiled:
+        _refuse_hooked(layers, taken, "under torch.compile", biases=True)
+    elif queue is not None:
+        _refuse_hooked(layers, taken, "with delay_wgrad_compute=True (backward_dw())", False)
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [

@@ -586,6 +586,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "distributed-scratch-rounds-fp32-followers",
+        "a distributed group whose leader has no main_grad types its plain followers' scratch "
+        "bf16 while their main_grads are fp32: the reduce receives rounded wgrads",
+        "packages/protocol/src/groupgrad/protocol/_plan.py",
+        "            _check_scratch_dtype(members, compute_dtype, labels)\n",
+        "",
+        (f"{PROTOCOL}/test_plan.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

@@ -416,3 +416,25 @@ def test_gemm_names_follow_the_form_of_gemm_out() -> None:
     assert plan.gemm_names == ["weight0…weight2 wgrad"]
     packed = _plan(_params(1, shape=(2, 4, 3)), into_main_grad=False, shape=(2, 4, 3))
     assert packed.gemm_names == ["weight0 wgrad"]
+
+
+def test_a_follower_whose_main_grad_the_group_would_round_is_refused() -> None:
+    # Catches: a distributed group whose leader has no main_grad (frozen: it needs none)
+    # typing its plain followers' scratch bf16 (weight_grad_dtype reads the leader's), while
+    # their fp32 main_grads receive the reduce: every value rounded to bf16, no error.
+    group = make_fake_group(
+        [torch.randn(4, 3, dtype=torch.bfloat16) for _ in range(3)],
+        leader_only=True,
+        main_grad_dtype=torch.float32,
+    )
+    group[0].requires_grad_(False)
+    del group[0].main_grad
+    with pytest.raises(
+        RuntimeError,
+        match=r"^weight1\.main_grad is torch\.float32, but the distributed group led by weight0 "
+        r"types its followers' wgrads torch\.bfloat16 .*give weight0 a main_grad of torch\.float32",
+    ):
+        _plan(group)
+    group[0].main_grad = torch.zeros(4, 3)  # fp32, never written (frozen): the scratch follows
+    plan = _plan(group)
+    assert [b.dtype for b in plan.gemm_out] == [torch.float32] * 3

@@ -26,12 +26,18 @@ from groupgrad.protocol._attrs import (
     dummy_wgrad,
     fetch_main_grad,
     grad_dtype_of,
+    main_grad_or_none,
     mark_grad_added,
     overwrites_main_grad,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import member_grad_buffers, packed_grad_buffer
-from groupgrad.protocol._distributed import WeightGroup, as_weight_list, finalize_members
+from groupgrad.protocol._distributed import (
+    WeightGroup,
+    as_weight_list,
+    finalize_members,
+    members_grad_dtype,
+)
 from groupgrad.protocol._hooks import hold_post_accumulate_grad_hooks
 from groupgrad.protocol._route import (
     WgradRoute,
@@ -328,6 +334,7 @@ def plan_weight_grads(
         if route is WgradRoute.MAIN_GRAD:
             return _main_grad_plan(members, shape, device, labels, deferred)
         if route is WgradRoute.DISTRIBUTED:
+            _check_scratch_dtype(members, compute_dtype, labels)
             buffers = member_grad_buffers(members, shape, compute_dtype, device)
             first = buffers[0]
             dtype = (
@@ -370,3 +377,32 @@ def defer_weight_grads(
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)
     return [None] * len(members)
+
+
+def _check_scratch_dtype(
+    members: Sequence[torch.Tensor], compute_dtype: torch.dtype, labels: Sequence[str]
+) -> None:
+    """A distributed group's plain followers get scratch typed by the leader's ``main_grad``
+    (:func:`~groupgrad.protocol.weight_grad_dtype`); a trainable follower whose own
+    ``main_grad`` has another dtype would have its wgrad rounded to the scratch's on the way
+    to the reduce (a leader with no ``main_grad``, frozen say, types it ``compute_dtype``).
+
+    Raises:
+        RuntimeError: Naming the follower, both dtypes and the leader.
+    """
+    scratch = members_grad_dtype(list(members), compute_dtype)
+    for label, member in zip(labels[1:], members[1:], strict=True):
+        main_grad = main_grad_or_none(member)
+        if (
+            member.requires_grad
+            and main_grad is not None
+            and main_grad.dtype != scratch
+            and not callable(getattr(member, "grad_buffer", None))
+        ):
+            raise RuntimeError(
+                f"{label}.main_grad is {main_grad.dtype}, but the distributed group led by "
+                f"{labels[0]} types its followers' wgrads {scratch} (the leader's main_grad "
+                f"dtype, or the GEMM's {compute_dtype} where the leader has none): the reduce "
+                f"would get {label}'s gradient rounded; give {labels[0]} a main_grad of "
+                f"{main_grad.dtype} (a frozen leader's is never written)"
+            )

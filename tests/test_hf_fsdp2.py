@@ -133,3 +133,33 @@ def test_hf_qwen3_moe_under_fsdp2_on_two_gpus(gpu_runs: Launches) -> None:
     ranks = gpu_runs(2)["qwen3_moe_bf16"]
     _check(ranks, "qwen3_moe_bf16")
     _check_reduce_scatters(ranks, "qwen3_moe_bf16")
+
+
+def test_a_plain_fsdp2_sub_unit_holding_groupgrad_experts_is_refused(tmp_path: Path) -> None:
+    # Catches: a decoder layer sharded by torch's own fully_shard under groupgrad's root unit:
+    # its Hugging Face experts run on groupgrad, with no fp32 grad_dtype set on them, so
+    # their wgrads reached the reduce-scatter rounded to bf16 (every value), without a word.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from groupgrad.integrations.fsdp2 import fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = worker.build(0, "groupgrad")
+        torch_fully_shard(model.model.layers[0], mp_policy=policy)
+        with pytest.raises(
+            ValueError,
+            match=r"^submodule 'model\.layers\.0' holds groupgrad layers \('mlp\.experts'\) but "
+            r"was sharded by torch\.distributed\.fsdp\.fully_shard directly",
+        ):
+            fully_shard(model, mp_policy=policy)
+        eager = worker.build(0, "eager")  # its own experts: plain FSDP2 is theirs to choose
+        torch_fully_shard(eager.model.layers[0], mp_policy=policy)
+        fully_shard(eager, mp_policy=policy)
+    finally:
+        dist.destroy_process_group()

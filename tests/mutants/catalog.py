@@ -595,6 +595,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{PROTOCOL}/test_plan.py",),
     ),
     Mutant(
+        "fsdp2-blind-to-groupgrad-experts-in-plain-sub-units",
+        "a plain-FSDP2 sub-unit holding Hugging Face experts that run on groupgrad passes: their "
+        "wgrads reach the reduce-scatter rounded to bf16",
+        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_validate.py",
+        '    return experts and isinstance(chosen, str) and chosen.startswith("groupgrad")',
+        "    return False",
+        ("tests/test_hf_fsdp2.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

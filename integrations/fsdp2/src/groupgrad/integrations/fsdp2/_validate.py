@@ -129,8 +129,20 @@ def _sub_units(modules: Sequence[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
                 yield _join(name, child_name), child
 
 
+def runs_on_groupgrad(module: nn.Module) -> bool:
+    """Whether ``module`` is a groupgrad layer, or a Hugging Face experts module whose model
+    runs its experts on groupgrad (transformers' experts interface: ``"groupgrad"``,
+    ``"groupgrad_fp8"``; read off the module, transformers not imported)."""
+    if isinstance(module, GROUPGRAD_LAYERS):
+        return True
+    chosen = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    experts = hasattr(module, "is_concatenated")  # set by @use_experts_implementation
+    return experts and isinstance(chosen, str) and chosen.startswith("groupgrad")
+
+
 def check_nested_units(modules: Sequence[nn.Module]) -> None:
-    """Reject a sub-unit that holds groupgrad layers but was sharded by plain FSDP2.
+    """Reject a sub-unit that holds groupgrad layers (:func:`runs_on_groupgrad`) but was
+    sharded by plain FSDP2.
 
     Its weight gradients would reach FSDP2 in the compute dtype (bf16) and be
     upcast only for the reduce-scatter: the rounding this integration removes.
@@ -141,7 +153,7 @@ def check_nested_units(modules: Sequence[nn.Module]) -> None:
     for name, unit in _sub_units(modules):
         if hasattr(unit, UNIT_MARK):
             continue
-        layers = [n for n, m in unit.named_modules() if isinstance(m, GROUPGRAD_LAYERS)]
+        layers = [n for n, m in unit.named_modules() if runs_on_groupgrad(m)]
         if layers:
             raise ValueError(
                 f"submodule {name!r} holds groupgrad layers ({', '.join(repr(n) for n in layers)}) "

@@ -604,6 +604,42 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_hf_fsdp2.py",),
     ),
     Mutant(
+        "two-uses-queue-two-jobs",
+        "a layer used twice in one forward with delay_wgrad_compute queues a job per use: "
+        "backward_dw() once per backward leaves half the gradient for the next step",
+        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "        if task >= 0 and self._jobs and task == self._last_task:",
+        "        if False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "two-uses-hooks-run-on-each-half",
+        "a delayed layer used twice runs its post-accumulate-grad hooks after each use's GEMM, "
+        "the first time on half of the gradient",
+        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "                entry.run(ready, run_hooks=last[entry.target.key] == index)",
+        "                entry.run(ready, run_hooks=True)",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "two-uses-overwrite-each-other",
+        "a layer used twice in one backward with overwrite_main_grad: the second use's GEMM "
+        "overwrites the first's in main_grad",
+        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "            and (_overwrote_in_this_backward(self.key) or again)",
+        "            and again",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "two-delayed-uses-overwrite-each-other",
+        "a delayed layer used twice with overwrite_main_grad: backward_dw()'s second GEMM "
+        "overwrites the first's in main_grad",
+        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "                    entry.early(again=firsts[entry.target.key] != index)",
+        "                    entry.early(again=False)",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

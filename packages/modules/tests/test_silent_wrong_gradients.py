@@ -905,3 +905,40 @@ def test_a_backward_for_some_weights_is_exact_where_autograd_takes_the_wgrads(
         want = _mlp_grads_fp64(x, fc1, fc2, SPLITS, torch.ones(sum(SPLITS)), dy)[1][1]
     _close(got, want)
     assert all(w.grad is None for w in weights if w is not first)
+
+
+@pytest.mark.parametrize("route", ["grad", "main_grad", "main_grad overwrite"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
+    route: str, delay: bool
+) -> None:
+    # Catches: with delay_wgrad_compute, one backward queueing a job per use (backward_dw(),
+    # once per backward, left half the gradient for the next step; a hook ran on each half);
+    # with overwrite_main_grad, the second use's GEMM overwriting the first's in main_grad.
+    main_grad, overwrite = route.startswith("main_grad"), route.endswith("overwrite")
+    torch.manual_seed(60)
+    layer = GroupedLinear(
+        E, K, N, bias=False, accumulate_into_main_grad=main_grad, delay_wgrad_compute=delay
+    )
+    weights = list(layer.parameters())
+    if main_grad:
+        _attach_main_grad(weights, value=float("nan") if overwrite else 0.0)
+        for w in weights:
+            w.overwrite_main_grad = overwrite
+    seen: list[torch.Tensor] = []
+    weights[0].register_post_accumulate_grad_hook(
+        lambda p: seen.append((p.main_grad if main_grad else p.grad).clone())
+    )
+    x1, x2 = _randn(sum(SPLITS), K, seed=61), _randn(sum(SPLITS), K, seed=62)
+    dy1, dy2 = _randn(sum(SPLITS), N, seed=63), _randn(sum(SPLITS), N, seed=64)
+    ((layer(x1, SPLITS) * dy1).sum() + (layer(x2, SPLITS) * dy2).sum()).backward()
+    if delay:
+        layer.backward_dw()
+        with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+            layer.backward_dw()  # one job for the one backward
+    first = _weight_grads_fp64(x1, weights, SPLITS, dy1)
+    second = _weight_grads_fp64(x2, weights, SPLITS, dy2)
+    for w, a, b in zip(weights, first, second, strict=True):
+        _close(w.main_grad if main_grad else w.grad, a + b)
+    assert len(seen) == 1  # once, on the whole gradient
+    _close(seen[0], first[0] + second[0])

@@ -75,6 +75,11 @@ class WgradTarget:
         """``E``: the packed weight's first dimension, or the number of per-expert weights."""
         return self.shape[0] if self.spec.packed else len(self.params)
 
+    @property
+    def key(self) -> tuple[int, ...]:
+        """Which parameters this targets (their identities): equal for the uses of one layer."""
+        return tuple(map(id, self.params))
+
     def trainable(self) -> bool:
         """Whether any parameter requires grad (else there is no GEMM to run)."""
         return any(param.requires_grad for param in self.params)
@@ -98,9 +103,27 @@ class WgradTarget:
         )
 
     def ready(
-        self, dy_TN: Operand, x_TK: Operand, splits: Splits, plan: WeightGradPlan
+        self,
+        dy_TN: Operand,
+        x_TK: Operand,
+        splits: Splits,
+        plan: WeightGradPlan,
+        again: bool = False,
     ) -> ReadyWgrad:
-        """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan)."""
+        """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan).
+
+        A layer used several times in one forward has a GEMM per use in one backward:
+        where ``overwrite_main_grad`` says overwrite, the first of them overwrites
+        ``main_grad`` and the others add to it (their sum is the gradient). ``again``:
+        this is not the first (``backward_dw()`` knows); in backward the graph task
+        tells (:func:`_overwrote_in_this_backward`).
+        """
+        if (
+            plan.route is WgradRoute.MAIN_GRAD
+            and not plan.accumulate
+            and (_overwrote_in_this_backward(self.key) or again)
+        ):
+            plan.accumulate = True
         gemm = prepare_wgrad(
             dy_TN,
             x_TK,
@@ -112,7 +135,12 @@ class WgradTarget:
         return ReadyWgrad(plan, gemm)
 
     def early(
-        self, dy_TN: Operand, x_TK: Operand, splits: Splits, deferred: bool = False
+        self,
+        dy_TN: Operand,
+        x_TK: Operand,
+        splits: Splits,
+        deferred: bool = False,
+        again: bool = False,
     ) -> ReadyWgrad | None:
         """The GEMM planned and checked now where that allocates nothing (``main_grad``), else ``None``.
 
@@ -127,7 +155,7 @@ class WgradTarget:
         if self.route() is not WgradRoute.MAIN_GRAD:
             return None
         plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
-        return self.ready(dy_TN, x_TK, splits, plan)
+        return self.ready(dy_TN, x_TK, splits, plan, again)
 
     def run(
         self,
@@ -137,6 +165,7 @@ class WgradTarget:
         *,
         deferred: bool = False,
         ready: ReadyWgrad | None = None,
+        run_hooks: bool = True,
     ) -> list[Tensor | None]:
         """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
 
@@ -148,6 +177,9 @@ class WgradTarget:
                 ``.grad`` here (as autograd would) instead of being returned.
             ready: What :meth:`early` readied for this GEMM, or ``None``
                 (planned and checked now).
+            run_hooks: Deferred: run the parameters' post-accumulate-grad hooks
+                after delivering (``False`` where a later GEMM of the same
+                backward adds to them).
 
         Returns:
             What autograd receives for each parameter (all ``None`` when deferred).
@@ -159,7 +191,7 @@ class WgradTarget:
         grads = ready.plan.finish()
         if not deferred:
             return grads
-        accumulate_grads_like_autograd(self.params, grads)
+        accumulate_grads_like_autograd(self.params, grads, run_hooks=run_hooks)
         return [None] * len(self.params)
 
     def step(
@@ -189,6 +221,26 @@ class WgradTarget:
         return defer_weight_grads(
             self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
         )
+
+
+#: Per wgrad target (:attr:`WgradTarget.key`): the autograd graph task whose backward last
+#: planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
+_OVERWRITING_TASK: dict[tuple[int, ...], int] = {}
+
+
+def _overwrote_in_this_backward(key: tuple[int, ...]) -> bool:
+    """Whether the backward now running (its graph task) already planned a GEMM into the
+    ``main_grad``s of ``key``'s parameters; records that it does now. Outside a backward
+    (``backward_dw()``): ``False``."""
+    task = torch._C._current_graph_task_id()
+    if task < 0:
+        return False
+    if _OVERWRITING_TASK.get(key) == task:
+        return True
+    if len(_OVERWRITING_TASK) >= 4096:  # entries of layers long gone (their ids reused)
+        _OVERWRITING_TASK.clear()
+    _OVERWRITING_TASK[key] = task
+    return False
 
 
 @dataclass(frozen=True)
@@ -236,20 +288,27 @@ class DeferredWgrad:
                     "or pass a copy"
                 )
 
-    def early(self) -> ReadyWgrad | None:
-        """:meth:`WgradTarget.early` for this job."""
-        return self.target.early(self.dy_TN, self.x_TK, self.splits, deferred=True)
+    def early(self, again: bool = False) -> ReadyWgrad | None:
+        """:meth:`WgradTarget.early` for this job (``again``: an earlier GEMM of the same
+        backward wrote the same parameters' buffers)."""
+        return self.target.early(self.dy_TN, self.x_TK, self.splits, deferred=True, again=again)
 
-    def run(self, ready: ReadyWgrad | None = None) -> None:
-        """Run the GEMM now, finalize distributed weights and deliver to ``.grad``."""
-        self.target.run(self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready)
+    def run(self, ready: ReadyWgrad | None = None, *, run_hooks: bool = True) -> None:
+        """Run the GEMM now, finalize distributed weights and deliver to ``.grad``
+        (``run_hooks``: the parameters' post-accumulate-grad hooks run after it)."""
+        self.target.run(
+            self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready, run_hooks=run_hooks
+        )
 
 
 class WgradQueue:
     """FIFO of deferred wgrad GEMMs (``delay_wgrad_compute=True``), one job per backward.
 
     Each backward pushes one job (the wgrads of every weight group it
-    deferred); each ``backward_dw()`` runs the oldest job.
+    deferred); each ``backward_dw()`` runs the oldest job. A layer used several
+    times in one forward defers a GEMM for each use: the uses of one backward
+    (one autograd graph task) make one job, whose parameters' post-accumulate-
+    grad hooks run once, after the last of their GEMMs, on the whole gradient.
     """
 
     _registry: ClassVar[weakref.WeakValueDictionary[int, WgradQueue]] = (
@@ -259,6 +318,7 @@ class WgradQueue:
 
     def __init__(self) -> None:
         self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
+        self._last_task = -1  # the autograd graph task that pushed the newest job
         self.number = next(WgradQueue._count)
         """This queue's registry number: how a compiled graph names it (a constant)."""
         WgradQueue._registry[self.number] = self
@@ -288,9 +348,16 @@ class WgradQueue:
         return (WgradQueue, ())
 
     def push(self, job: list[DeferredWgrad]) -> None:
-        """Queue the deferred wgrads of one backward (nothing for an empty job)."""
-        if job:
-            self._jobs.append(job)
+        """Queue the deferred wgrads of one backward (nothing for an empty job): added to
+        the newest job when the same backward (graph task) pushed it."""
+        if not job:
+            return
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and self._jobs and task == self._last_task:
+            self._jobs[-1].extend(job)
+            return
+        self._jobs.append(job)
+        self._last_task = task
 
     def pop_and_run(self, owner: str) -> None:
         """Run the oldest backward's deferred wgrads.
@@ -327,10 +394,15 @@ class WgradQueue:
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)
         with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():
+            firsts = {entry.target.key: index for index, entry in reversed(list(enumerate(job)))}
             try:
-                readied = [entry.early() for entry in job]
+                readied = [
+                    entry.early(again=firsts[entry.target.key] != index)
+                    for index, entry in enumerate(job)
+                ]
             except Exception:  # nothing written: the job waits for a retry
                 self._jobs.appendleft(job)
                 raise
-            for entry, ready in zip(job, readied, strict=True):
-                entry.run(ready)
+            last = {entry.target.key: index for index, entry in enumerate(job)}
+            for index, (entry, ready) in enumerate(zip(job, readied, strict=True)):
+                entry.run(ready, run_hooks=last[entry.target.key] == index)

@@ -294,8 +294,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "backward-dw-runs-without-delay",
         "backward_dw() acts on a module without delay_wgrad_compute",
         "packages/modules/src/groupgrad/modules/_base.py",
-        "        if self.delay_wgrad_compute:\n            self._wgrad_queue.pop_and_run(",
-        "        if True:\n            self._wgrad_queue.pop_and_run(",
+        "        if self.delay_wgrad_compute or len(self._wgrad_queue):",
+        "        if True:",
         (f"{MODULES}/test_linear.py",),
     ),
     # --- torch_distributed: a training loop around sharded experts corrupts and loses nothing
@@ -637,6 +637,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "packages/modules/src/groupgrad/modules/_wgrad.py",
         "                    entry.early(again=firsts[entry.target.key] != index)",
         "                    entry.early(again=False)",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "deferred-job-blind-to-a-frozen-weight",
+        "a weight frozen between backward and backward_dw() gets nothing (its flag set, its "
+        "hooks held), without a word",
+        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "        if now != self.trainable:",
+        "        if False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "queued-job-stranded-when-delay-switched-off",
+        "backward_dw() is a no-op once delay_wgrad_compute is switched off, with a job queued: "
+        "its gradient never lands and its hooks stay held",
+        "packages/modules/src/groupgrad/modules/_base.py",
+        "        if self.delay_wgrad_compute or len(self._wgrad_queue):",
+        "        if self.delay_wgrad_compute:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(

@@ -942,3 +942,37 @@ def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
         _close(w.main_grad if main_grad else w.grad, a + b)
     assert len(seen) == 1  # once, on the whole gradient
     _close(seen[0], first[0] + second[0])
+
+
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_freezing_a_weight_between_backward_and_backward_dw_is_an_error(main_grad: bool) -> None:
+    # Catches: backward_dw() reading requires_grad anew: a weight frozen after the backward
+    # that deferred its gradient (its flag already set, its hooks held) got nothing, silently.
+    layer, weights = _writing_main_grads("linear", delay=True, main_grad=main_grad)
+    layer(_randn(sum(SPLITS), K, seed=65), SPLITS).square().sum().backward()
+    weights[1].requires_grad_(False)
+    with pytest.raises(
+        RuntimeError,
+        match=r"backward_dw\(\): weight1 has requires_grad=False now "
+        r"but had True at the backward",
+    ):
+        layer.backward_dw()  # type: ignore[operator]
+    for w in weights:  # nothing written (with main_grad, .grad holds the zero dummy)
+        assert not w.main_grad.any() if main_grad else w.grad is None
+
+
+def test_a_job_queued_before_delay_was_switched_off_still_runs() -> None:
+    # Catches: backward_dw() a no-op once delay_wgrad_compute is False, with a job queued: its
+    # gradient never landed and its held hooks stayed held for every later backward.
+    layer, weights = _writing_main_grads("linear", delay=True, main_grad=False)
+    runs: list[int] = []
+    weights[0].register_post_accumulate_grad_hook(lambda p: runs.append(1))
+    x = _randn(sum(SPLITS), K, seed=66)
+    layer(x, SPLITS).square().sum().backward()
+    layer.delay_wgrad_compute = False
+    layer.backward_dw()  # type: ignore[operator]
+    assert weights[0].grad is not None
+    assert runs == [1]
+    layer(x, SPLITS).square().sum().backward()  # not delayed: autograd runs the hook itself
+    assert runs == [1, 1]
+    layer.backward_dw()  # type: ignore[operator]  # nothing queued, not delayed: a no-op

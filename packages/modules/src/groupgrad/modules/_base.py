@@ -43,7 +43,8 @@ class GroupedModule(nn.Module):
     def backward_dw(self) -> None:
         """Run the weight-gradient GEMMs that one backward deferred (oldest first).
 
-        Only with ``delay_wgrad_compute=True``; a no-op otherwise. With
+        A no-op with ``delay_wgrad_compute=False`` and nothing queued (jobs queued
+        before the option was switched off still run). With
         ``main_grad`` each GEMM writes it now (the flag and dummy went to
         autograd at backward); without, the gradient is added into ``.grad``
         as autograd would have; a distributed group is finalized now, right
@@ -52,10 +53,11 @@ class GroupedModule(nn.Module):
         in place since backward raises and nothing is written.
 
         Raises:
-            RuntimeError: No backward has queued a weight gradient, or an
-                input it reads was modified in place since backward.
+            RuntimeError: No backward has queued a weight gradient, an input
+                it reads was modified in place since backward, or a parameter
+                was frozen or unfrozen since.
         """
-        if self.delay_wgrad_compute:
+        if self.delay_wgrad_compute or len(self._wgrad_queue):
             self._wgrad_queue.pop_and_run(type(self).__name__)
 
     def extra_repr(self) -> str:

@@ -248,7 +248,8 @@ class DeferredWgrad:
     """One layer's wgrad GEMM, queued by backward for ``backward_dw()``.
 
     ``operands`` names ``dy_TN`` and ``x_TK`` for messages; ``versions`` are
-    their version counters when the job was queued, checked when it runs.
+    their version counters when the job was queued, ``trainable`` which
+    parameters required grad then: both checked when it runs.
     """
 
     target: WgradTarget
@@ -257,6 +258,7 @@ class DeferredWgrad:
     splits: Splits
     operands: tuple[str, str]
     versions: tuple[tuple[int, ...], tuple[int, ...]]
+    trainable: tuple[bool, ...]
 
     @classmethod
     def queue(
@@ -269,10 +271,22 @@ class DeferredWgrad:
     ) -> DeferredWgrad:
         """A job whose operands' versions are those they have now."""
         versions = (operand_versions(dy_TN), operand_versions(x_TK))
-        return cls(target, dy_TN, x_TK, splits, operands, versions)
+        trainable = tuple(p.requires_grad for p in target.params)
+        return cls(target, dy_TN, x_TK, splits, operands, versions, trainable)
 
     def check_unchanged(self, owner: str) -> None:
-        """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued."""
+        """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued, or
+        a parameter was frozen or unfrozen since (backward already handed autograd what
+        the parameters' trainability then called for: the flag and dummy, held hooks)."""
+        now = tuple(p.requires_grad for p in self.target.params)
+        if now != self.trainable:
+            index = next(i for i, (a, b) in enumerate(zip(now, self.trainable)) if a != b)
+            raise RuntimeError(
+                f"{owner}.backward_dw(): {self.target.spec.names[index]} has requires_grad="
+                f"{now[index]} now but had {self.trainable[index]} at the backward that deferred "
+                "its weight gradient (which handed autograd what that called for); freeze or "
+                "unfreeze parameters after backward_dw(), not between backward and it"
+            )
         for name, operand, version in zip(
             self.operands, (self.dy_TN, self.x_TK), self.versions, strict=True
         ):
@@ -387,9 +401,8 @@ class WgradQueue:
                 entry.check_unchanged(owner)
         except RuntimeError:  # the job is dropped: its parameters' held hooks go back
             for entry in job:
-                release_post_accumulate_grad_hooks(
-                    p for p in entry.target.params if p.requires_grad
-                )
+                pairs = zip(entry.target.params, entry.trainable, strict=True)
+                release_post_accumulate_grad_hooks(p for p, held in pairs if held)
             raise
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)

@@ -280,7 +280,9 @@ class DeferredWgrad:
         the parameters' trainability then called for: the flag and dummy, held hooks)."""
         now = tuple(p.requires_grad for p in self.target.params)
         if now != self.trainable:
-            index = next(i for i, (a, b) in enumerate(zip(now, self.trainable)) if a != b)
+            index = next(
+                i for i, (a, b) in enumerate(zip(now, self.trainable, strict=True)) if a != b
+            )
             raise RuntimeError(
                 f"{owner}.backward_dw(): {self.target.spec.names[index]} has requires_grad="
                 f"{now[index]} now but had {self.trainable[index]} at the backward that deferred "

@@ -644,7 +644,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a weight frozen between backward and backward_dw() gets nothing (its flag set, its "
         "hooks held), without a word",
         "packages/modules/src/groupgrad/modules/_wgrad.py",
-        "        if now != self.trainable:",
+        "        if trainable != self.trainable:",
         "        if False:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),

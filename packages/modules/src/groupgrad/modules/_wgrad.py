@@ -278,14 +278,14 @@ class DeferredWgrad:
         """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued, or
         a parameter was frozen or unfrozen since (backward already handed autograd what
         the parameters' trainability then called for: the flag and dummy, held hooks)."""
-        now = tuple(p.requires_grad for p in self.target.params)
-        if now != self.trainable:
+        trainable = tuple(p.requires_grad for p in self.target.params)
+        if trainable != self.trainable:
             index = next(
-                i for i, (a, b) in enumerate(zip(now, self.trainable, strict=True)) if a != b
+                i for i, (a, b) in enumerate(zip(trainable, self.trainable, strict=True)) if a != b
             )
             raise RuntimeError(
                 f"{owner}.backward_dw(): {self.target.spec.names[index]} has requires_grad="
-                f"{now[index]} now but had {self.trainable[index]} at the backward that deferred "
+                f"{trainable[index]} now but had {self.trainable[index]} at the backward that deferred "
                 "its weight gradient (which handed autograd what that called for); freeze or "
                 "unfreeze parameters after backward_dw(), not between backward and it"
             )

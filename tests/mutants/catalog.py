@@ -658,6 +658,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "routed-mlp-advises-distributed-pairs",
+        "routed_grouped_mlp given one distributed group advises making both distributed, which "
+        "it then refuses",
+        "packages/modules/src/groupgrad/modules/_mlp_args.py",
+        "    if plain_only:\n",
+        "    if False:\n",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

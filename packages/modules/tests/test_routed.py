@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.modules import grouped_mlp, routed_grouped_mlp
+from groupgrad.protocol.testing import make_fake_group
 
 T, K, E, H, F = 29, 3, 5, 32, 24
 
@@ -207,3 +208,18 @@ def _repeated() -> Tensor:
 def test_bad_inputs_are_named(change: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         _call(**change)
+
+
+@pytest.mark.parametrize("layer", ["fc1", "fc2"])
+def test_a_distributed_group_is_refused_whichever_layer_has_it(layer: str) -> None:
+    # Catches: a distributed fc2 alone met "needs fc1 and fc2 both distributed or both plain",
+    # advice whose following met the refusal of distributed groups.
+    w1, w2, _ = _params(torch.float32, packed=False)
+    weights: dict[str, object] = {"fc1_weights": w1, "fc2_weights": w2}
+    weights[f"{layer}_weights"] = make_fake_group(list(weights[f"{layer}_weights"]))  # type: ignore[call-overload]
+    with pytest.raises(
+        TypeError,
+        match=rf"^{layer}_weights\[0\] is a DistributedWeight; "
+        r"routed_grouped_mlp takes plain weights",
+    ):
+        _call(**weights)

@@ -99,9 +99,23 @@ def check_mlp_inputs(x: object, probs: object, hidden_size: int) -> None:
 
 
 def check_distributed_pairing(
-    fc1_leader: Tensor, fc1_name: str, fc2_leader: Tensor, fc2_name: str, owner: str
+    fc1_leader: Tensor,
+    fc1_name: str,
+    fc2_leader: Tensor,
+    fc2_name: str,
+    owner: str,
+    plain_only: bool = False,
 ) -> None:
-    """Raise ``ValueError`` unless fc1 and fc2 are both distributed or both plain."""
+    """Raise ``ValueError`` unless fc1 and fc2 are both distributed or both plain;
+    ``TypeError`` for a distributed one where ``owner`` takes ``plain_only`` weights."""
+    if plain_only:
+        for leader, name in ((fc1_leader, fc1_name), (fc2_leader, fc2_name)):
+            if is_distributed_weight(leader):
+                raise TypeError(
+                    f"{name} is a DistributedWeight; {owner} takes plain weights (grouped_mlp "
+                    "takes DistributedWeight groups)"
+                )
+        return
     fc1_distributed = is_distributed_weight(fc1_leader)
     if fc1_distributed == is_distributed_weight(fc2_leader):
         return
@@ -174,8 +188,10 @@ def mlp_arguments(
     fc2_bias: Tensor | Sequence[Tensor] | None,
     accumulate_into_main_grad: bool,
     owner: str,
+    plain_only: bool = False,
 ) -> tuple[MLPLayout, list[Tensor], int | None]:
-    """A functional fused MLP's weights and biases as a layout and its parameter list.
+    """A functional fused MLP's weights and biases as a layout and its parameter list
+    (``plain_only``: ``owner`` takes no ``DistributedWeight`` group).
 
     Returns:
         The layout, the parameters (``*fc1 weights, *fc1 biases, *fc2 weights,
@@ -184,7 +200,8 @@ def mlp_arguments(
 
     Raises:
         ValueError: A shape or layout mismatch between fc1 and fc2 or their biases.
-        TypeError: A weight that is not a tensor.
+        TypeError: A weight that is not a tensor, or a ``DistributedWeight`` group
+            where ``plain_only``.
     """
     if (fc1_bias is None) != (fc2_bias is None):
         raise ValueError(
@@ -200,7 +217,7 @@ def mlp_arguments(
             f"{'packed' if fc1.packed else 'per-expert'} vs {len(w2)} "
             f"{'packed' if fc2.packed else 'per-expert'}); expected the same"
         )
-    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], owner)
+    check_distributed_pairing(w1[0], fc1.names[0], w2[0], fc2.names[0], owner, plain_only)
     hidden = None
     if not is_distributed_weight(w1[0]):
         hidden = check_mlp_shapes(w1[0], fc1.names[0], w2[0], fc2.names[0])

@@ -32,7 +32,7 @@ nothing is released (the compiler plans the memory).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -279,14 +279,9 @@ def routed_grouped_mlp(
     """
     check_activation(activation, "routed_grouped_mlp")
     layout, params, hidden = mlp_arguments(
-        fc1_weights, fc2_weights, None, None, False, "routed_grouped_mlp"
+        fc1_weights, fc2_weights, None, None, False, "routed_grouped_mlp", plain_only=True
     )
-    if hidden is None:
-        raise TypeError(
-            f"{layout.fc1.names[0]} is a DistributedWeight; routed_grouped_mlp takes plain "
-            "weights (grouped_mlp takes DistributedWeight groups)"
-        )
-    _check_routing(x, slots, top_k_weights, hidden)
+    _check_routing(x, slots, top_k_weights, cast(int, hidden))  # plain weights: H known
     _check_permutation(slots)
     refuse_derived_parameters(params, layout.fc1.names[0])
     x, cast_dtype = autocast_input(x)

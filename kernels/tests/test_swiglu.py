@@ -83,6 +83,18 @@ def test_low_precision_is_fp32_math_rounded_once(dtype, probs_dtype) -> None:
 
 
 @pytest.mark.parametrize("with_probs", [False, True])
+def test_the_twins_agree_on_a_da_of_another_dtype_than_h(with_probs: bool) -> None:
+    # Catches: the op rounding an fp32 da to h's bf16 first and its twin not (4 in 16 dh
+    # elements and dprobs differing): a twin must give the op's results.
+    h, _, probs = _inputs(29, 40, torch.bfloat16, torch.float32 if with_probs else None, seed=3)
+    da = torch.randn(29, 40, generator=torch.Generator().manual_seed(4))  # fp32
+    for got, want in zip(
+        swiglu_probs_backward(da, h, probs), swiglu_probs_backward_ref(da, h, probs), strict=True
+    ):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
 def test_custom_ops_pass_opcheck(with_probs: bool) -> None:
     h, da, probs = _inputs(11, 16, torch.bfloat16, torch.float32 if with_probs else None)
     torch.library.opcheck(_swiglu.swiglu_probs_op, (h, probs))

@@ -667,6 +667,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_routed.py",),
     ),
     Mutant(
+        "swiglu-twin-keeps-da-unrounded",
+        "swiglu_probs_backward_ref takes an fp32 da as is where the op rounds it to h's dtype: "
+        "the twins' dh and dprobs differ",
+        "kernels/src/groupgrad/kernels/_swiglu.py",
+        "    da_TF = da_TF.to(h_T2F.dtype).to(g_TF.dtype)",
+        "    da_TF = da_TF.to(g_TF.dtype)",
+        (f"{KERNELS}/test_swiglu.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

@@ -93,8 +93,9 @@ def swiglu_probs_backward_ref(
     rounded once. Nothing is mutated.
 
     Args:
-        da_TF: ``(T, F)`` gradient of the activation, any floating dtype
-            (used in the math dtype).
+        da_TF: ``(T, F)`` gradient of the activation, any floating dtype;
+            rounded to ``h``'s dtype first, as :func:`swiglu_probs_backward`
+            takes it.
         h_T2F: ``(T, 2F)`` fc1 output saved by forward (gate then up), bf16,
             fp16, fp32 or fp64.
         probs_T: ``(T,)`` the forward's ``probs``, any floating dtype, or ``None``.
@@ -109,7 +110,7 @@ def swiglu_probs_backward_ref(
     sig_TF = torch.sigmoid(g_TF)
     silu_TF = g_TF * sig_TF
     act_TF = silu_TF * u_TF
-    da_TF = da_TF.to(g_TF.dtype)
+    da_TF = da_TF.to(h_T2F.dtype).to(g_TF.dtype)
     dprobs_T = None
     if probs_T is not None:
         p_T1 = probs_T.to(g_TF.dtype)[:, None]

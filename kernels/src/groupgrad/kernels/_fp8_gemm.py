@@ -27,8 +27,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _fp8_ops, _group, _ops, _reference
-from groupgrad.kernels._fp8 import ROWS, SEGMENT_ALIGN, SEGMENTS, WEIGHTS, Fp8Blocks
+from groupgrad.kernels import _group, _ops, _reference
+from groupgrad.kernels._fp8 import ROWS, SEGMENTS, WEIGHTS, Fp8Blocks, segment_offsets
 from groupgrad.kernels._group import ListedFacts
 
 # --------------------------------------------------------------------------- reference
@@ -46,7 +46,7 @@ def _weights(data: Tensor, scales: Tensor) -> Tensor:
 def _segments(data: Tensor, scales: Tensor, row_offsets: Tensor, tokens: int) -> Tensor:
     """A ``(128, 1)`` operand dequantized in the layout its token counts (``row_offsets``'
     steps) give, as the CUDA kernels' setup derives it: its other offsets are not read."""
-    row, seg, block = _fp8_ops.offsets_ref(torch.diff(row_offsets), SEGMENT_ALIGN)
+    row, seg, block = segment_offsets(torch.diff(row_offsets), row_offsets.device)
     blocks = Fp8Blocks(
         data, scales, block=SEGMENTS, dtype=torch.float32, shape=(tokens, data.shape[0]),
         row_offsets=row, seg_offsets=seg, block_offsets=block,

@@ -74,6 +74,19 @@ def row_out(
     return out_TX
 
 
+def fp8_row_out_dtype(out: object, op: str, a_name: str, source: torch.dtype) -> torch.dtype:
+    """An FP8 fprop/dgrad's output dtype: ``out``'s, any of the GEMMs' output dtypes, or
+    ``source`` (the dtype ``a_name`` was quantized from) without ``out``."""
+    if not isinstance(out, Tensor):
+        return source  # None (allocated in source), or not a tensor: row_out names it
+    if out.dtype not in WGRAD_OUT_DTYPES:
+        raise TypeError(
+            f"out has dtype {out.dtype}, expected {DTYPE_CHOICES} (an FP8 {op} writes any of "
+            f"them; {a_name} was quantized from {source})"
+        )
+    return out.dtype
+
+
 def check_inner(op: str, a_name: str, cols: int, shape: tuple[int, int, int]) -> None:
     """fprop's ``x`` has ``K`` columns, dgrad's ``dy`` ``N``, for weights of ``shape``."""
     E, N, K = shape

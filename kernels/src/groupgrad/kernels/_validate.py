@@ -206,14 +206,7 @@ def fp8_rows_call(
     _rules.check_inner(op, a_name, cols, (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
-    dtype = a8.dtype
-    if isinstance(out, Tensor):
-        if out.dtype not in _rules.WGRAD_OUT_DTYPES:
-            raise TypeError(
-                f"out has dtype {out.dtype}, expected {_rules.DTYPE_CHOICES} (an FP8 {op} "
-                f"writes any of them; {a_name} was quantized from {a8.dtype})"
-            )
-        dtype = out.dtype
+    dtype = _rules.fp8_row_out_dtype(out, op, a_name, a8.dtype)
     w_read = cast(Tensor, w8.data if op == "fprop" else w8.data_t)  # what the kernel reads
     scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]
     out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, scales)
@@ -445,14 +438,10 @@ def fp8_splits_agree(
         elif value.splits is given:
             continue
         else:
-            own = value.splits
+            own = () if value.splits is None else value.splits
             if isinstance(own, Tensor) and own.device.type != "cpu":
                 continue
-            own_counts = (
-                own.tolist()
-                if isinstance(own, Tensor)
-                else [int(n) for n in (() if own is None else own)]
-            )
+            own_counts = own.tolist() if isinstance(own, Tensor) else [int(n) for n in own]
         if own_counts != splits_E.tolist():
             raise ValueError(
                 f"{name} was quantized with splits {own_counts} but splits is "

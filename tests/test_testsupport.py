@@ -331,3 +331,20 @@ def _running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_support_imports_without_pytest() -> None:
+    # Catches: a support module importing pytest at its top: the examples that load the
+    # support from a checkout (examples/train_megatron_core_moe.py) need no pytest installed.
+    code = (
+        "import sys\n"
+        "sys.modules['pytest'] = None  # an import of pytest now fails\n"
+        "import groupgrad_testsupport\n"
+        "from groupgrad_testsupport.cpu_streams import stub_streams\n"
+    )
+    support = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(support), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

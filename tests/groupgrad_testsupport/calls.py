@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
 import torch
+
+if TYPE_CHECKING:  # pytest only where the tests run: the support imports without it
+    import pytest
 
 
 def record_calls(

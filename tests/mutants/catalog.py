@@ -676,6 +676,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_swiglu.py",),
     ),
     Mutant(
+        "test-support-needs-pytest",
+        "the test support imports pytest at its top: the Megatron-Core example, which loads it "
+        "from a checkout, fails without pytest",
+        "tests/groupgrad_testsupport/calls.py",
+        "if TYPE_CHECKING:  # pytest only where the tests run: the support imports without it\n"
+        "    import pytest",
+        "import pytest",
+        ("tests/test_testsupport.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

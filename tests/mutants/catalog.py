@@ -686,6 +686,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_testsupport.py",),
     ),
     Mutant(
+        "fused-experts-skip-megatrons-param-gather-hooks",
+        "the fused experts never run fc1's and fc2's forward pre-hooks, where Megatron's DDP "
+        "waits for (and starts) overlapped parameter all-gathers: stale expert weights",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_experts.py",
+        "            _forward_pre_hooks(owner, (x_TH,))",
+        "            pass",
+        ("integrations/megatron_core/tests/test_megatron_moe.py",),
+    ),
+    Mutant(
+        "fused-experts-name-groupedmlps-size",
+        "a Megatron FP8 size misfit is named in GroupedMLP's words (ffn_hidden_size for "
+        "moe_ffn_hidden_size), not the config's",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_fp8.py",
+        '    for setting in ("hidden_size", "moe_ffn_hidden_size"):  # named as Megatron names them',
+        "    for setting in ():",
+        ("integrations/megatron_core/tests/test_megatron_fp8.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

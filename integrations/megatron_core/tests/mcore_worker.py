@@ -24,6 +24,8 @@ with the test-only ``cpu_shim``, NCCL on GPUs). Kinds (``scenario["kind"]``):
 * ``init`` — parameters as built: which init method touched which expert,
   Megatron attributes.
 * ``errors`` — setups that must be refused; the messages.
+* ``param_gather`` — three ``DistributedOptimizer`` steps with Megatron's
+  ``overlap_param_gather`` off and on; each step's output (a launch of its own).
 """
 
 from __future__ import annotations
@@ -212,6 +214,58 @@ def run_layer(sc: dict[str, Any]) -> dict[str, Any]:
         results["fp64"] = _train_layer(fp64, fp64.config, sc, delay=False, dtype=torch.float64)
     results["experts_type"] = type(layer.experts).__name__
     return results
+
+
+def run_param_gather(sc: dict[str, Any]) -> dict[str, Any]:
+    """Three ``DistributedOptimizer`` steps of one backend with Megatron's
+    ``overlap_param_gather`` (and ``overlap_grad_reduce``) off, then on: each step's output.
+
+    ``expert_buffers``: the experts' parameters in Megatron's expert-data-parallel
+    buffers (``allreduce=False``, as expert parallelism sets them); ``bucket_size``:
+    small buckets spread the experts over several. The optimizer's CUDA factories go
+    to the CPU (``fp8_worker._optimizer_on_cpu``: this kind runs in a launch of its own).
+    """
+    import fp8_worker  # a sibling: the worker's folder is sys.path[0]
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    fp8_worker._optimizer_on_cpu()
+    device = sc.get("device", "cpu")
+    outputs: dict[str, Any] = {}
+    for overlap in (False, True):
+        setup_parallel(1)
+        config = make_config(sc, torch.float32, gradient_accumulation_fusion=True)
+        layer = build_layer(sc["backend"], config, device)
+        setup_parallel(1)
+        copy_weights(build_layer("sequential", make_config(sc, torch.float32), device), layer)
+        if sc["expert_buffers"]:
+            for name, param in layer.named_parameters():
+                if name.startswith("experts."):
+                    param.allreduce = False
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap,
+            bucket_size=sc.get("bucket_size"),
+        )
+        ddp = DistributedDataParallel(config, ddp_config, layer)
+        optimizer_config = OptimizerConfig(
+            optimizer="adam", lr=0.05, use_distributed_optimizer=True, clip_grad=0.0
+        )
+        optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+        steps = []
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            x, dy = _data(sc, step, device)
+            out, _ = ddp(x.requires_grad_())
+            out.backward(dy)
+            ddp.finish_grad_sync()
+            optimizer.step()
+            steps.append(out.detach().cpu())
+        outputs["overlapped" if overlap else "plain"] = steps
+    return outputs
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -417,6 +471,7 @@ RUNNERS = {
     "layout": run_layout,
     "init": run_init,
     "errors": run_errors,
+    "param_gather": run_param_gather,
 }
 
 

@@ -87,3 +87,10 @@ GPU_LAYERS = [
     for delay in (False, True)
     for dtype in ("fp32", "bf16")
 ]
+PARAM_GATHER = [
+    {"name": f"param-gather-{backend}-{where}", "kind": "param_gather", "ep": 1,
+     "backend": backend, "expert_buffers": where == "expert-buffers",
+     "bucket_size": 64 if where == "small-buckets" else None}
+    for backend in ("fused", "unfused")
+    for where in ("expert-buffers", "small-buckets")
+]  # fmt: skip

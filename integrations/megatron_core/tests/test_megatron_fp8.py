@@ -77,6 +77,28 @@ def test_fused_experts_refuse_other_fp8_settings(fp8: dict[str, Any], message: s
         GroupgradFusedExperts(2, _config(**fp8))
 
 
+@pytest.mark.parametrize(
+    ("setting", "sizes"),
+    [
+        ("moe_ffn_hidden_size", {"moe_ffn_hidden_size": 192}),
+        ("hidden_size", {"hidden_size": 192, "ffn_hidden_size": 192}),
+    ],
+)
+def test_fused_experts_name_megatrons_size_that_fp8_cannot_take(
+    setting: str, sizes: dict[str, int]
+) -> None:
+    # Catches: the FP8 size rule named in GroupedMLP's words (ffn_hidden_size is 192, where the
+    # config's ffn_hidden_size was 128 and its moe_ffn_hidden_size 192), without the owner.
+    config = _config(fp8="e4m3", fp8_recipe="blockwise")
+    for name, value in sizes.items():
+        setattr(config, name, value)
+    with pytest.raises(
+        ValueError,
+        match=rf"^GroupgradFusedExperts: {setting} is 192 with fp8='e4m3'.* expected a multiple of 128",
+    ):
+        GroupgradFusedExperts(2, config)
+
+
 def test_fused_experts_name_the_recipe_enum_by_its_value() -> None:
     from megatron.core.enums import Fp8Recipe
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.core.transformer.module import MegatronModule
-from torch import Tensor
+from torch import Tensor, nn
 
 from groupgrad.integrations.megatron_core._checkpoint import (
     COLUMN_PARALLEL_AXES,
@@ -47,6 +47,22 @@ __all__ = ["GroupgradFusedExperts"]
 
 _FC1_PREFIX = "grouped_mlp.fc1."
 _FC2_PREFIX = "grouped_mlp.fc2."
+
+
+def _forward_pre_hooks(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Run ``module``'s own forward pre-hooks, as calling it would.
+
+    The fused MLP stands in for the forwards of ``fc1`` and ``fc2``, which own
+    the expert weights but are never called: Megatron's DDP, with
+    ``overlap_param_gather``, waits in these hooks for the all-gather of the
+    bucket holding a module's own parameters and starts the next bucket's.
+    Without them the experts would read weights no all-gather refreshed.
+    """
+    for key, hook in tuple(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            hook(module, args, {})
+        else:
+            hook(module, args)
 
 
 class GroupgradFusedExperts(MegatronModule):
@@ -213,6 +229,8 @@ class GroupgradFusedExperts(MegatronModule):
             ``(y, None)``: ``y`` ``(T, H)``; experts have no bias.
         """
         x_TH, probs_T = permuted_local_hidden_states, permuted_probs
+        for owner in (self.grouped_mlp.fc1, self.grouped_mlp.fc2):
+            _forward_pre_hooks(owner, (x_TH,))
         cache = self._cache_flag()
         if self.config.moe_apply_probs_on_input:  # Megatron's option: scale x, not the output
             if self.config.moe_router_topk != 1:

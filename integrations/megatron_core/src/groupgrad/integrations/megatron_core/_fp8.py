@@ -38,7 +38,9 @@ def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
 
     Raises:
         ValueError: ``fp8="hybrid"``, another ``fp8_recipe``, ``fp8_param``,
-            ``fp8_wgrad=False`` or a ``quant_recipe`` (0.19), named with the value.
+            ``fp8_wgrad=False`` or a ``quant_recipe`` (0.19), or FP8 with a
+            ``hidden_size`` or ``moe_ffn_hidden_size`` not a multiple of 128,
+            named with the value.
     """
     fp8 = config.fp8
     expected = f"groupgrad's fused experts support {FUSED_FP8} (or fp8=None)"
@@ -67,6 +69,12 @@ def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
             f"{owner}: quant_recipe is {config.quant_recipe!r}; {expected}, expected "
             "quant_recipe=None"
         )
+    for setting in ("hidden_size", "moe_ffn_hidden_size"):  # named as Megatron names them
+        if getattr(config, setting) % 128:
+            raise ValueError(
+                f"{owner}: {setting} is {getattr(config, setting)} with {FUSED_FP8}, expected a "
+                "multiple of 128 (the FP8 GEMMs' 128-wide blocks)"
+            )
     return "blockwise"
 
 

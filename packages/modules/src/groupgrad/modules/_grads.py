@@ -318,7 +318,7 @@ def parameter_grads(
     if compiled:
         _refuse_hooked(layers, taken, "under torch.compile", biases=True)
     elif queue is not None:
-        _refuse_hooked(layers, taken, "with delay_wgrad_compute=True (backward_dw())", False)
+        _refuse_hooked(layers, taken, "with delay_wgrad_compute=True (backward_dw())", biases=False)
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [

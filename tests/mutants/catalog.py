@@ -704,6 +704,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/megatron_core/tests/test_megatron_fp8.py",),
     ),
     Mutant(
+        "distributed-members-edited-between-forward-and-backward-pass",
+        "a DistributedWeight group's shards edited in place after the forward are gathered again "
+        "by the backward without a word: the dgrad of values the forward never saw",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "    if not spec.checks_versions or is_fsdp_param(weights[0]):",
+        "    if not spec.checks_versions or is_fsdp_param(weights[0]) or is_distributed_weight(weights[0]):",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

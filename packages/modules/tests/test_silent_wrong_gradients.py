@@ -206,6 +206,31 @@ def test_a_weight_changed_in_place_before_backward_is_an_error_and_writes_nothin
     assert all((p.main_grad == 7.0).all() for p in module.parameters())
 
 
+@pytest.mark.parametrize("fp8", [None, "blockwise"])
+def test_a_distributed_member_changed_in_place_before_backward_is_an_error(
+    fp8: str | None,
+) -> None:
+    # Catches: a DistributedWeight group's members (the shards its implementer gathers from)
+    # edited in place after the forward, then gathered again by the backward: the dgrad of
+    # values the forward never saw, silently (plain weights raise here).
+    k, n = (128, 128) if fp8 else (K, N)
+    layer = GroupedLinear(E, k, n, bias=False, accumulate_into_main_grad=True, fp8_recipe=fp8)
+    group = make_fake_group(
+        [getattr(layer, f"weight{e}") for e in range(E)], main_grad_dtype=torch.float32
+    )
+    for e, member in enumerate(group):
+        setattr(layer, f"weight{e}", member)
+    x = _randn(sum(SPLITS), k, seed=26).requires_grad_()
+    y = layer(x, SPLITS)
+    with torch.no_grad():
+        group[2].mul_(-2.0)
+    with pytest.raises(RuntimeError, match=r"^weight2 was modified in place after the forward"):
+        y.backward(_randn(sum(SPLITS), n, seed=27))
+    assert x.grad is None
+    assert not group[0].finalized  # type: ignore[attr-defined]  # nothing reduced
+    assert all(not w.main_grad.any() for w in group)
+
+
 def test_a_weight_changed_in_place_is_no_error_where_no_gradient_reads_it() -> None:
     # Catches: a check that refuses more than autograd does: without dx nothing reads the weight.
     module = GroupedLinear(E, K, N, bias=False)

@@ -113,11 +113,14 @@ def forward_versions(spec: WeightGroupSpec, weights: Sequence[Tensor]) -> tuple[
     (:func:`check_forward_versions`), as autograd checks the tensors it saves.
 
     ``None`` (nothing to check) unless ``spec.checks_versions``, and for
-    distributed and Megatron-FSDP groups: their framework writes the gathered
-    weights again between forward and backward, and backward reads what it
-    gathers then.
+    Megatron-FSDP groups: Megatron-FSDP writes the gathered weights into the
+    parameters again between forward and backward, and backward reads what
+    it gathers then. A ``DistributedWeight`` group's members are checked: they
+    are its shards, which its implementer gathers from (into other memory),
+    so only an edit moves them between forward and backward, after which the
+    backward's gather would give values the forward never saw.
     """
-    if not spec.checks_versions or is_distributed_weight(weights[0]) or is_fsdp_param(weights[0]):
+    if not spec.checks_versions or is_fsdp_param(weights[0]):
         return None
     return tuple(w._version for w in weights)
 

@@ -713,6 +713,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "routed-int32-slots-reach-the-index-ops",
+        "int32 slots, which routed_grouped_mlp takes, reach index ops that want int64: an "
+        "IndexError in eager code",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "    slots = slots.to(torch.int64)  # int32 taken too: the index ops want int64\n",
+        "",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
+        "routed-slots-unchecked-when-compiled",
+        "compiled, routed_grouped_mlp checks no slots: a repeated one leaves a token's output "
+        "uninitialised memory",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "    if S == 0:\n        return\n    on_host",
+        "    if S == 0 or torch.compiler.is_compiling():\n        return\n    on_host",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
         "cheap-wgrad-out-ignores-shape",
         "the cheap test of a packed wgrad out takes another (E, N, K)",
         _RULES,

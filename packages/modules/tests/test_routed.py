@@ -223,3 +223,36 @@ def test_a_distributed_group_is_refused_whichever_layer_has_it(layer: str) -> No
         r"routed_grouped_mlp takes plain weights",
     ):
         _call(**weights)
+
+
+def test_int32_slots_give_the_int64_result() -> None:
+    # Catches: int32 slots (the docstring takes them) reaching the index ops, which want int64:
+    # an IndexError in eager code.
+    _, slots, splits, weights = _routing()
+    w1, w2, leaves = _params(torch.float32, packed=True)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    results = []
+    for s in (slots, slots.int()):
+        for p in leaves:
+            p.grad = None
+        y = routed_grouped_mlp(x, w1, w2, s, splits, weights)
+        y.square().sum().backward()
+        results.append([y, *(p.grad for p in leaves)])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [("repeated", "slots repeats a slot"), ("outside", r"slots holds a slot outside \[0, T")],
+)
+def test_compiled_calls_check_the_slots_too(bad: str, message: str) -> None:
+    # Catches: the permutation check skipped while compiling: a repeated slot left a token's
+    # output row as uninitialised memory, an outside one failed deep in a generated kernel.
+    torch._dynamo.reset()
+    _, slots, splits, weights = _routing()
+    slots = _repeated() if bad == "repeated" else slots + 1
+    w1, w2, _ = _params(torch.float32, packed=True)
+    step = torch.compile(routed_grouped_mlp, fullgraph=True)
+    with pytest.raises(RuntimeError, match=message):
+        step(torch.randn(T, H), w1, w2, slots, splits, weights)

@@ -202,21 +202,22 @@ def _check_routing(x: object, slots: object, top_k_weights: object, hidden: int)
 
 
 def _check_permutation(slots_S: Tensor) -> None:
-    """Every slot exactly once (on a GPU an asynchronous device assertion: no host sync)."""
+    """Every slot exactly once: a ``ValueError`` in eager code on the CPU; compiled, or on a
+    GPU, an asynchronous assertion (no host sync) that fails the call with the same words."""
     S = slots_S.shape[0]
-    if S == 0 or torch.compiler.is_compiling():
+    if S == 0:
         return
+    on_host = slots_S.device.type == "cpu" and not torch.compiler.is_compiling()
     in_range = (slots_S.min() >= 0) & (slots_S.max() < S)
-    if slots_S.device.type == "cpu":
-        if not bool(in_range):
-            raise ValueError(f"slots holds a slot outside [0, {S}), expected a permutation")
-    else:
-        torch._assert_async(in_range, "slots holds a slot outside [0, T·k)")
-    seen = torch.zeros(S, dtype=torch.bool, device=slots_S.device).index_fill_(0, slots_S, True)
-    if slots_S.device.type == "cpu":
-        if not bool(seen.all()):
-            raise ValueError("slots repeats a slot, expected a permutation of range(T·k)")
-    else:
+    if on_host and not bool(in_range):
+        raise ValueError(f"slots holds a slot outside [0, {S}), expected a permutation")
+    if not on_host:
+        torch._assert_async(in_range, "slots holds a slot outside [0, T·k): expected a permutation")
+    seen = torch.zeros(S, dtype=torch.bool, device=slots_S.device)
+    seen.index_fill_(0, slots_S.clamp(0, S - 1), True)  # out of range: refused above
+    if on_host and not bool(seen.all()):
+        raise ValueError("slots repeats a slot, expected a permutation of range(T·k)")
+    if not on_host:
         torch._assert_async(seen.all(), "slots repeats a slot: expected a permutation")
 
 
@@ -282,6 +283,7 @@ def routed_grouped_mlp(
         fc1_weights, fc2_weights, None, None, False, "routed_grouped_mlp", plain_only=True
     )
     _check_routing(x, slots, top_k_weights, cast(int, hidden))  # plain weights: H known
+    slots = slots.to(torch.int64)  # int32 taken too: the index ops want int64
     _check_permutation(slots)
     refuse_derived_parameters(params, layout.fc1.names[0])
     x, cast_dtype = autocast_input(x)

@@ -726,8 +726,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "compiled, routed_grouped_mlp checks no slots: a repeated one leaves a token's output "
         "uninitialised memory",
         "packages/modules/src/groupgrad/modules/_routed.py",
-        "    if S == 0:\n        return\n    on_host",
-        "    if S == 0 or torch.compiler.is_compiling():\n        return\n    on_host",
+        "    if S == 0:\n        return\n    compiled",
+        "    if S == 0 or torch.compiler.is_compiling():\n        return\n    compiled",
         (f"{MODULES}/test_routed.py",),
     ),
     Mutant(

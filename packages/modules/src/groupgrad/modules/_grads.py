@@ -170,17 +170,17 @@ def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: b
         if not live or not past:
             return any(_executes(node) is not False for node in live)
     states = _states(live)
-    names = [n for n, p in zip(target.spec.names, target.params, strict=True) if p.requires_grad]
     if queued and None in states and target.route() is WgradRoute.AUTOGRAD:
         raise RuntimeError(
-            f"torch.autograd.grad asks for the gradient of {names[states.index(None)]}, which "
-            "delay_wgrad_compute=True defers to backward_dw() (it puts the gradient into "
+            f"torch.autograd.grad asks for the gradient of {_trainable_names(target)[states.index(None)]}, "
+            "which delay_wgrad_compute=True defers to backward_dw() (it puts the gradient into "
             ".grad): call .backward(), then backward_dw(), or build the layer without "
             "delay_wgrad_compute"
         )
     taken = [state is not False for state in states]
     if all(taken) or not any(taken):
         return taken[0]
+    names = _trainable_names(target)
     asked = [name for name, t in zip(names, taken, strict=True) if t]
     left = [name for name, t in zip(names, taken, strict=True) if not t]
     raise RuntimeError(
@@ -193,8 +193,14 @@ def _weights_delivered(target: WgradTarget, nodes: WeightNodes | None, queued: b
     )
 
 
+def _trainable_names(target: WgradTarget) -> list[str]:
+    """The names of ``target``'s weights that require grad, in order (for messages)."""
+    pairs = zip(target.spec.names, target.params, strict=True)
+    return [name for name, p in pairs if p.requires_grad]
+
+
 def _refuse_hooked(
-    layers: Sequence[LayerGrads], taken: Sequence[bool], how: str, biases: bool
+    layers: Sequence[LayerGrads], taken: Sequence[bool], how: str, *, biases: bool
 ) -> None:
     """Raise where a parameter whose gradient reaches ``.grad`` past autograd (``how`` says
     why: a ``backward_dw()`` job, the compiled op) has a tensor hook (``Tensor.register_hook``):

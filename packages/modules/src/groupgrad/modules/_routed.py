@@ -207,14 +207,15 @@ def _check_permutation(slots_S: Tensor) -> None:
     S = slots_S.shape[0]
     if S == 0:
         return
-    on_host = slots_S.device.type == "cpu" and not torch.compiler.is_compiling()
+    compiled = torch.compiler.is_compiling()  # its kernels may run before the assertions
+    on_host = slots_S.device.type == "cpu" and not compiled
     in_range = (slots_S.min() >= 0) & (slots_S.max() < S)
     if on_host and not bool(in_range):
         raise ValueError(f"slots holds a slot outside [0, {S}), expected a permutation")
     if not on_host:
         torch._assert_async(in_range, "slots holds a slot outside [0, T·k): expected a permutation")
     seen = torch.zeros(S, dtype=torch.bool, device=slots_S.device)
-    seen.index_fill_(0, slots_S.clamp(0, S - 1), True)  # out of range: refused above
+    seen.index_fill_(0, slots_S.clamp(0, S - 1) if compiled else slots_S, True)
     if on_host and not bool(seen.all()):
         raise ValueError("slots repeats a slot, expected a permutation of range(T·k)")
     if not on_host:

@@ -500,7 +500,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cheap-call-ignores-overlap",
         "the cheap test of fprop/dgrad's out lets it share memory with packed weights",
         _RULES,
-        "        and not _group.contiguous_meets(out_TX, (a, w_group[0]))\n",
+        "        and not _group.contiguous_meets(out_TX, (a, w_group[0], *[t for _, t in also]))\n",
         "",
         (f"{KERNELS}/test_validation.py",),
     ),
@@ -1186,7 +1186,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8-row-out-over-scales",
         "an FP8 fprop/dgrad's out may share memory with its operands' scales",
         "kernels/src/groupgrad/kernels/_validate.py",
-        '    scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]\n',
+        '    scales = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales)]\n',
         "    scales = []\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
@@ -1196,6 +1196,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "kernels/src/groupgrad/kernels/_validate.py",
         '    scales = [("dy.scales", dy8.scales), ("x.scales", x8.scales)]\n',
         "    scales = []\n",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-cheap-row-out-ignores-scales",
+        "the cheap test of an FP8 fprop/dgrad's out forgets the operands' scales: an out over "
+        "them passes unchecked and the GEMM overwrites the scales it reads",
+        _RULES,
+        "(out_TX, (a, w_group[0], *[t for _, t in also]))",
+        "(out_TX, (a, w_group[0]))",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-cheap-wgrad-out-ignores-scales",
+        "the cheap test of a packed FP8 wgrad's out forgets the operands' scales: an out over "
+        "them passes unchecked",
+        _RULES,
+        "(out, (dy, x, *[t for _, t in also]))",
+        "(out, (dy, x))",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(

@@ -57,8 +57,7 @@ def row_out(
         and not (out_TX.requires_grad and torch.is_grad_enabled())
         and listed is None
         and w_group[0].is_contiguous()
-        and not _group.contiguous_meets(out_TX, (a, w_group[0]))
-        and not (also and _group.contiguous_meets(out_TX, [t for _, t in also]))
+        and not _group.contiguous_meets(out_TX, (a, w_group[0], *[t for _, t in also]))
     ):
         return out_TX
     out_TX = tensor_arg("out", out)
@@ -311,8 +310,7 @@ def _packed_wgrad_out(
         and out.device == dy.device
         and out.is_contiguous()
         and not (out.requires_grad and torch.is_grad_enabled())
-        and not _group.contiguous_meets(out, (dy, x))
-        and not (also and _group.contiguous_meets(out, [t for _, t in also]))
+        and not _group.contiguous_meets(out, (dy, x, *[t for _, t in also]))
     ):
         return
     _wgrad_out_member(name, out, shape, "(E, N, K)", out_dtype, dy)

@@ -197,10 +197,11 @@ def fp8_rows_call(
     """Check an FP8 fprop/dgrad call (``names`` as in :func:`grouped_call`)."""
     a_name = "x" if op == "fprop" else "dy"
     label = _group.labeler("weights", names)
+    w_name = label(None)
     a8 = fp8_operand(a_name, a, ROWS)
-    w8 = fp8_operand(label(None), weights, WEIGHTS)
-    _rules.check_device(label(None), w8.data, a_name, a8.data)
-    read = [(a_name, [a8.data, a8.scales]), (label(None), [w8.data, w8.scales])]
+    w8 = fp8_operand(w_name, weights, WEIGHTS)
+    _rules.check_device(w_name, w8.data, a_name, a8.data)
+    read = [(a_name, a8.data), (a_name, a8.scales), (w_name, w8.data), (w_name, w8.scales)]
     _rules.check_unrecorded(op, read, None)
     (T, cols), (E, N, K) = a8.shape, w8.shape
     _rules.check_inner(op, a_name, cols, (E, N, K))
@@ -208,7 +209,7 @@ def fp8_rows_call(
     out_shape = (T, N) if op == "fprop" else (T, K)
     dtype = _rules.fp8_row_out_dtype(out, op, a_name, a8.dtype)
     w_read = cast(Tensor, w8.data if op == "fprop" else w8.data_t)  # what the kernel reads
-    scales = [(f"{a_name}.scales", a8.scales), (f"{label(None)}.scales", w8.scales)]
+    scales = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales)]
     out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, scales)
     return Fp8RowsCall(a8, w8, splits_E, out_TX)
 
@@ -226,7 +227,7 @@ def fp8_wgrad_call(
     dy8 = fp8_operand("dy", dy, SEGMENTS)
     x8 = fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
-    read = [("dy", [dy8.data, dy8.scales]), ("x", [x8.data, x8.scales])]
+    read = [("dy", dy8.data), ("dy", dy8.scales), ("x", x8.data), ("x", x8.scales)]
     _rules.check_unrecorded("wgrad", read, None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate

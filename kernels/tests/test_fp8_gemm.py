@@ -389,6 +389,39 @@ def test_every_quantized_form_passes_the_full_layout_check(quantize) -> None:
         assert form._seal_holds()
 
 
+def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape and strides, starting one element past its buffer's
+    (16-byte aligned) start."""
+    buffer = torch.empty(t.untyped_storage().nbytes() // t.element_size() + 1, dtype=t.dtype)
+    view = buffer[1:].as_strided(t.shape, t.stride())
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+def test_a_seal_says_whether_the_kernels_may_read_its_tensors_where_they_lie(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    """A seal records whether the CUDA kernels may read its form's data and scales where they
+    lie (16-byte aligned, int32 sizes), so a call's support check reads their addresses no
+    more: the quantizer's forms are placed; a form given misaligned scales or data is sealed
+    again by the validator as not placed (on CUDA its call then takes the reference path,
+    as before seals, instead of reaching the kernels' entry, which refuses it)."""
+    assert all(form._placed() for form in operands.values())
+    x = copy.copy(operands["x"])
+    x.scales = _misaligned_like(x.scales)
+    want = grouped_fprop(operands["x"], operands["w"], SPLITS)
+    assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
+    assert x._seal_holds()
+    assert not x._placed()
+    dy = copy.copy(operands["dy_seg"])
+    dy.data = _misaligned_like(dy.data)
+    want_dw = grouped_wgrad(operands["dy_seg"], operands["x_seg"], SPLITS)
+    assert torch.equal(grouped_wgrad(dy, operands["x_seg"], SPLITS), want_dw)
+    assert dy._seal_holds()
+    assert not dy._placed()
+
+
 def test_a_sealed_form_changed_after_quantization_is_checked_again(
     operands: dict[str, Fp8Blocks],
 ) -> None:

@@ -13,6 +13,8 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -20,7 +22,9 @@ from groupgrad.kernels import (
     _fp8_gemm,
     grouped_dgrad,
     grouped_fprop,
+    grouped_fprop_ref,
     grouped_wgrad,
+    grouped_wgrad_ref,
     quantize_fp8,
     tuning,
 )
@@ -35,6 +39,9 @@ SPLIT_SETS = {
     "one_expert": [0, 0, 513, 0],
     "many_small": [9] * 48 + [0] * 16,
 }
+
+
+_REFERENCES = {"rows_ref": _fp8_gemm.rows_ref, "wgrad_ref": _fp8_gemm.wgrad_ref}
 
 
 @pytest.fixture(autouse=True)
@@ -217,6 +224,54 @@ def test_every_tile_order_gives_the_same_bits(op: str) -> None:
         results.append(out)
     assert all(torch.equal(r, results[0]) for r in results[1:])
     assert not torch.equal(results[0], start)
+
+
+def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape and strides, one element past a 16-byte boundary."""
+    count = t.untyped_storage().nbytes() // t.element_size() + 1
+    view = torch.empty(count, dtype=t.dtype, device=t.device)[1:].as_strided(t.shape, t.stride())
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+def test_operands_moved_to_misaligned_memory_take_the_reference_path(monkeypatch) -> None:
+    """A sealed form given misaligned scales (fprop) or data (wgrad) is sealed again as not
+    placed, so its call's support check reads the addresses and the call runs on the
+    reference path, with the reference's result: not the kernels' entry, which refuses
+    the address, nor a kernel reading it."""
+    taken: list[str] = []
+    for name, reference in _REFERENCES.items():
+
+        def recorded(*args, _name=name, _reference=reference, **kwargs):
+            taken.append(_name)
+            return _reference(*args, **kwargs)
+
+        monkeypatch.setattr(_fp8_gemm, name, recorded)
+    splits = SPLIT_SETS["ragged"]
+    T, E, N, K = sum(splits), len(splits), 256, 384
+    x8, dy8 = (
+        quantize_fp8(_randn(T, C, seed=s), block=(ROWS, SEGMENTS), splits=splits)
+        for C, s in ((K, 1), (N, 2))
+    )
+    w8 = quantize_fp8(_randn(E, N, K, seed=3), block=WEIGHTS)
+    assert all(form._placed() for form in (*x8, *dy8, w8))
+    grouped_fprop(x8[0], w8, splits)
+    grouped_wgrad(dy8[1], x8[1], splits)
+    assert taken == []  # placed: the kernels
+    x_rows = copy.copy(x8[0])
+    x_rows.scales = _misaligned_like(x_rows.scales)
+    got = grouped_fprop(x_rows, w8, splits)
+    assert taken == ["rows_ref"]
+    assert not x_rows._placed()
+    assert torch.equal(got, grouped_fprop_ref(x8[0], w8, splits))
+    dy_seg = copy.copy(dy8[1])
+    dy_seg.data = _misaligned_like(dy_seg.data)
+    taken.clear()
+    got = grouped_wgrad(dy_seg, x8[1], splits)
+    assert taken == ["wgrad_ref"]
+    assert not dy_seg._placed()
+    assert torch.equal(got, grouped_wgrad_ref(dy8[1], x8[1], splits))
 
 
 def test_wgrad_into_bf16() -> None:

@@ -9,12 +9,15 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor
 
+from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.kernels._group import listed_facts
-from groupgrad.kernels._support import fp8_unsupported_reason, unsupported_reason
+from groupgrad.kernels._support import fp8_placed, fp8_unsupported_reason, unsupported_reason
 
 E, N, K = 4, 16, 24
 T = 19
@@ -184,3 +187,30 @@ def test_the_fp8_check_reads_each_operand_s_placement() -> None:
     assert reason(out=out.to("meta")) == "out is on meta, the inputs on cpu"
     members = list(out.unbind(0))
     assert reason(out=[*members[:3], misaligned(members[3])]) == "out[3] is not 16-byte aligned"
+    # Operands whose seals found them placed are not read again; out always is.
+    skewed = {"data": [data[0], ("x.data", misaligned(data[1][1]))]}
+    skewed["scales"] = [scales[0], ("x.scales", misaligned(scales[1][1]))]
+    assert fp8_unsupported_reason(skewed["data"], skewed["scales"], out, placed=True) is None
+    assert fp8_unsupported_reason(data, scales, out.transpose(1, 2), placed=True) == (
+        "out is not contiguous"
+    )
+    listed = [*members[:3], misaligned(members[3])]
+    assert fp8_unsupported_reason(data, scales, listed, None, True) == (
+        "out[3] is not 16-byte aligned"
+    )
+
+
+def test_a_form_is_placed_when_its_data_either_way_and_scales_are() -> None:
+    # Catches: a seal calling a form placed whose transposed data is misaligned (dgrad reads
+    # it) or whose rows pass int32 sizes.
+    w = quantize_fp8(rand(2, 128, 256), block=(128, 128))
+    assert fp8_placed(w)
+    for part in ("data", "data_t", "scales"):
+        moved = copy.copy(w)
+        setattr(moved, part, misaligned(getattr(w, part)))
+        assert not fp8_placed(moved), part
+    huge = torch.empty(2**31, 128, dtype=torch.float8_e4m3fn, device="meta")
+    scales = torch.empty(1, 2**31, device="meta").t()
+    meta = {"block": (1, 128), "dtype": torch.bfloat16}
+    assert not fp8_placed(Fp8Blocks(huge, scales, shape=(2**31, 128), **meta))
+    assert fp8_placed(Fp8Blocks(huge[:8], scales[:8], shape=(8, 128), **meta))

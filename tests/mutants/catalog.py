@@ -1217,6 +1217,35 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "fp8-seal-calls-every-form-placed",
+        "a seal calls its form placed without reading its addresses: a form given misaligned "
+        "scales or data skips the support check and reaches the kernels' entry, which refuses "
+        "it (an error where the reference path served the call)",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        "checked, _ops.support_check().fp8_placed(self)]",
+        "checked, True]",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-placed-skips-out",
+        "operands found placed spare out its support check too: a misaligned or "
+        "non-contiguous out reaches the kernels",
+        "kernels/src/groupgrad/kernels/_support.py",
+        "    reason = None if placed else _operands_reason(data, scales, device)\n"
+        "    if reason is not None:\n",
+        "    reason = None if placed else _operands_reason(data, scales, device)\n"
+        "    if placed or reason is not None:\n",
+        (f"{KERNELS}/test_support.py",),
+    ),
+    Mutant(
+        "fp8-placement-skips-transposed-data",
+        "a seal calls a weight form placed without its transposed data, which dgrad reads",
+        "kernels/src/groupgrad/kernels/_support.py",
+        '(("data", form.data), ("data_t", form.data_t))',
+        '(("data", form.data),)',
+        (f"{KERNELS}/test_support.py",),
+    ),
+    Mutant(
         "fp8-seal-skips-the-gemm-rules",
         "a sealed Fp8Blocks skips the GEMMs' shape rules before they were found to hold for it: "
         "a quantized form no GEMM takes (no expert, a 2-D weight) reaches the kernels",

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _fp8_ops, _rules
+from groupgrad.kernels import _fp8_ops, _ops, _rules
 from groupgrad.kernels._fp8_ops import token_map
 from groupgrad.kernels._group import PLAIN_TYPES, listed_facts
 
@@ -109,11 +109,23 @@ class Fp8Blocks:
         """This form, sealed: its tensors are in the layout of ``block`` and ``shape`` (built so
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
         given other memory, shape, strides or dtype (:func:`_state`). Not compiled. The
-        seal's last entry: the GEMMs' shape rules were found to hold (``checked``)."""
+        seal's other entries: the GEMMs' shape rules were found to hold (``checked``), and
+        the CUDA kernels may read its tensors where they lie (:meth:`_placed`)."""
+        if torch.compiler.is_compiling():
+            return self
         tensors = self.tensors()  # plain ones only: a fake tensor has no address to remember
-        if not torch.compiler.is_compiling() and set(map(type, tensors)) <= _SEALABLE:
-            self._seal = [_state(self), checked]
+        if set(map(type, tensors)) <= _SEALABLE:
+            self._seal = [_state(self), checked, _ops.support_check().fp8_placed(self)]
+        else:
+            self._seal = None
         return self
+
+    def _placed(self) -> bool:
+        """Whether the seal found the tensors the CUDA kernels read aligned and of int32 sizes
+        (``_support.fp8_placed``): asked of a form the validator just passed (which renews
+        its seal), so the call's support check reads their addresses no more."""
+        seal = self._seal
+        return seal is not None and seal[2]
 
     def _seal_holds(self) -> list[Any] | None:
         """The seal :meth:`_sealed` recorded while it holds (the same block, shape and tensor

@@ -120,13 +120,15 @@ def _rows_on_device(
     w_scales: Tensor,
     splits: Tensor,
     out: Tensor,
+    *,
+    placed: bool = False,
 ) -> None:
     if a_data.shape[0] == 0:
         return
     w_used = w_data if op == "fprop" else w_data_t
     data = [("a.data", a_data), ("weights.data", w_used)]
     scales = [("a.scales", a_scales), ("weights.scales", w_scales)]
-    cutlass, reason = _ops.fp8_cutlass_or_reason(op, data, scales, out)
+    cutlass, reason = _ops.fp8_cutlass_or_reason(op, data, scales, out, placed=placed)
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_{op} runs on the reference path: {reason}")
         rows_ref(op, a_data, a_scales, w_data, w_data_t, w_scales, splits, out)
@@ -174,14 +176,16 @@ def wgrad_on_device(
     accumulate: bool,
     *,
     listed: ListedFacts | None = None,
+    placed: bool = False,
 ) -> None:
-    """CUDA kernel of ``groupgrad::fp8_grouped_wgrad`` (``listed``: as ``_ops.wgrad``'s)."""
+    """CUDA kernel of ``groupgrad::fp8_grouped_wgrad`` (``listed``: as ``_ops.wgrad``'s;
+    ``placed``: the operands' seals found them placed, ``Fp8Blocks._placed``)."""
     if tokens == 0:
         _ops.zero_gradient(out, accumulate)
         return
     data = [("dy.data", dy_data), ("x.data", x_data)]
     scales = [("dy.scales", dy_scales), ("x.scales", x_scales)]
-    cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", data, scales, out, listed)
+    cutlass, reason = _ops.fp8_cutlass_or_reason("wgrad", data, scales, out, listed, placed)
     if cutlass is None:
         _ops.say_once(f"FP8 grouped_wgrad runs on the reference path: {reason}")
         wgrad_ref(
@@ -279,15 +283,20 @@ def rows(
     *,
     reference: bool = False,
 ) -> None:
-    """Run a validated FP8 fprop/dgrad (``reference``: the reference, on any device)."""
+    """Run a validated FP8 fprop/dgrad (``reference``: the reference, on any device); on
+    CUDA, the forms' seals (just renewed by the validator) say whether they are placed."""
     args = (a.data, a.scales, w.data, cast(Tensor, w.data_t), w.scales, splits, out)
     if reference:
         rows_ref(op, *args)
     elif not _ops.direct_call_ok([a.data, out, splits]):
         (fp8_fprop_op if op == "fprop" else fp8_dgrad_op)(*args)
     else:
-        kernel = _rows_on_device if out.is_cuda else rows_ref
-        _ops.run_directly(f"groupgrad::fp8_grouped_{op}", kernel, op, *args)
+        name = f"groupgrad::fp8_grouped_{op}"
+        if out.is_cuda:
+            placed = a._placed() and w._placed()
+            _ops.run_directly(name, _rows_on_device, op, *args, placed=placed)
+        else:
+            _ops.run_directly(name, rows_ref, op, *args)
         torch.autograd.graph.increment_version(out)
 
 
@@ -301,7 +310,9 @@ def wgrad(
     *,
     reference: bool = False,
 ) -> None:
-    """Run a validated FP8 wgrad (``reference``: the reference, on any device)."""
+    """Run a validated FP8 wgrad (``reference``: the reference, on any device); on CUDA, the
+    forms' seals say whether they are placed (a prepared call runs before its arguments
+    change; the extension's entry checks their placement again)."""
     args = (
         dy.data, dy.scales, cast(Tensor, dy.row_offsets), x.data, x.scales,
         cast(Tensor, x.row_offsets), splits, dy.shape[0], out, accumulate,
@@ -310,9 +321,11 @@ def wgrad(
         wgrad_ref(*args)
     elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):
         fp8_wgrad_op(*args)
-    elif out[0].is_cuda:
-        _ops.run_directly("groupgrad::fp8_grouped_wgrad", wgrad_on_device, *args, listed=listed)
-        torch.autograd.graph.increment_version(out)
     else:
-        _ops.run_directly("groupgrad::fp8_grouped_wgrad", wgrad_ref, *args)
+        name = "groupgrad::fp8_grouped_wgrad"
+        if out[0].is_cuda:
+            placed = dy._placed() and x._placed()
+            _ops.run_directly(name, wgrad_on_device, *args, listed=listed, placed=placed)
+        else:
+            _ops.run_directly(name, wgrad_ref, *args)
         torch.autograd.graph.increment_version(out)

@@ -175,11 +175,13 @@ def fp8_cutlass_or_reason(
     scales: list[tuple[str, Tensor]],
     out: Tensor | Sequence[Tensor],
     listed: ListedFacts | None = None,
+    placed: bool = False,
 ) -> tuple[ModuleType | None, str | None]:
     """``(backend, None)`` when CUTLASS runs this validated FP8 call, else ``(None, reason)``.
 
     ``data``, ``scales``: ``(name, tensor)`` of the operands' tensors the kernel
-    reads, the first data's device deciding; ``out`` the output or the wgrad's group.
+    reads, the first data's device deciding; ``out`` the output or the wgrad's group;
+    ``placed``: the operands' seals found their tensors placed (only ``out`` is checked).
     """
     cutlass, reason = load_cutlass()
     if cutlass is None:
@@ -188,14 +190,15 @@ def fp8_cutlass_or_reason(
     reason = (
         cutlass.unavailable_reason(data[0][1].device)
         or cutlass.fp8_unsupported_reason(op, out_dtype)
-        or support_check().fp8_unsupported_reason(data, scales, out, listed)
+        or support_check().fp8_unsupported_reason(data, scales, out, listed, placed)
     )
     return (cutlass, None) if reason is None else (None, reason)
 
 
 @functools.cache
 def support_check() -> ModuleType:
-    """The support check's module, imported on the first CUDA call (it imports ``build``)."""
+    """The support check's module, imported on the first CUDA call or FP8 seal (it imports
+    ``build``, never at import)."""
     from groupgrad.kernels import _support
 
     return _support

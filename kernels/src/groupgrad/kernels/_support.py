@@ -2,7 +2,8 @@
 
 Two questions over tensor metadata and ``build``'s table of variants, both
 asked on the CUDA path only (this module comes with the backend, on the
-first CUDA call, never at import: ``build`` is not imported then):
+first CUDA call or when an FP8 form is sealed with :func:`fp8_placed`'s
+answer, never at import: ``build`` is not imported then):
 
 * **The one support check**, :func:`unsupported_reason`. The kernels are
   compiled for bf16 and fp16 inputs with outputs in the input dtype (wgrad:
@@ -32,13 +33,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import Tensor
 
 from groupgrad.kernels._group import ListedFacts, is_packed
 from groupgrad.kernels.build import COMPILED_DTYPES, COOP_TILE, PONG_TILE, Variant
+
+if TYPE_CHECKING:
+    from groupgrad.kernels._fp8 import Fp8Blocks
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
@@ -174,6 +178,7 @@ def fp8_unsupported_reason(
     scales: Sequence[tuple[str, Tensor]],
     out: Tensor | Sequence[Tensor],
     listed: ListedFacts | None = None,
+    placed: bool = False,
 ) -> str | None:
     """Why the CUTLASS FP8 kernels cannot take these validated operands, or ``None``.
 
@@ -186,23 +191,45 @@ def fp8_unsupported_reason(
             addresses are read here (the extension's entry checks them all).
         out: the fprop/dgrad output, or the wgrad's outputs' group.
         listed: as for :func:`unsupported_reason`.
+        placed: the operands' forms were found placed when sealed (``Fp8Blocks._placed``):
+            only ``out`` is checked.
 
     Returns:
         The reason, naming the tensor, or ``None``.
     """
     device = data[0][1].device
+    reason = None if placed else _operands_reason(data, scales, device)
+    if reason is not None:
+        return reason
     group = [out] if isinstance(out, Tensor) else list(out)
-    whole = len(group) == 1 and group[0].dim() in (2, 3)  # a row output or a packed (E, N, K)
-    if whole and not group[0].is_contiguous():
-        return "out is not contiguous"
-    for name, t in [*data, ("out", group[0])] if whole else data:
+    if len(group) == 1 and group[0].dim() in (2, 3):  # a row output or a packed (E, N, K)
+        if not group[0].is_contiguous():
+            return "out is not contiguous"
+        return _placement_reason("out", group[0], device)
+    return _listed_reason("out", group, device, listed)
+
+
+def _operands_reason(
+    data: Sequence[tuple[str, Tensor]], scales: Sequence[tuple[str, Tensor]], device: torch.device
+) -> str | None:
+    """Why the FP8 kernels cannot read these operands' data or scales where they lie, if so."""
+    for name, t in data:
         reason = _placement_reason(name, t, device)
         if reason is not None:
             return reason
     for name, t in scales:
         if t.data_ptr() % ALIGNMENT_BYTES:
             return f"{name} is not {ALIGNMENT_BYTES}-byte aligned"
-    return None if whole else _listed_reason("out", group, device, listed)
+    return None
+
+
+def fp8_placed(form: Fp8Blocks) -> bool:
+    """Whether the FP8 kernels may read ``form``'s data (either orientation) and scales where
+    they lie, as :func:`fp8_unsupported_reason` asks of an operand: found when it is sealed."""
+    data = [
+        (part, t) for part, t in (("data", form.data), ("data_t", form.data_t)) if t is not None
+    ]
+    return _operands_reason(data, [("scales", form.scales)], form.data.device) is None
 
 
 # --------------------------------------------------------------------------- which kernel

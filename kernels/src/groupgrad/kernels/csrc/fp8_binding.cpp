@@ -48,6 +48,7 @@ void check_scales(const at::Tensor& t, const char* name, at::IntArrayRef sizes, 
   TORCH_CHECK(t.sizes() == sizes && layout_ok, "groupgrad: ", name, " must be of sizes ", sizes,
               transposed ? " with strides (1, rows)" : ", contiguous", ", got sizes ", t.sizes(),
               " strides ", t.strides());
+  TORCH_CHECK(aligned_16(t.data_ptr()), "groupgrad: ", name, " must be 16-byte aligned");
 }
 
 namespace {

@@ -420,6 +420,16 @@ def test_a_seal_says_whether_the_kernels_may_read_its_tensors_where_they_lie(
     assert torch.equal(grouped_wgrad(dy, operands["x_seg"], SPLITS), want_dw)
     assert dy._seal_holds()
     assert not dy._placed()
+    # Given a tensor it cannot seal (a subclass), a form keeps no seal, so no stale fact.
+    x = copy.copy(operands["x"])
+    x.scales = operands["x"].scales.clone().as_subclass(_Marked)
+    assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
+    assert x._seal is None
+    assert not x._placed()
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: a form holding one is not sealed."""
 
 
 def test_a_sealed_form_changed_after_quantization_is_checked_again(

@@ -1217,6 +1217,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "fp8-recipe-set-later-unchecked",
+        "a layer's fp8_recipe set after construction to an unsupported value runs the "
+        "blockwise recipe silently",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "    if check_fp8_recipe(fp8_recipe) is None:\n        return None\n",
+        "    if fp8_recipe is None:\n        return None\n",
+        (f"{MODULES}/test_fp8_linear.py", f"{MODULES}/test_fp8_mlp.py"),
+    ),
+    Mutant(
         "fp8-seal-calls-every-form-placed",
         "a seal calls its form placed without reading its addresses: a form given misaligned "
         "scales or data skips the support check and reaches the kernels' entry, which refuses "

@@ -82,6 +82,10 @@ def test_an_unknown_recipe_names_the_supported_ones(recipe: object) -> None:
         GroupedLinear(E, K, N, fp8_recipe=recipe)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
         grouped_linear(_randn(T, K, seed=1), _randn(E, N, K, seed=2), SPLITS, fp8_recipe=recipe)  # type: ignore[arg-type]
+    layer = GroupedLinear(E, K, N)  # the attribute set after construction: its forward says so
+    layer.fp8_recipe = recipe  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=message):
+        layer(_randn(T, K, seed=1), SPLITS)
 
 
 def test_sizes_not_multiples_of_128_name_the_argument() -> None:

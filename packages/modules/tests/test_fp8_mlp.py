@@ -63,6 +63,10 @@ def test_an_unknown_recipe_names_the_supported_ones(recipe: object) -> None:
     w1, w2 = _randn(E, 2 * FFN, H, seed=2), _randn(E, H, FFN, seed=3)
     with pytest.raises(ValueError, match=message):
         grouped_mlp(_randn(T, H, seed=1), w1, w2, SPLITS, fp8_recipe=recipe)  # type: ignore[arg-type]
+    mlp = GroupedMLP(E, H, FFN)  # the attribute set after construction: its forward says so
+    mlp.fp8_recipe = recipe  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=message):
+        mlp(_randn(T, H, seed=1), SPLITS, _probs())
 
 
 def test_sizes_not_multiples_of_128_name_the_argument() -> None:

@@ -214,7 +214,8 @@ def fp8_for_forward(
     """The recipe one forward runs (``None``: the bf16 path), its cache use resolved.
 
     Args:
-        fp8_recipe: The layer's (checked) recipe.
+        fp8_recipe: The layer's recipe, checked again here: a layer's ``fp8_recipe``
+            attribute may be set after construction.
         cache: The layer's weight cache (``None`` for the functional op).
         is_first_microbatch: ``None`` never caches; ``True`` quantizes and
             caches; ``False`` reuses the cache.
@@ -222,6 +223,7 @@ def fp8_for_forward(
             for backward's dgrad (:func:`keeps_weights_for_backward`).
 
     Raises:
+        ValueError: ``fp8_recipe`` is not ``None`` or a supported recipe.
         TypeError: ``is_first_microbatch`` is not ``None`` or a bool.
         RuntimeError: ``is_first_microbatch`` is given with the FP8 recipe under
             ``torch.compile``, where the cache's checks cannot run.
@@ -230,7 +232,7 @@ def fp8_for_forward(
         raise TypeError(
             f"is_first_microbatch is {is_first_microbatch!r}, expected None, True or False"
         )
-    if fp8_recipe is None:
+    if check_fp8_recipe(fp8_recipe) is None:
         return None
     if is_first_microbatch is None or cache is None:
         return Fp8Blockwise(held={} if keep_weights else None)

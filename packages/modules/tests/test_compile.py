@@ -223,6 +223,51 @@ def test_compiled_backward_refuses_autograd_grad_of_the_weights() -> None:
     assert layer.weight.grad is None
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_compiled_autograd_grad_of_a_bias_is_refused_before_main_grad_is_written(
+    delay: bool,
+) -> None:
+    # Catches: the op writing the weights' main_grad (or queueing their job) before it finds
+    # that torch.autograd.grad asks for a parameter it cannot return.
+    torch.manual_seed(3)
+    layer = GroupedLinear(
+        E, H, H, dtype=BF16, bias=True, single_grouped_weight=True,
+        accumulate_into_main_grad=True, delay_wgrad_compute=delay,
+    )  # fmt: skip
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    layer.weight.grad_added_to_main_grad = False
+    step = torch.compile(layer, fullgraph=True)
+    out = step(torch.randn(T, H, dtype=BF16), torch.tensor([5, 0, 11, 8]))
+    with pytest.raises(RuntimeError, match=r"asked for the gradient of parameter 'bias 0 of"):
+        torch.autograd.grad(out.float().sum(), [layer.weight, layer.bias])
+    assert not layer.weight.main_grad.any()
+    assert layer.weight.grad_added_to_main_grad is False
+    if delay:  # nothing was queued
+        with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+            layer.backward_dw()
+
+
+def test_a_contract_flag_changed_after_tracing_is_refused_before_anything_is_written() -> None:
+    # Catches: the op writing main_grad (and setting the flag) before it finds the traced zero
+    # dummies stale; the step retried as the message says would then add its wgrad twice.
+    layer = _linear(accumulate_into_main_grad=True)
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    step = torch.compile(layer, fullgraph=True)
+    x, splits = torch.randn(T, H, dtype=BF16), torch.tensor([5, 0, 11, 8])
+    step(x, splits).float().sum().backward()
+    once = layer.weight.main_grad.clone()
+    assert once.any()
+    layer.weight.grad_added_to_main_grad = False  # now the contract hands autograd a dummy
+    with pytest.raises(RuntimeError, match=r"grad_added_to_main_grad or requires_grad of weight"):
+        step(x, splits).float().sum().backward()
+    assert torch.equal(layer.weight.main_grad, once)
+    assert layer.weight.grad_added_to_main_grad is False
+    torch._dynamo.reset()  # as the message says, then the same step again: added once
+    torch.compile(layer, fullgraph=True)(x, splits).float().sum().backward()
+    assert torch.equal(layer.weight.main_grad, once + once)
+    assert layer.weight.grad_added_to_main_grad is True
+
+
 def test_distributed_weights_are_refused_at_trace_time_naming_the_leader() -> None:
     group = make_fake_group([torch.randn(H, H) for _ in range(E)])
     step = torch.compile(lambda x: grouped_linear(x, group, [6, 6, 6, 6]), fullgraph=True)

@@ -150,10 +150,13 @@ def _engine_accumulates(params: Sequence[Tensor], names: Sequence[str]) -> list[
     return cast(list[bool], delivered)
 
 
-def _deliver(
-    layers: Sequence[LayerGrads], answers: Sequence[Tensor | None], dummies: Sequence[bool]
-) -> None:
-    """Put into ``.grad`` what autograd would have accumulated; check the traced dummies."""
+def _check_before_writing(
+    layers: Sequence[LayerGrads], dummies: Sequence[bool]
+) -> tuple[list[bool], dict[int, bool]]:
+    """What the op checks before any gradient is written: the traced dummies still agree
+    with the contract, and ``torch.autograd.grad`` asks for none of the parameters that
+    autograd would receive a gradient for. Returns the dummy mask and, by ``id``, whether
+    this backward accumulates into each other trainable parameter's ``.grad``."""
     params = [p for layer in layers for p in layer.params]
     names = [n for layer in layers for n in _names(layer)]
     expected = [d for layer in layers for d in _dummy_mask(layer)]
@@ -164,16 +167,30 @@ def _deliver(
             "torch.compile traced this layer (it hands autograd a zero dummy exactly where "
             "they say); set them before the first compiled step, or call torch._dynamo.reset()"
         )
-    given = [
-        (p, g, n)
-        for p, g, d, n in zip(params, answers, expected, names, strict=True)
-        if g is not None and not d
+    live = [(p, n) for p, n, d in zip(params, names, expected, strict=True) if not d]
+    live = [(p, n) for p, n in live if p.requires_grad]
+    accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
+    return expected, {id(p): takes for (p, _), takes in zip(live, accumulates, strict=True)}
+
+
+def _deliver(
+    layers: Sequence[LayerGrads],
+    answers: Sequence[Tensor | None],
+    expected: Sequence[bool],
+    accumulates: dict[int, bool],
+) -> None:
+    """Put into ``.grad`` what autograd would have accumulated (``expected``, ``accumulates``:
+    from :func:`_check_before_writing`)."""
+    params = [p for layer in layers for p in layer.params]
+    picked = [
+        (p, g)
+        for p, g, d in zip(params, answers, expected, strict=True)
+        if g is not None and not d and accumulates[id(p)]
     ]
-    accumulates = _engine_accumulates([p for p, _, _ in given], [n for _, _, n in given])
-    picked = [(p, g) for (p, g, _), takes in zip(given, accumulates, strict=True) if takes]
     if picked:  # the hooks: autograd's AccumulateGrad runs them next, as for a None gradient
-        params, grads = [p for p, _ in picked], [g for _, g in picked]
-        accumulate_grads_like_autograd(params, grads, run_hooks=False)
+        accumulate_grads_like_autograd(
+            [p for p, _ in picked], [g for _, g in picked], run_hooks=False
+        )
 
 
 def _names(layer: LayerGrads) -> list[str]:
@@ -211,6 +228,8 @@ def _parameter_grads_op(
     """
     parts = _LAYOUTS[layout]
     layers = _bind_all(parts, params)
+    with autograd_dispatch():
+        expected, accumulates = _check_before_writing(layers, dummies)
     wgrad_queue = WgradQueue.numbered(queue)
     if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
         operands = [t.clone() for t in operands]
@@ -224,7 +243,7 @@ def _parameter_grads_op(
         layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True
     )
     with autograd_dispatch():
-        _deliver(layers, answers, dummies)
+        _deliver(layers, answers, expected, accumulates)
 
 
 @_parameter_grads_op.register_fake

@@ -407,25 +407,30 @@ def test_a_seal_says_whether_the_kernels_may_read_its_tensors_where_they_lie(
     more: the quantizer's forms are placed; a form given misaligned scales or data is sealed
     again by the validator as not placed (on CUDA its call then takes the reference path,
     as before seals, instead of reaching the kernels' entry, which refuses it)."""
-    assert all(form._placed() for form in operands.values())
+    assert all(form._placed(_fp8_gemm.placed_for_kernels) for form in operands.values())
     x = copy.copy(operands["x"])
     x.scales = _misaligned_like(x.scales)
     want = grouped_fprop(operands["x"], operands["w"], SPLITS)
     assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
     assert x._seal_holds()
-    assert not x._placed()
+    assert not x._placed(_fp8_gemm.placed_for_kernels)
     dy = copy.copy(operands["dy_seg"])
     dy.data = _misaligned_like(dy.data)
     want_dw = grouped_wgrad(operands["dy_seg"], operands["x_seg"], SPLITS)
     assert torch.equal(grouped_wgrad(dy, operands["x_seg"], SPLITS), want_dw)
     assert dy._seal_holds()
-    assert not dy._placed()
+    assert not dy._placed(_fp8_gemm.placed_for_kernels)
+    # The weights' transposed data (dgrad reads it) counts too.
+    w = copy.copy(operands["w"])
+    w.data_t = _misaligned_like(w.data_t)
+    grouped_fprop(operands["x"], w, SPLITS)  # validated: sealed again
+    assert not w._placed(_fp8_gemm.placed_for_kernels)
     # Given a tensor it cannot seal (a subclass), a form keeps no seal, so no stale fact.
     x = copy.copy(operands["x"])
     x.scales = operands["x"].scales.clone().as_subclass(_Marked)
     assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
     assert x._seal is None
-    assert not x._placed()
+    assert not x._placed(_fp8_gemm.placed_for_kernels)
 
 
 class _Marked(torch.Tensor):

@@ -255,7 +255,7 @@ def test_operands_moved_to_misaligned_memory_take_the_reference_path(monkeypatch
         for C, s in ((K, 1), (N, 2))
     )
     w8 = quantize_fp8(_randn(E, N, K, seed=3), block=WEIGHTS)
-    assert all(form._placed() for form in (*x8, *dy8, w8))
+    assert all(form._placed(_fp8_gemm.placed_for_kernels) for form in (*x8, *dy8, w8))
     grouped_fprop(x8[0], w8, splits)
     grouped_wgrad(dy8[1], x8[1], splits)
     assert taken == []  # placed: the kernels
@@ -263,14 +263,14 @@ def test_operands_moved_to_misaligned_memory_take_the_reference_path(monkeypatch
     x_rows.scales = _misaligned_like(x_rows.scales)
     got = grouped_fprop(x_rows, w8, splits)
     assert taken == ["rows_ref"]
-    assert not x_rows._placed()
+    assert not x_rows._placed(_fp8_gemm.placed_for_kernels)
     assert torch.equal(got, grouped_fprop_ref(x8[0], w8, splits))
     dy_seg = copy.copy(dy8[1])
     dy_seg.data = _misaligned_like(dy_seg.data)
     taken.clear()
     got = grouped_wgrad(dy_seg, x8[1], splits)
     assert taken == ["wgrad_ref"]
-    assert not dy_seg._placed()
+    assert not dy_seg._placed(_fp8_gemm.placed_for_kernels)
     assert torch.equal(got, grouped_wgrad_ref(dy8[1], x8[1], splits))
 
 

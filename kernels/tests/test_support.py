@@ -9,13 +9,11 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` in_features, ``N`` out_features.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import Fp8Blocks, quantize_fp8
+from groupgrad.kernels import quantize_fp8
 from groupgrad.kernels._group import listed_facts
 from groupgrad.kernels._support import fp8_placed, fp8_unsupported_reason, unsupported_reason
 
@@ -200,17 +198,15 @@ def test_the_fp8_check_reads_each_operand_s_placement() -> None:
     )
 
 
-def test_a_form_is_placed_when_its_data_either_way_and_scales_are() -> None:
-    # Catches: a seal calling a form placed whose transposed data is misaligned (dgrad reads
-    # it) or whose rows pass int32 sizes.
+def test_fp8_operands_are_placed_when_their_data_either_way_and_scales_are() -> None:
+    # Catches: an FP8 operand called placed whose transposed data is misaligned (dgrad reads
+    # it), whose scales are, or whose rows pass int32 sizes.
     w = quantize_fp8(rand(2, 128, 256), block=(128, 128))
-    assert fp8_placed(w)
-    for part in ("data", "data_t", "scales"):
-        moved = copy.copy(w)
-        setattr(moved, part, misaligned(getattr(w, part)))
-        assert not fp8_placed(moved), part
+    assert fp8_placed([w.data, w.data_t], w.scales)
+    assert not fp8_placed([w.data, misaligned(w.data_t)], w.scales)
+    assert not fp8_placed([misaligned(w.data), w.data_t], w.scales)
+    assert not fp8_placed([w.data, w.data_t], misaligned(w.scales))
     huge = torch.empty(2**31, 128, dtype=torch.float8_e4m3fn, device="meta")
     scales = torch.empty(1, 2**31, device="meta").t()
-    meta = {"block": (1, 128), "dtype": torch.bfloat16}
-    assert not fp8_placed(Fp8Blocks(huge, scales, shape=(2**31, 128), **meta))
-    assert fp8_placed(Fp8Blocks(huge[:8], scales[:8], shape=(8, 128), **meta))
+    assert not fp8_placed([huge], scales)
+    assert fp8_placed([huge[:8]], scales[:8])

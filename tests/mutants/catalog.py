@@ -1217,6 +1217,32 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
+        "reentrant-regions-count-as-backwards",
+        "a layer used in two regions of a reentrant checkpoint counts each region's nested "
+        "graph task as a backward: a second backward_dw() job, the second use overwriting the "
+        "first's main_grad",
+        "packages/modules/src/groupgrad/modules/_tasks.py",
+        "    while task in _OUTER_TASK:\n",
+        "    while False:\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "linear-backward-forgets-its-outer-task",
+        "GroupedLinear's backward does not name the backward its reentrant checkpoint nests it in",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "        enter_backward(ctx.forward_task)\n",
+        "",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "mlp-backward-forgets-its-outer-task",
+        "GroupedMLP's backward does not name the backward its reentrant checkpoint nests it in",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "        enter_backward(ctx.forward_task)\n",
+        "",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "compiled-op-checks-after-writing",
         "the compiled op checks the traced dummies and torch.autograd.grad's requests after the "
         "wgrads were written into main_grad (or queued): a refused step leaves them written, "
@@ -1241,8 +1267,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "scales or data skips the support check and reaches the kernels' entry, which refuses "
         "it (an error where the reference path served the call)",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "checked, _ops.support_check().fp8_placed(self)]",
-        "checked, True]",
+        "            seal[2] = find(self)\n",
+        "            seal[2] = True\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -1268,10 +1294,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fp8-placement-skips-transposed-data",
         "a seal calls a weight form placed without its transposed data, which dgrad reads",
-        "kernels/src/groupgrad/kernels/_support.py",
-        '(("data", form.data), ("data_t", form.data_t))',
-        '(("data", form.data),)',
-        (f"{KERNELS}/test_support.py",),
+        "kernels/src/groupgrad/kernels/_fp8_gemm.py",
+        "    data = [form.data] if form.data_t is None else [form.data, form.data_t]\n",
+        "    data = [form.data]\n",
+        (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
         "fp8-seal-skips-the-gemm-rules",

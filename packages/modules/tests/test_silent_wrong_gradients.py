@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from groupgrad.kernels import grouped_wgrad
 from groupgrad.modules import (
@@ -932,14 +933,18 @@ def test_a_backward_for_some_weights_is_exact_where_autograd_takes_the_wgrads(
     assert all(w.grad is None for w in weights if w is not first)
 
 
+@pytest.mark.parametrize("regions", ["plain", "reentrant"])
 @pytest.mark.parametrize("route", ["grad", "main_grad", "main_grad overwrite"])
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
 def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
-    route: str, delay: bool
+    route: str, delay: bool, regions: str
 ) -> None:
     # Catches: with delay_wgrad_compute, one backward queueing a job per use (backward_dw(),
     # once per backward, left half the gradient for the next step; a hook ran on each half);
     # with overwrite_main_grad, the second use's GEMM overwriting the first's in main_grad.
+    # "reentrant": each use in a region of its own under torch.utils.checkpoint with
+    # use_reentrant=True, whose backward autograd runs as a graph task of its own, nested in
+    # the outer backward: the uses must still count as one backward's.
     main_grad, overwrite = route.startswith("main_grad"), route.endswith("overwrite")
     torch.manual_seed(60)
     layer = GroupedLinear(
@@ -956,7 +961,14 @@ def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
     )
     x1, x2 = _randn(sum(SPLITS), K, seed=61), _randn(sum(SPLITS), K, seed=62)
     dy1, dy2 = _randn(sum(SPLITS), N, seed=63), _randn(sum(SPLITS), N, seed=64)
-    ((layer(x1, SPLITS) * dy1).sum() + (layer(x2, SPLITS) * dy2).sum()).backward()
+    use = layer
+    if regions == "reentrant":  # a region's input must require grad for it to backward
+        x1.requires_grad_(), x2.requires_grad_()
+
+        def use(x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+            return checkpoint(layer, x, splits, use_reentrant=True)
+
+    ((use(x1, SPLITS) * dy1).sum() + (use(x2, SPLITS) * dy2).sum()).backward()
     if delay:
         layer.backward_dw()
         with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
@@ -965,8 +977,35 @@ def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
     second = _weight_grads_fp64(x2, weights, SPLITS, dy2)
     for w, a, b in zip(weights, first, second, strict=True):
         _close(w.main_grad if main_grad else w.grad, a + b)
-    assert len(seen) == 1  # once, on the whole gradient
-    _close(seen[0], first[0] + second[0])
+    # once, on the whole gradient; where autograd accumulates into .grad (or the dummy) itself,
+    # it runs the hook once per nested backward of a reentrant checkpoint, as for any parameter
+    assert len(seen) == (2 if regions == "reentrant" and not delay else 1)
+    _close(seen[-1], first[0] + second[0])
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay: bool) -> None:
+    # Catches: the fused MLP's backward counting each reentrant checkpoint region's nested
+    # graph task as a backward of its own (a second job; the second overwrite of main_grad).
+    def run(regions: bool) -> list[torch.Tensor]:
+        layer, weights = _writing_main_grads("mlp", delay=delay)
+        for w in weights:
+            w.main_grad.fill_(float("nan"))
+            w.overwrite_main_grad = True
+        xs = [_randn(sum(SPLITS), K, seed=s).requires_grad_() for s in (67, 68)]
+
+        def use(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(layer, x, SPLITS, use_reentrant=True) if regions else layer(x, SPLITS)
+
+        sum(use(x).square().sum() for x in xs).backward()  # type: ignore[union-attr]
+        if delay:
+            layer.backward_dw()  # type: ignore[operator]
+            with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+                layer.backward_dw()  # type: ignore[operator]
+        return [w.main_grad for w in weights]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        _close(got, want)
 
 
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
-from groupgrad.kernels import _fp8_ops, _ops, _rules
+from groupgrad.kernels import _fp8_ops, _rules
 from groupgrad.kernels._fp8_ops import token_map
 from groupgrad.kernels._group import PLAIN_TYPES, listed_facts
 
@@ -110,22 +110,28 @@ class Fp8Blocks:
         by the quantizer, or found so by ``_validate.fp8_operand``) until one is replaced or
         given other memory, shape, strides or dtype (:func:`_state`). Not compiled. The
         seal's other entries: the GEMMs' shape rules were found to hold (``checked``), and
-        the CUDA kernels may read its tensors where they lie (:meth:`_placed`)."""
+        whether the CUDA kernels may read its tensors where they lie (:meth:`_placed`,
+        found when first asked)."""
         if torch.compiler.is_compiling():
             return self
         tensors = self.tensors()  # plain ones only: a fake tensor has no address to remember
         if set(map(type, tensors)) <= _SEALABLE:
-            self._seal = [_state(self), checked, _ops.support_check().fp8_placed(self)]
+            self._seal = [_state(self), checked, None]
         else:
             self._seal = None
         return self
 
-    def _placed(self) -> bool:
-        """Whether the seal found the tensors the CUDA kernels read aligned and of int32 sizes
-        (``_support.fp8_placed``): asked of a form the validator just passed (which renews
-        its seal), so the call's support check reads their addresses no more."""
+    def _placed(self, find: Callable[[Fp8Blocks], bool]) -> bool:
+        """Whether the CUDA kernels may read this form's tensors where they lie: ``find``'s
+        answer (``_fp8_gemm.placed_for_kernels``), kept by the seal — its tensors keep their addresses
+        and shapes while it holds — so found once per seal; ``False`` without one. Asked of
+        a form the validator just passed, which renews a seal that no longer holds."""
         seal = self._seal
-        return seal is not None and seal[2]
+        if seal is None:
+            return False
+        if seal[2] is None:
+            seal[2] = find(self)
+        return cast(bool, seal[2])
 
     def _seal_holds(self) -> list[Any] | None:
         """The seal :meth:`_sealed` recorded while it holds (the same block, shape and tensor

@@ -274,6 +274,13 @@ def _fp8_wgrad_fake(*args: object) -> None:
 # --------------------------------------------------------------------------- calls
 
 
+def placed_for_kernels(form: Fp8Blocks) -> bool:
+    """Whether the CUDA kernels may read ``form``'s data and scales where they lie (the
+    support check's rule, ``_support.fp8_placed``); its seal keeps the answer."""
+    data = [form.data] if form.data_t is None else [form.data, form.data_t]
+    return _ops.support_check().fp8_placed(data, form.scales)
+
+
 def rows(
     op: str,
     a: Fp8Blocks,
@@ -293,7 +300,7 @@ def rows(
     else:
         name = f"groupgrad::fp8_grouped_{op}"
         if out.is_cuda:
-            placed = a._placed() and w._placed()
+            placed = a._placed(placed_for_kernels) and w._placed(placed_for_kernels)
             _ops.run_directly(name, _rows_on_device, op, *args, placed=placed)
         else:
             _ops.run_directly(name, rows_ref, op, *args)
@@ -324,7 +331,7 @@ def wgrad(
     else:
         name = "groupgrad::fp8_grouped_wgrad"
         if out[0].is_cuda:
-            placed = dy._placed() and x._placed()
+            placed = dy._placed(placed_for_kernels) and x._placed(placed_for_kernels)
             _ops.run_directly(name, wgrad_on_device, *args, listed=listed, placed=placed)
         else:
             _ops.run_directly(name, wgrad_ref, *args)

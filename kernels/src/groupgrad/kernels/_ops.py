@@ -197,8 +197,7 @@ def fp8_cutlass_or_reason(
 
 @functools.cache
 def support_check() -> ModuleType:
-    """The support check's module, imported on the first CUDA call or FP8 seal (it imports
-    ``build``, never at import)."""
+    """The support check's module, imported on the first CUDA call (it imports ``build``)."""
     from groupgrad.kernels import _support
 
     return _support

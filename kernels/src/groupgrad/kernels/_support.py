@@ -2,8 +2,7 @@
 
 Two questions over tensor metadata and ``build``'s table of variants, both
 asked on the CUDA path only (this module comes with the backend, on the
-first CUDA call or when an FP8 form is sealed with :func:`fp8_placed`'s
-answer, never at import: ``build`` is not imported then):
+first CUDA call, never at import: ``build`` is not imported then):
 
 * **The one support check**, :func:`unsupported_reason`. The kernels are
   compiled for bf16 and fp16 inputs with outputs in the input dtype (wgrad:
@@ -33,16 +32,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
 
 from groupgrad.kernels._group import ListedFacts, is_packed
 from groupgrad.kernels.build import COMPILED_DTYPES, COOP_TILE, PONG_TILE, Variant
-
-if TYPE_CHECKING:
-    from groupgrad.kernels._fp8 import Fp8Blocks
 
 Op = Literal["fprop", "dgrad", "wgrad"]
 
@@ -191,8 +187,8 @@ def fp8_unsupported_reason(
             addresses are read here (the extension's entry checks them all).
         out: the fprop/dgrad output, or the wgrad's outputs' group.
         listed: as for :func:`unsupported_reason`.
-        placed: the operands' forms were found placed when sealed (``Fp8Blocks._placed``):
-            only ``out`` is checked.
+        placed: the operands' forms were found placed (:func:`fp8_placed`, kept by their
+            seals): only ``out`` is checked.
 
     Returns:
         The reason, naming the tensor, or ``None``.
@@ -223,13 +219,11 @@ def _operands_reason(
     return None
 
 
-def fp8_placed(form: Fp8Blocks) -> bool:
-    """Whether the FP8 kernels may read ``form``'s data (either orientation) and scales where
-    they lie, as :func:`fp8_unsupported_reason` asks of an operand: found when it is sealed."""
-    data = [
-        (part, t) for part, t in (("data", form.data), ("data_t", form.data_t)) if t is not None
-    ]
-    return _operands_reason(data, [("scales", form.scales)], form.data.device) is None
+def fp8_placed(data: Sequence[Tensor], scales: Tensor) -> bool:
+    """Whether the FP8 kernels may read an operand's data (each orientation it has) and
+    scales where they lie, as :func:`fp8_unsupported_reason` asks of an operand."""
+    named = [("data", t) for t in data]
+    return _operands_reason(named, [("scales", scales)], data[0].device) is None
 
 
 # --------------------------------------------------------------------------- which kernel

@@ -54,6 +54,7 @@ from groupgrad.modules._group import (
 )
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
+from groupgrad.modules._tasks import enter_backward, forward_task
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
 from groupgrad.protocol import (
     is_distributed_weight,
@@ -239,6 +240,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
         ctx.x_form, saved = take_apart(x_saved)
         ctx.save_for_backward(*saved)
+        ctx.forward_task = forward_task()
         ctx.tokens = x_TK.shape[0]
         ctx.fp8 = fp8
         ctx.splits = splits
@@ -253,6 +255,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("grouped_linear")
     def backward(ctx: Any, dy_TN: Tensor) -> tuple[Tensor | None, ...]:
+        enter_backward(ctx.forward_task)
         if ctx.needs_input_grad[0]:  # before anything is written
             check_forward_versions(ctx.spec, ctx.weights, ctx.versions)
         x_TK = put_together(ctx.x_form, iter(ctx.saved_tensors), ctx.tokens, ctx.splits)

@@ -86,6 +86,7 @@ from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported f
 from groupgrad.modules._mlp_forms import MLPForms
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
+from groupgrad.modules._tasks import enter_backward, forward_task
 from groupgrad.modules._wgrad import WgradQueue
 from groupgrad.protocol import is_distributed_weight
 
@@ -145,6 +146,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         (x_form, x_parts), (h_form, h_parts) = take_apart(x_kept), take_apart(h_kept)
         ctx.save_for_backward(*x_parts, *h_parts, probs_T)
         ctx.kept_forms = (x_form, h_form)
+        ctx.forward_task = forward_task()
         ctx.tokens = T
         ctx.forms = forms
         ctx.splits = splits
@@ -158,6 +160,7 @@ class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once("grouped_mlp")
     def backward(ctx: Any, dy_TH: Tensor) -> tuple[Tensor | None, ...]:
+        enter_backward(ctx.forward_task)
         saved = iter(ctx.saved_tensors)
         x_form, h_form = ctx.kept_forms
         x_kept = put_together(x_form, saved, ctx.tokens, ctx.splits)

@@ -34,6 +34,7 @@ from groupgrad.modules._operands import (
     operand_dtype,
     operand_versions,
 )
+from groupgrad.modules._tasks import backward_task
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
@@ -223,8 +224,8 @@ class WgradTarget:
         )
 
 
-#: Per wgrad target (:attr:`WgradTarget.key`): the autograd graph task whose backward last
-#: planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
+#: Per wgrad target (:attr:`WgradTarget.key`): the backward (``_tasks.backward_task``) that
+#: last planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
 _OVERWRITING_TASK: dict[tuple[int, ...], int] = {}
 
 
@@ -232,7 +233,7 @@ def _overwrote_in_this_backward(key: tuple[int, ...]) -> bool:
     """Whether the backward now running (its graph task) already planned a GEMM into the
     ``main_grad``s of ``key``'s parameters; records that it does now. Outside a backward
     (``backward_dw()``): ``False``."""
-    task = torch._C._current_graph_task_id()
+    task = backward_task()
     if task < 0:
         return False
     if _OVERWRITING_TASK.get(key) == task:
@@ -365,10 +366,10 @@ class WgradQueue:
 
     def push(self, job: list[DeferredWgrad]) -> None:
         """Queue the deferred wgrads of one backward (nothing for an empty job): added to
-        the newest job when the same backward (graph task) pushed it."""
+        the newest job when the same backward (``_tasks.backward_task``) pushed it."""
         if not job:
             return
-        task = torch._C._current_graph_task_id()
+        task = backward_task()
         if task >= 0 and self._jobs and task == self._last_task:
             self._jobs[-1].extend(job)
             return

@@ -1,0 +1,55 @@
+"""Which backward a layer's gradients belong to: its autograd graph task, or the one it is nested in.
+
+The wgrad rules that follow one backward — one ``backward_dw()`` job per
+backward (``_wgrad.WgradQueue.push``), the first GEMM into ``main_grad``
+overwriting and the others adding (``_wgrad._overwrote_in_this_backward``) —
+tell backwards apart by autograd's graph task id. A reentrant checkpoint
+(``torch.utils.checkpoint`` with ``use_reentrant=True``, Megatron-Core's
+recompute) runs the backward of each checkpointed region as a graph task of
+its own, nested in the backward that recomputed the region's forward: a layer
+used in two such regions would count as used in two backwards. So a grouped
+Function's forward records the graph task running it (:func:`forward_task`:
+the recomputing backward's, else none), its backward names that task as the
+one it is nested in (:func:`enter_backward`), and the rules ask
+:func:`backward_task`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["backward_task", "enter_backward", "forward_task"]
+
+#: A nested backward's graph task -> the graph task it runs in (insertion order: oldest first).
+_OUTER_TASK: dict[int, int] = {}
+_KEPT = 4096  # graph task ids only grow: the oldest entries belong to backwards long over
+
+
+def forward_task() -> int:
+    """The graph task running a grouped Function's forward: a backward's when a checkpoint
+    recomputes the forward inside it, else ``-1`` (also while compiling)."""
+    if torch.compiler.is_compiling():
+        return -1
+    return torch._C._current_graph_task_id()
+
+
+def enter_backward(outer: int) -> None:
+    """Called first by a grouped Function's backward with its forward's :func:`forward_task`:
+    when this backward runs as a graph task other than the one that ran the forward (a
+    reentrant checkpoint's), it belongs to that one."""
+    if outer < 0 or torch.compiler.is_compiling():
+        return
+    task = torch._C._current_graph_task_id()
+    if task >= 0 and task != outer:
+        _OUTER_TASK[task] = outer
+        while len(_OUTER_TASK) > _KEPT:
+            del _OUTER_TASK[next(iter(_OUTER_TASK))]
+
+
+def backward_task() -> int:
+    """The backward now running, as the wgrad rules count backwards: the outermost graph task
+    of the chain a reentrant checkpoint nested this one in; ``-1`` outside a backward."""
+    task = torch._C._current_graph_task_id()
+    while task in _OUTER_TASK:
+        task = _OUTER_TASK[task]
+    return task

@@ -1243,13 +1243,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "compiled-op-refuses-autograd-grad-of-main-grad-weights",
+        "the compiled op refuses torch.autograd.grad over a weight whose gradient it never "
+        "returns to autograd (main_grad without a dummy), where eager writes main_grad",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "    weights = not queued and layer.target.route() is WgradRoute.AUTOGRAD\n",
+        "    weights = True\n",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
         "compiled-op-checks-after-writing",
         "the compiled op checks the traced dummies and torch.autograd.grad's requests after the "
         "wgrads were written into main_grad (or queued): a refused step leaves them written, "
         "and retrying it as the message says adds them twice",
         "packages/modules/src/groupgrad/modules/_compiled.py",
-        "    with autograd_dispatch():\n        expected, accumulates = _check_before_writing(layers, dummies)\n    wgrad_queue = WgradQueue.numbered(queue)\n    if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers\n        operands = [t.clone() for t in operands]\n        splits = None if splits is None else splits.clone()\n    counted = splits if splits is not None else tuple(counts or ())\n    stream = iter(operands)\n    taken = [part.take(stream, tokens, counted) for part in parts]\n    dys, xs = [t[0] for t in taken], [t[1] for t in taken]\n    bias_dys = [t[2] for t in taken if t[2] is not None] or None\n    answers = parameter_grads(\n        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True\n    )\n    with autograd_dispatch():\n        _deliver(layers, answers, expected, accumulates)\n",
-        "    wgrad_queue = WgradQueue.numbered(queue)\n    if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers\n        operands = [t.clone() for t in operands]\n        splits = None if splits is None else splits.clone()\n    counted = splits if splits is not None else tuple(counts or ())\n    stream = iter(operands)\n    taken = [part.take(stream, tokens, counted) for part in parts]\n    dys, xs = [t[0] for t in taken], [t[1] for t in taken]\n    bias_dys = [t[2] for t in taken if t[2] is not None] or None\n    answers = parameter_grads(\n        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True\n    )\n    with autograd_dispatch():\n        expected, accumulates = _check_before_writing(layers, dummies)\n        _deliver(layers, answers, expected, accumulates)\n",
+        "    with autograd_dispatch():\n        expected, accumulates = _check_before_writing(layers, dummies, wgrad_queue is not None)\n    if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers\n        operands = [t.clone() for t in operands]\n        splits = None if splits is None else splits.clone()\n    counted = splits if splits is not None else tuple(counts or ())\n    stream = iter(operands)\n    taken = [part.take(stream, tokens, counted) for part in parts]\n    dys, xs = [t[0] for t in taken], [t[1] for t in taken]\n    bias_dys = [t[2] for t in taken if t[2] is not None] or None\n    answers = parameter_grads(\n        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True\n    )\n    with autograd_dispatch():\n        _deliver(layers, answers, expected, accumulates)\n",
+        "    if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers\n        operands = [t.clone() for t in operands]\n        splits = None if splits is None else splits.clone()\n    counted = splits if splits is not None else tuple(counts or ())\n    stream = iter(operands)\n    taken = [part.take(stream, tokens, counted) for part in parts]\n    dys, xs = [t[0] for t in taken], [t[1] for t in taken]\n    bias_dys = [t[2] for t in taken if t[2] is not None] or None\n    answers = parameter_grads(\n        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True\n    )\n    with autograd_dispatch():\n        expected, accumulates = _check_before_writing(layers, dummies, wgrad_queue is not None)\n        _deliver(layers, answers, expected, accumulates)\n",
         (f"{MODULES}/test_compile.py",),
     ),
     Mutant(

@@ -247,6 +247,25 @@ def test_compiled_autograd_grad_of_a_bias_is_refused_before_main_grad_is_written
             layer.backward_dw()
 
 
+def test_compiled_autograd_grad_over_a_main_grad_weight_does_as_eager() -> None:
+    # Catches: the compiled op refusing torch.autograd.grad over a weight whose gradient never
+    # goes back to autograd (main_grad, no zero dummy): eager writes main_grad and returns None.
+    got = []
+    for compiled in (False, True):
+        layer = _linear(accumulate_into_main_grad=True)
+        layer.weight.main_grad = torch.zeros(layer.weight.shape)
+        x = torch.randn(T, H, dtype=BF16, generator=torch.Generator().manual_seed(4))
+        x.requires_grad_()
+        step = torch.compile(layer, fullgraph=True) if compiled else layer
+        out = step(x, torch.tensor([5, 0, 11, 8])).float().sum()
+        dx, dw = torch.autograd.grad(out, [x, layer.weight], allow_unused=True)
+        assert dw is None
+        got.append((dx, layer.weight.main_grad))
+    assert torch.equal(got[0][0], got[1][0])
+    assert torch.equal(got[0][1], got[1][1])
+    assert got[1][1].any()
+
+
 def test_a_contract_flag_changed_after_tracing_is_refused_before_anything_is_written() -> None:
     # Catches: the op writing main_grad (and setting the flag) before it finds the traced zero
     # dummies stale; the step retried as the message says would then add its wgrad twice.

@@ -123,9 +123,10 @@ class Fp8Blocks:
 
     def _placed(self, find: Callable[[Fp8Blocks], bool]) -> bool:
         """Whether the CUDA kernels may read this form's tensors where they lie: ``find``'s
-        answer (``_fp8_gemm.placed_for_kernels``), kept by the seal — its tensors keep their addresses
-        and shapes while it holds — so found once per seal; ``False`` without one. Asked of
-        a form the validator just passed, which renews a seal that no longer holds."""
+        answer (``_fp8_gemm.placed_for_kernels``), kept by the seal (its tensors keep their
+        addresses and shapes while it holds), so found once per seal; ``False`` without
+        one. Asked of a form the validator just passed, which renews a seal that no longer
+        holds."""
         seal = self._seal
         if seal is None:
             return False

@@ -54,7 +54,7 @@ from groupgrad.modules._grads import (
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._operands import Fp8Form, Operand, operand_rows, put_together, take_apart
 from groupgrad.modules._wgrad import WgradQueue, WgradTarget
-from groupgrad.protocol import accumulate_grads_like_autograd, receives_dummy
+from groupgrad.protocol import WgradRoute, accumulate_grads_like_autograd, receives_dummy
 
 __all__ = ["hand_over", "refuse_derived_parameters"]
 
@@ -151,12 +151,13 @@ def _engine_accumulates(params: Sequence[Tensor], names: Sequence[str]) -> list[
 
 
 def _check_before_writing(
-    layers: Sequence[LayerGrads], dummies: Sequence[bool]
+    layers: Sequence[LayerGrads], dummies: Sequence[bool], queued: bool
 ) -> tuple[list[bool], dict[int, bool]]:
     """What the op checks before any gradient is written: the traced dummies still agree
-    with the contract, and ``torch.autograd.grad`` asks for none of the parameters that
-    autograd would receive a gradient for. Returns the dummy mask and, by ``id``, whether
-    this backward accumulates into each other trainable parameter's ``.grad``."""
+    with the contract, and ``torch.autograd.grad`` asks for none of the parameters whose
+    gradient autograd would receive from the op (biases; weights on the autograd route,
+    not ``queued`` for ``backward_dw()``). Returns the dummy mask and, by ``id``, whether
+    this backward accumulates into each of those parameters' ``.grad``."""
     params = [p for layer in layers for p in layer.params]
     names = [n for layer in layers for n in _names(layer)]
     expected = [d for layer in layers for d in _dummy_mask(layer)]
@@ -167,7 +168,8 @@ def _check_before_writing(
             "torch.compile traced this layer (it hands autograd a zero dummy exactly where "
             "they say); set them before the first compiled step, or call torch._dynamo.reset()"
         )
-    live = [(p, n) for p, n, d in zip(params, names, expected, strict=True) if not d]
+    returned = [r for layer in layers for r in _returned(layer, queued)]
+    live = [(p, n) for p, n, r in zip(params, names, returned, strict=True) if r]
     live = [(p, n) for p, n in live if p.requires_grad]
     accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
     return expected, {id(p): takes for (p, _), takes in zip(live, accumulates, strict=True)}
@@ -196,6 +198,13 @@ def _deliver(
 def _names(layer: LayerGrads) -> list[str]:
     spec = layer.target.spec
     return [*spec.names, *(f"bias {i} of {spec.names[0]}" for i in range(len(layer.biases)))]
+
+
+def _returned(layer: LayerGrads, queued: bool) -> list[bool]:
+    """Per parameter of ``layer``: whether the op returns its gradient to autograd (a bias's
+    always; a weight's on the autograd route, unless ``queued`` for ``backward_dw()``)."""
+    weights = not queued and layer.target.route() is WgradRoute.AUTOGRAD
+    return [weights] * len(layer.target.params) + [True] * len(layer.biases)
 
 
 def _dummy_mask(layer: LayerGrads) -> list[bool]:
@@ -228,9 +237,9 @@ def _parameter_grads_op(
     """
     parts = _LAYOUTS[layout]
     layers = _bind_all(parts, params)
-    with autograd_dispatch():
-        expected, accumulates = _check_before_writing(layers, dummies)
     wgrad_queue = WgradQueue.numbered(queue)
+    with autograd_dispatch():
+        expected, accumulates = _check_before_writing(layers, dummies, wgrad_queue is not None)
     if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
         operands = [t.clone() for t in operands]
         splits = None if splits is None else splits.clone()

@@ -407,30 +407,27 @@ def test_a_seal_says_whether_the_kernels_may_read_its_tensors_where_they_lie(
     more: the quantizer's forms are placed; a form given misaligned scales or data is sealed
     again by the validator as not placed (on CUDA its call then takes the reference path,
     as before seals, instead of reaching the kernels' entry, which refuses it)."""
-    assert all(form._placed(_fp8_gemm.placed_for_kernels) for form in operands.values())
-    x = copy.copy(operands["x"])
-    x.scales = _misaligned_like(x.scales)
-    want = grouped_fprop(operands["x"], operands["w"], SPLITS)
-    assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
-    assert x._seal_holds()
-    assert not x._placed(_fp8_gemm.placed_for_kernels)
-    dy = copy.copy(operands["dy_seg"])
-    dy.data = _misaligned_like(dy.data)
-    want_dw = grouped_wgrad(operands["dy_seg"], operands["x_seg"], SPLITS)
-    assert torch.equal(grouped_wgrad(dy, operands["x_seg"], SPLITS), want_dw)
-    assert dy._seal_holds()
-    assert not dy._placed(_fp8_gemm.placed_for_kernels)
-    # The weights' transposed data (dgrad reads it) counts too.
-    w = copy.copy(operands["w"])
-    w.data_t = _misaligned_like(w.data_t)
-    grouped_fprop(operands["x"], w, SPLITS)  # validated: sealed again
-    assert not w._placed(_fp8_gemm.placed_for_kernels)
+    placed = _fp8_gemm.placed_for_kernels
+    assert all(form._placed(placed) for form in operands.values())
+    x, w, dy, x_seg = (operands[name] for name in ("x", "w", "dy_seg", "x_seg"))
+    want, want_dw = grouped_fprop(x, w, SPLITS), grouped_wgrad(dy, x_seg, SPLITS)
+    runs = {  # one tensor of a form moved to misaligned memory, then a call that validates it
+        ("x", "scales"): lambda form: grouped_fprop(form, w, SPLITS),
+        ("dy_seg", "data"): lambda form: grouped_wgrad(form, x_seg, SPLITS),
+        ("w", "data_t"): lambda form: grouped_fprop(x, form, SPLITS),  # dgrad reads it
+    }
+    for (name, part), run in runs.items():
+        form = copy.copy(operands[name])
+        setattr(form, part, _misaligned_like(getattr(form, part)))
+        assert torch.equal(run(form), want_dw if name == "dy_seg" else want)
+        assert form._seal_holds()
+        assert not form._placed(placed), (name, part)
     # Given a tensor it cannot seal (a subclass), a form keeps no seal, so no stale fact.
     x = copy.copy(operands["x"])
     x.scales = operands["x"].scales.clone().as_subclass(_Marked)
-    assert torch.equal(grouped_fprop(x, operands["w"], SPLITS), want)
+    assert torch.equal(grouped_fprop(x, w, SPLITS), want)
     assert x._seal is None
-    assert not x._placed(_fp8_gemm.placed_for_kernels)
+    assert not x._placed(placed)
 
 
 class _Marked(torch.Tensor):

@@ -608,7 +608,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a layer used twice in one forward with delay_wgrad_compute queues a job per use: "
         "backward_dw() once per backward leaves half the gradient for the next step",
         "packages/modules/src/groupgrad/modules/_wgrad.py",
-        "        if task >= 0 and self._jobs and task == self._last_task:",
+        "        if self._jobs and same_backward(task, self._last_task):",
         "        if False:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
@@ -1224,6 +1224,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "packages/modules/src/groupgrad/modules/_tasks.py",
         "    while task in _OUTER_TASK:\n",
         "    while False:\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "nested-regions-resolved-once",
+        "the task a wgrad rule recorded is compared as it was resolved then: an inner reentrant "
+        "region's GEMM, run before the outer region's own use tells whose backward the outer "
+        "region's task is, counts as another backward",
+        "packages/modules/src/groupgrad/modules/_tasks.py",
+        "_outermost(first) == _outermost(second)",
+        "first == _outermost(second)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(

@@ -1008,6 +1008,41 @@ def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay
         _close(got, want)
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_a_layer_in_nested_reentrant_regions_gets_one_backwards_gradient(delay: bool) -> None:
+    # Catches: the inner region's GEMM (a graph task nested in the outer region's, itself
+    # nested in the backward) recorded before the outer region's own use tells which backward
+    # the outer region's task belongs to, and never compared again: a second backward_dw()
+    # job, or the outer use overwriting the inner use's main_grad.
+    def run(nested: bool) -> list[torch.Tensor]:
+        torch.manual_seed(70)
+        layer = GroupedLinear(
+            E, K, K, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+        )
+        weights = list(layer.parameters())
+        _attach_main_grad(weights, value=float("nan"))
+        for w in weights:
+            w.overwrite_main_grad = True
+
+        def inner(h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(layer(h, SPLITS))
+
+        def outer(h: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(layer(h, SPLITS))
+            return checkpoint(inner, h, use_reentrant=True) if nested else inner(h)
+
+        x = _randn(sum(SPLITS), K, seed=71).requires_grad_()
+        (checkpoint(outer, x, use_reentrant=True) if nested else outer(x)).square().sum().backward()
+        if delay:
+            layer.backward_dw()
+            with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+                layer.backward_dw()
+        return [w.main_grad for w in weights]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        _close(got, want)
+
+
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
 def test_freezing_a_weight_between_backward_and_backward_dw_is_an_error(main_grad: bool) -> None:
     # Catches: backward_dw() reading requires_grad anew: a weight frozen after the backward

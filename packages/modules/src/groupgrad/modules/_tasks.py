@@ -10,15 +10,15 @@ its own, nested in the backward that recomputed the region's forward: a layer
 used in two such regions would count as used in two backwards. So a grouped
 Function's forward records the graph task running it (:func:`forward_task`:
 the recomputing backward's, else none), its backward names that task as the
-one it is nested in (:func:`enter_backward`), and the rules ask
-:func:`backward_task`.
+one it is nested in (:func:`enter_backward`), and the rules compare the tasks
+they recorded with :func:`same_backward`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["backward_task", "enter_backward", "forward_task"]
+__all__ = ["enter_backward", "forward_task", "running_task", "same_backward"]
 
 #: A nested backward's graph task -> the graph task it runs in (insertion order: oldest first).
 _OUTER_TASK: dict[int, int] = {}
@@ -46,10 +46,21 @@ def enter_backward(outer: int) -> None:
             del _OUTER_TASK[next(iter(_OUTER_TASK))]
 
 
-def backward_task() -> int:
-    """The backward now running, as the wgrad rules count backwards: the outermost graph task
-    of the chain a reentrant checkpoint nested this one in; ``-1`` outside a backward."""
-    task = torch._C._current_graph_task_id()
+def running_task() -> int:
+    """The graph task running now (``-1`` outside a backward), as recorded by the wgrad rules:
+    compared later with :func:`same_backward`, once more nestings may be known."""
+    return torch._C._current_graph_task_id()
+
+
+def same_backward(first: int, second: int) -> bool:
+    """Whether two graph tasks (:func:`running_task`) belong to one backward: the same
+    outermost task of the chains reentrant checkpoints nested them in. Resolved when asked,
+    so a nesting learned after the first was recorded still counts (a region's backward can
+    run a nested region's GEMMs before a layer of its own tells whose backward it is)."""
+    return first >= 0 and second >= 0 and _outermost(first) == _outermost(second)
+
+
+def _outermost(task: int) -> int:
     while task in _OUTER_TASK:
         task = _OUTER_TASK[task]
     return task

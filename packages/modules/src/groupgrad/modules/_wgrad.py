@@ -34,7 +34,7 @@ from groupgrad.modules._operands import (
     operand_dtype,
     operand_versions,
 )
-from groupgrad.modules._tasks import backward_task
+from groupgrad.modules._tasks import running_task, same_backward
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
@@ -224,7 +224,7 @@ class WgradTarget:
         )
 
 
-#: Per wgrad target (:attr:`WgradTarget.key`): the backward (``_tasks.backward_task``) that
+#: Per wgrad target (:attr:`WgradTarget.key`): the backward (``_tasks.same_backward``) that
 #: last planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
 _OVERWRITING_TASK: dict[tuple[int, ...], int] = {}
 
@@ -233,10 +233,10 @@ def _overwrote_in_this_backward(key: tuple[int, ...]) -> bool:
     """Whether the backward now running (its graph task) already planned a GEMM into the
     ``main_grad``s of ``key``'s parameters; records that it does now. Outside a backward
     (``backward_dw()``): ``False``."""
-    task = backward_task()
+    task = running_task()
     if task < 0:
         return False
-    if _OVERWRITING_TASK.get(key) == task:
+    if same_backward(_OVERWRITING_TASK.get(key, -1), task):
         return True
     if len(_OVERWRITING_TASK) >= 4096:  # entries of layers long gone (their ids reused)
         _OVERWRITING_TASK.clear()
@@ -366,11 +366,11 @@ class WgradQueue:
 
     def push(self, job: list[DeferredWgrad]) -> None:
         """Queue the deferred wgrads of one backward (nothing for an empty job): added to
-        the newest job when the same backward (``_tasks.backward_task``) pushed it."""
+        the newest job when the same backward (``_tasks.same_backward``) pushed it."""
         if not job:
             return
-        task = backward_task()
-        if task >= 0 and self._jobs and task == self._last_task:
+        task = running_task()
+        if self._jobs and same_backward(task, self._last_task):
             self._jobs[-1].extend(job)
             return
         self._jobs.append(job)

@@ -152,12 +152,12 @@ def _engine_accumulates(params: Sequence[Tensor], names: Sequence[str]) -> list[
 
 def _check_before_writing(
     layers: Sequence[LayerGrads], dummies: Sequence[bool], queued: bool
-) -> tuple[list[bool], dict[int, bool]]:
+) -> set[int]:
     """What the op checks before any gradient is written: the traced dummies still agree
     with the contract, and ``torch.autograd.grad`` asks for none of the parameters whose
     gradient autograd would receive from the op (biases; weights on the autograd route,
-    not ``queued`` for ``backward_dw()``). Returns the dummy mask and, by ``id``, whether
-    this backward accumulates into each of those parameters' ``.grad``."""
+    not ``queued`` for ``backward_dw()``). Returns the ``id``s of those whose ``.grad``
+    this backward accumulates into."""
     params = [p for layer in layers for p in layer.params]
     names = [n for layer in layers for n in _names(layer)]
     expected = [d for layer in layers for d in _dummy_mask(layer)]
@@ -172,22 +172,17 @@ def _check_before_writing(
     live = [(p, n) for p, n, r in zip(params, names, returned, strict=True) if r]
     live = [(p, n) for p, n in live if p.requires_grad]
     accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
-    return expected, {id(p): takes for (p, _), takes in zip(live, accumulates, strict=True)}
+    return {id(p) for (p, _), takes in zip(live, accumulates, strict=True) if takes}
 
 
 def _deliver(
-    layers: Sequence[LayerGrads],
-    answers: Sequence[Tensor | None],
-    expected: Sequence[bool],
-    accumulates: dict[int, bool],
+    layers: Sequence[LayerGrads], answers: Sequence[Tensor | None], delivered: set[int]
 ) -> None:
-    """Put into ``.grad`` what autograd would have accumulated (``expected``, ``accumulates``:
-    from :func:`_check_before_writing`)."""
+    """Put into ``.grad`` what autograd would have accumulated: the answers for the
+    parameters ``delivered`` names (:func:`_check_before_writing`)."""
     params = [p for layer in layers for p in layer.params]
     picked = [
-        (p, g)
-        for p, g, d in zip(params, answers, expected, strict=True)
-        if g is not None and not d and accumulates[id(p)]
+        (p, g) for p, g in zip(params, answers, strict=True) if g is not None and id(p) in delivered
     ]
     if picked:  # the hooks: autograd's AccumulateGrad runs them next, as for a None gradient
         accumulate_grads_like_autograd(
@@ -239,7 +234,7 @@ def _parameter_grads_op(
     layers = _bind_all(parts, params)
     wgrad_queue = WgradQueue.numbered(queue)
     with autograd_dispatch():
-        expected, accumulates = _check_before_writing(layers, dummies, wgrad_queue is not None)
+        delivered = _check_before_writing(layers, dummies, wgrad_queue is not None)
     if wgrad_queue is not None:  # kept for backward_dw(): the compiled graph reuses its buffers
         operands = [t.clone() for t in operands]
         splits = None if splits is None else splits.clone()
@@ -252,7 +247,7 @@ def _parameter_grads_op(
         layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True
     )
     with autograd_dispatch():
-        _deliver(layers, answers, expected, accumulates)
+        _deliver(layers, answers, delivered)
 
 
 @_parameter_grads_op.register_fake

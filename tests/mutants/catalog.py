@@ -1451,4 +1451,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "fc2_nodes, _, fc1_nodes, _ = gradient_nodes(ctx, w1, b1, w2, b2)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "one-expert-buffer-as-packed-out",
+        "a one-expert group's single (N, K) wgrad buffer handed to the GEMM as its packed "
+        "(E, N, K) out, as a packed weight's is: every one-expert layer's backward fails",
+        _PLAN,
+        'if len(self.buffers) == 1 and getattr(self.buffers[0], "ndim", 0) == 3:',
+        "if len(self.buffers) == 1:",
+        (f"{PROTOCOL}/test_plan.py", f"{MODULES}/test_linear_matrix.py"),
+    ),
+    Mutant(
+        "overwrite-record-table-cleared",
+        "the record of which backward overwrote a layer's main_grad kept in a table cleared at "
+        "4096 layers: cleared between a layer's two GEMMs of one backward, the second GEMM "
+        "overwrites the first's gradient",
+        _WGRAD,
+        "        weakref.finalize(target.params[0], _OVERWRITING_TASK.pop, key, None)\n",
+        "        if len(_OVERWRITING_TASK) >= 4096:\n            _OVERWRITING_TASK.clear()\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
 )

@@ -40,6 +40,19 @@ FP32_LAYERS += [
     layer("fp32-ep2-unfused-bias", ep=2, backend="unfused", bias=True, fusion=True),
     layer("fp32-ep2-fused-probs-on-input", ep=2, backend="fused", config=PROBS_ON_INPUT),
 ]
+# Two experts over two expert-parallel ranks: one local expert per rank (as Mixtral's 8 on 8)
+FP32_LAYERS += [
+    layer(
+        f"fp32-ep2-{backend}-{'fusion' if fusion else 'autograd'}-one-local-expert",
+        ep=2,
+        backend=backend,
+        fusion=fusion,
+        # top-1 (top-2 of 2 experts: a router gradient of about 0, all cancellation)
+        config={"num_moe_experts": 2, "moe_router_topk": 1, "moe_router_pre_softmax": True},
+    )
+    for backend in BACKENDS
+    for fusion in (False, True)
+]
 BF16_LAYERS = [
     layer(layer_name(1, backend, False, False, "bf16"), ep=1, backend=backend, dtype="bfloat16")
     for backend in BACKENDS

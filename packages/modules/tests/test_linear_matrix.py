@@ -26,7 +26,7 @@ from groupgrad.protocol.testing import FakeDistributedWeight
 from groupgrad_testsupport import matrix
 from groupgrad_testsupport.matrix import Case
 
-E = 4
+E = 4  # and one expert: a layer of one (e.g. one expert per expert-parallel rank)
 MICRO_BATCHES = 3
 SIZES = {None: (16, 8), "blockwise": (256, 128)}  # recipe -> (K, N): FP8 blocks are 128 wide
 SPLITS = {
@@ -39,11 +39,13 @@ ROWS, WEIGHTS, TOKENS = (1, 128), (128, 128), (128, 1)
 CASES = Case.all()
 
 
-def _build(case: Case, seed: int, recipe: str | None) -> tuple[GroupedLinear, list[torch.Tensor]]:
+def _build(
+    case: Case, seed: int, recipe: str | None, experts: int
+) -> tuple[GroupedLinear, list[torch.Tensor]]:
     torch.manual_seed(seed)
     K, N = SIZES[recipe]
     flags = matrix.module_flags(case)
-    module = GroupedLinear(E, K, N, **flags, dtype=torch.float32, fp8_recipe=recipe)
+    module = GroupedLinear(experts, K, N, **flags, dtype=torch.float32, fp8_recipe=recipe)
     if case.kind == "distributed":
         matrix.distribute_fake(module, case.main_grad)
     weights = [getattr(module, n) for n in module.weight_names]
@@ -96,10 +98,18 @@ def _reference(
     return {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw": dw, "db": db}  # type: ignore[dict-item]
 
 
+def _splits(recipe: str | None, experts: int) -> list[list[int]]:
+    """Each micro-batch's token counts: :data:`SPLITS`, or their sums for one expert."""
+    return SPLITS[recipe] if experts == E else [[sum(s)] for s in SPLITS[recipe]]
+
+
+@pytest.mark.parametrize("experts", [E, 1])
 @pytest.mark.parametrize("recipe", [None, "blockwise"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_grouped_linear_matrix(case: Case, recipe: str | None) -> None:
-    module, weights = _build(case, seed=7, recipe=recipe)
+def test_grouped_linear_matrix(case: Case, recipe: str | None, experts: int) -> None:
+    # experts=1 catches: a one-expert layer's single (N, K) wgrad buffer given to the GEMM as
+    # a packed (E, N, K) out (every backward failed)
+    module, weights = _build(case, seed=7, recipe=recipe, experts=experts)
     K, N = SIZES[recipe]
     biases = [getattr(module, n) for n in module.bias_names]
     initial_main_grad = [w.main_grad.clone() if case.main_grad != "none" else None for w in weights]
@@ -107,7 +117,7 @@ def test_grouped_linear_matrix(case: Case, recipe: str | None) -> None:
     sum_db = [torch.zeros(b.shape, dtype=torch.float64) for b in biases]
     gen = torch.Generator().manual_seed(123)
 
-    for step, splits in enumerate(SPLITS[recipe][:MICRO_BATCHES]):
+    for step, splits in enumerate(_splits(recipe, experts)[:MICRO_BATCHES]):
         tokens = sum(splits)
         x = torch.randn(tokens, K, generator=gen).requires_grad_()
         dy = torch.randn(tokens, N, generator=gen)

@@ -983,6 +983,32 @@ def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
     _close(seen[-1], first[0] + second[0])
 
 
+def test_a_layer_used_twice_still_overwrites_once_when_thousands_of_layers_run_between() -> None:
+    # Catches: the record of which backward overwrote a layer's main_grad kept in a table that
+    # was cleared when it held 4096 layers: cleared between a layer's two GEMMs of one
+    # backward, it let the second one overwrite the first's gradient again.
+    torch.manual_seed(69)
+    layer = GroupedLinear(E, K, N, bias=False, accumulate_into_main_grad=True)
+    others = [
+        GroupedLinear(1, 2, 2, bias=False, accumulate_into_main_grad=True) for _ in range(4200)
+    ]
+    weights = list(layer.parameters())
+    for w in [*weights, *(w for other in others for w in other.parameters())]:
+        _attach_main_grad([w], value=float("nan"))
+        w.overwrite_main_grad = True
+    x1, x2 = _randn(sum(SPLITS), K, seed=70), _randn(sum(SPLITS), K, seed=71)
+    dy1, dy2 = _randn(sum(SPLITS), N, seed=72), _randn(sum(SPLITS), N, seed=73)
+    between = torch.ones(1, 2, requires_grad=True)
+    loss = (layer(x1, SPLITS) * dy1).sum()  # its backward runs last
+    loss = loss + sum(other(between, [1]).sum() for other in others)
+    loss = loss + (layer(x2, SPLITS) * dy2).sum()  # its backward runs first
+    loss.backward()
+    first = _weight_grads_fp64(x1, weights, SPLITS, dy1)
+    second = _weight_grads_fp64(x2, weights, SPLITS, dy2)
+    for w, a, b in zip(weights, first, second, strict=True):
+        _close(w.main_grad, a + b)
+
+
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
 def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay: bool) -> None:
     # Catches: the fused MLP's backward counting each reentrant checkpoint region's nested

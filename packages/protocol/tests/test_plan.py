@@ -296,6 +296,21 @@ def test_packed_parameter_writes_into_its_whole_main_grad() -> None:
     assert plan.gemm_out is params[0].main_grad
 
 
+@pytest.mark.parametrize("into_main_grad", [True, False], ids=["main_grad", "autograd"])
+def test_a_group_of_one_expert_gives_the_gemm_its_expert_axis(into_main_grad: bool) -> None:
+    # Catches: a one-member group's single (N, K) buffer handed over as the GEMM's packed
+    # (E, N, K) out, as a packed weight's is: every one-expert layer failed its backward.
+    params = _params(count=1, **({"main_grad": torch.float32} if into_main_grad else {}))
+    out = _plan(params, into_main_grad=into_main_grad).gemm_out
+    if into_main_grad:
+        assert isinstance(out, list)
+        assert len(out) == 1
+        assert out[0] is params[0].main_grad
+    else:
+        assert isinstance(out, torch.Tensor)
+        assert out.shape == (1, 4, 3)
+
+
 # ---------------------------------------------------------------- distributed route
 
 

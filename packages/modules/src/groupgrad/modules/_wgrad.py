@@ -122,7 +122,7 @@ class WgradTarget:
         if (
             plan.route is WgradRoute.MAIN_GRAD
             and not plan.accumulate
-            and (_overwrote_in_this_backward(self.key) or again)
+            and (_overwrote_in_this_backward(self) or again)
         ):
             plan.accumulate = True
         gemm = prepare_wgrad(
@@ -226,20 +226,23 @@ class WgradTarget:
 
 #: Per wgrad target (:attr:`WgradTarget.key`): the backward (``_tasks.same_backward``) that
 #: last planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
+#: An entry lives as long as its target's leader parameter (no size limit: dropping the entry
+#: of a backward still running would let its next GEMM overwrite the sum again).
 _OVERWRITING_TASK: dict[tuple[int, ...], int] = {}
 
 
-def _overwrote_in_this_backward(key: tuple[int, ...]) -> bool:
+def _overwrote_in_this_backward(target: WgradTarget) -> bool:
     """Whether the backward now running (its graph task) already planned a GEMM into the
-    ``main_grad``s of ``key``'s parameters; records that it does now. Outside a backward
+    ``main_grad``s of ``target``'s parameters; records that it does now. Outside a backward
     (``backward_dw()``): ``False``."""
     task = running_task()
     if task < 0:
         return False
-    if same_backward(_OVERWRITING_TASK.get(key, -1), task):
+    key = target.key
+    if key not in _OVERWRITING_TASK:
+        weakref.finalize(target.params[0], _OVERWRITING_TASK.pop, key, None)
+    elif same_backward(_OVERWRITING_TASK[key], task):
         return True
-    if len(_OVERWRITING_TASK) >= 4096:  # entries of layers long gone (their ids reused)
-        _OVERWRITING_TASK.clear()
     _OVERWRITING_TASK[key] = task
     return False
 

@@ -626,8 +626,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a layer used twice in one backward with overwrite_main_grad: the second use's GEMM "
         "overwrites the first's in main_grad",
         "packages/modules/src/groupgrad/modules/_wgrad.py",
-        "            and (_overwrote_in_this_backward(self.key) or again)",
-        "            and again",
+        "id(param) in pending or backward_of(written_for(id(param), -1)) == mine",
+        "id(param) in pending",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -635,8 +635,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a delayed layer used twice with overwrite_main_grad: backward_dw()'s second GEMM "
         "overwrites the first's in main_grad",
         "packages/modules/src/groupgrad/modules/_wgrad.py",
-        "                    entry.early(again=firsts[entry.target.key] != index)",
-        "                    entry.early(again=False)",
+        "                    pending.update(map(id, entry.target.params))",
+        "                    pending.update(())",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1232,8 +1232,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "region's GEMM, run before the outer region's own use tells whose backward the outer "
         "region's task is, counts as another backward",
         "packages/modules/src/groupgrad/modules/_tasks.py",
-        "_outermost(first) == _outermost(second)",
-        "first == _outermost(second)",
+        "backward_of(first) == backward_of(second)",
+        "first == backward_of(second)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1456,7 +1456,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a one-expert group's single (N, K) wgrad buffer handed to the GEMM as its packed "
         "(E, N, K) out, as a packed weight's is: every one-expert layer's backward fails",
         _PLAN,
-        'if len(self.buffers) == 1 and getattr(self.buffers[0], "ndim", 0) == 3:',
+        "if len(self.weights) == 1 and self.weights[0].ndim == 3:",
         "if len(self.buffers) == 1:",
         (f"{PROTOCOL}/test_plan.py", f"{MODULES}/test_linear_matrix.py"),
     ),
@@ -1466,8 +1466,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "4096 layers: cleared between a layer's two GEMMs of one backward, the second GEMM "
         "overwrites the first's gradient",
         _WGRAD,
-        "        weakref.finalize(target.params[0], _OVERWRITING_TASK.pop, key, None)\n",
-        "        if len(_OVERWRITING_TASK) >= 4096:\n            _OVERWRITING_TASK.clear()\n",
+        "                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)\n",
+        "                if len(_WRITTEN_FOR) >= 4096:\n                    _WRITTEN_FOR.clear()\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "overwrite-rule-per-group",
+        "a GEMM into main_grads of which an earlier GEMM of the same backward wrote some (a "
+        "weight shared by two groups) overwrites them all: the shared weight loses the earlier "
+        "GEMM's gradient",
+        _WGRAD,
+        "    if not any(written):\n",
+        "    if not all(written):\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "deferred-job-forgets-its-backward",
+        "backward_dw() plans a deferred GEMM for no backward: two layers sharing a weight, "
+        "each run by its own backward_dw(), both overwrite its main_grad",
+        _WGRAD,
+        "deferred=True, task=self.task, pending=pending",
+        "deferred=True, task=-1, pending=pending",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

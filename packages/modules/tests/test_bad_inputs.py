@@ -112,6 +112,7 @@ CASES = [
     Bad("main-grad-other-device", lambda: _break_main_grad(_with_main_grads(_linear(**_MG)), "weight2", torch.empty(N, K, device="meta")), _backward_linear(_X), ValueError, r"weight2\.main_grad is on meta, expected cpu like dy"),
     Bad("overwrite-differs", lambda: _set(_with_main_grads(_linear(**_MG), overwrite_main_grad=True), "weight3", "overwrite_main_grad", False), _backward_linear(_X), RuntimeError, r"overwrite_main_grad differs within one group .*weight3=False"),
     Bad("packed-main-grad-shape", lambda: _break_main_grad(_with_main_grads(_linear(single_grouped_weight=True, **_MG)), "weight", torch.zeros(E, K, N)), _backward_linear(_X), ValueError, r"weight\.main_grad has shape \(4, 16, 8\), expected \(E, N, K\) = \(4, 8, 16\)"),
+    Bad("packed-main-grad-2d", lambda: _break_main_grad(_with_main_grads(_linear(single_grouped_weight=True, **_MG)), "weight", torch.zeros(N, K)), _backward_linear(_X), ValueError, r"weight\.main_grad has shape \(8, 16\), expected \(E, N, K\) = \(4, 8, 16\)"),
     Bad("backward-dw-nothing-queued", lambda: _linear(delay_wgrad_compute=True), lambda m: m.backward_dw(), RuntimeError, r"GroupedLinear\.backward_dw\(\) was called but no backward has queued"),
     # --- GroupedMLP
     Bad("mlp-x-wrong-width", _mlp, lambda m: m(_rand(T, 5), SPLITS), ValueError, r"x has shape \(12, 5\), expected \(tokens, 16\) for hidden_size=16"),

@@ -1009,6 +1009,45 @@ def test_a_layer_used_twice_still_overwrites_once_when_thousands_of_layers_run_b
         _close(w.main_grad, a + b)
 
 
+@pytest.mark.parametrize("how", ["functional", "reordered", "two layers", "two layers delayed"])
+def test_a_weight_shared_by_two_groups_gets_both_gradients_when_overwriting(how: str) -> None:
+    # Catches: "the first GEMM of a backward overwrites main_grad, the others add" kept per
+    # weight group instead of per parameter: a weight in two groups (two layers sharing it, or
+    # one weight list given twice in another order) was overwritten by each group's GEMM.
+    torch.manual_seed(74)
+    w0, w1 = (torch.nn.Parameter(_randn(N, K, seed=75 + i)) for i in range(2))
+    x1, x2 = _randn(3, K, seed=77), _randn(5, K, seed=78)
+    dy1, dy2 = _randn(3, N, seed=79), _randn(5, N, seed=80)
+    if how.startswith("two layers"):
+        delay = how.endswith("delayed")
+        a = GroupedLinear(
+            1, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+        )
+        b = GroupedLinear(
+            2, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+        )
+        a.weight0, b.weight0, b.weight1 = w0, w0, w1
+        first, second = (lambda x: a(x, [3])), (lambda x: b(x, [2, 3]))
+        wanted = [dy1.T @ x1 + dy2[:2].T @ x2[:2], dy2[2:].T @ x2[2:]]
+    else:
+        pair = [w0, w1] if how == "functional" else [w1, w0]
+        first = lambda x: grouped_linear(x, [w0], [3], accumulate_into_main_grad=True)  # noqa: E731
+        second = lambda x: grouped_linear(x, pair, [2, 3], accumulate_into_main_grad=True)  # noqa: E731
+        mine = {id(w0): dy1.T @ x1, id(w1): torch.zeros(N, K)}
+        for w, (d, x) in zip(pair, ((dy2[:2], x2[:2]), (dy2[2:], x2[2:])), strict=True):
+            mine[id(w)] = mine[id(w)] + d.T @ x
+        wanted = [mine[id(w0)], mine[id(w1)]]
+    _attach_main_grad([w0, w1], value=float("nan"))
+    for w in (w0, w1):
+        w.overwrite_main_grad = True
+    ((first(x1) * dy1).sum() + (second(x2) * dy2).sum()).backward()
+    if how == "two layers delayed":
+        a.backward_dw()
+        b.backward_dw()
+    for w, want in zip((w0, w1), wanted, strict=True):
+        _close(w.main_grad, want)
+
+
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
 def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay: bool) -> None:
     # Catches: the fused MLP's backward counting each reentrant checkpoint region's nested

@@ -2,7 +2,7 @@
 
 The wgrad rules that follow one backward — one ``backward_dw()`` job per
 backward (``_wgrad.WgradQueue.push``), the first GEMM into ``main_grad``
-overwriting and the others adding (``_wgrad._overwrote_in_this_backward``) —
+overwriting and the others adding (``_wgrad._overwrites_of``) —
 tell backwards apart by autograd's graph task id. A reentrant checkpoint
 (``torch.utils.checkpoint`` with ``use_reentrant=True``, Megatron-Core's
 recompute) runs the backward of each checkpointed region as a graph task of
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["enter_backward", "forward_task", "running_task", "same_backward"]
+__all__ = ["backward_of", "enter_backward", "forward_task", "running_task", "same_backward"]
 
 #: A nested backward's graph task -> the graph task it runs in (insertion order: oldest first).
 _OUTER_TASK: dict[int, int] = {}
@@ -57,10 +57,14 @@ def same_backward(first: int, second: int) -> bool:
     outermost task of the chains reentrant checkpoints nested them in. Resolved when asked,
     so a nesting learned after the first was recorded still counts (a region's backward can
     run a nested region's GEMMs before a layer of its own tells whose backward it is)."""
-    return first >= 0 and second >= 0 and _outermost(first) == _outermost(second)
+    return first >= 0 and second >= 0 and backward_of(first) == backward_of(second)
 
 
-def _outermost(task: int) -> int:
+def backward_of(task: int) -> int:
+    """The backward a graph task belongs to (the outermost task of its chain, as now known);
+    ``-1`` for none: two tasks are of one backward when this gives both the same task."""
+    if task < 0:
+        return -1
     while task in _OUTER_TASK:
         task = _OUTER_TASK[task]
     return task

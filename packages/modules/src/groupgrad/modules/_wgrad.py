@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,7 +35,7 @@ from groupgrad.modules._operands import (
     operand_dtype,
     operand_versions,
 )
-from groupgrad.modules._tasks import running_task, same_backward
+from groupgrad.modules._tasks import backward_of, running_task, same_backward
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
@@ -50,10 +51,26 @@ __all__ = ["DeferredWgrad", "ReadyWgrad", "WgradQueue", "WgradTarget"]
 
 @dataclass(frozen=True)
 class ReadyWgrad:
-    """A wgrad GEMM planned and checked, not yet run: its plan and its checked kernel call."""
+    """A wgrad GEMM planned and checked, not yet run: its plan and its checked kernel call.
+
+    With ``overwrite_main_grad``: ``task`` is the backward whose gradient the GEMM
+    writes (recorded on the parameters when it runs, ``-1``: none), ``zero_first`` the
+    ``main_grad``s to zero before it where it adds (``_overwrites_of``).
+    """
 
     plan: WeightGradPlan
     gemm: PreparedWgrad
+    task: int = -1
+    zero_first: tuple[Tensor, ...] = ()
+
+    def run(self) -> list[Tensor | None]:
+        """Run the GEMM, record the backward it wrote for, and finish the plan."""
+        for buffer in self.zero_first:
+            buffer.zero_()
+        self.gemm.run()
+        if self.task >= 0:
+            _record_written(self.plan, self.task)
+        return self.plan.finish()
 
 
 @dataclass(frozen=True)
@@ -109,22 +126,25 @@ class WgradTarget:
         x_TK: Operand,
         splits: Splits,
         plan: WeightGradPlan,
-        again: bool = False,
+        task: int | None = None,
+        pending: AbstractSet[int] = frozenset(),
     ) -> ReadyWgrad:
         """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan).
 
-        A layer used several times in one forward has a GEMM per use in one backward:
-        where ``overwrite_main_grad`` says overwrite, the first of them overwrites
-        ``main_grad`` and the others add to it (their sum is the gradient). ``again``:
-        this is not the first (``backward_dw()`` knows); in backward the graph task
-        tells (:func:`_overwrote_in_this_backward`).
+        A parameter may get several GEMMs in one backward (a layer used several times
+        in one forward, a weight shared by two layers): where ``overwrite_main_grad``
+        says overwrite, the first of them overwrites its ``main_grad`` and the others
+        add to it (their sum is the gradient); :func:`_overwrites_of` decides. ``task``:
+        the backward the GEMM writes for (``None``: the one running now; a deferred
+        job's is the backward that queued it); ``pending``: the ids of parameters
+        whose GEMMs of that backward are planned but not yet run (``backward_dw()``
+        plans a job's GEMMs before the first runs).
         """
-        if (
-            plan.route is WgradRoute.MAIN_GRAD
-            and not plan.accumulate
-            and (_overwrote_in_this_backward(self) or again)
-        ):
-            plan.accumulate = True
+        task = running_task() if task is None else task
+        zero_first: tuple[Tensor, ...] = ()
+        overwrites = plan.route is WgradRoute.MAIN_GRAD and not plan.accumulate
+        if overwrites and task >= 0:
+            plan.accumulate, zero_first = _overwrites_of(plan, task, pending)
         gemm = prepare_wgrad(
             dy_TN,
             x_TK,
@@ -133,7 +153,7 @@ class WgradTarget:
             accumulate=plan.accumulate,
             names=plan.gemm_names,
         )
-        return ReadyWgrad(plan, gemm)
+        return ReadyWgrad(plan, gemm, task if overwrites else -1, zero_first)
 
     def early(
         self,
@@ -141,7 +161,8 @@ class WgradTarget:
         x_TK: Operand,
         splits: Splits,
         deferred: bool = False,
-        again: bool = False,
+        task: int | None = None,
+        pending: AbstractSet[int] = frozenset(),
     ) -> ReadyWgrad | None:
         """The GEMM planned and checked now where that allocates nothing (``main_grad``), else ``None``.
 
@@ -149,14 +170,15 @@ class WgradTarget:
         ``main_grad`` GEMM before its first GEMM writes, so a malformed
         ``main_grad`` of any layer is rejected before any ``main_grad`` is
         written. Other routes allocate their buffers when planned and are
-        planned at their turn, so peak memory stays as it was.
+        planned at their turn, so peak memory stays as it was. ``task`` and
+        ``pending``: as :meth:`ready` takes them.
         """
         if not self.trainable():
             return None
         if self.route() is not WgradRoute.MAIN_GRAD:
             return None
         plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
-        return self.ready(dy_TN, x_TK, splits, plan, again)
+        return self.ready(dy_TN, x_TK, splits, plan, task, pending)
 
     def run(
         self,
@@ -188,8 +210,7 @@ class WgradTarget:
         if ready is None:
             plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
             ready = self.ready(dy_TN, x_TK, splits, plan)
-        ready.gemm.run()
-        grads = ready.plan.finish()
+        grads = ready.run()
         if not deferred:
             return grads
         accumulate_grads_like_autograd(self.params, grads, run_hooks=run_hooks)
@@ -224,27 +245,39 @@ class WgradTarget:
         )
 
 
-#: Per wgrad target (:attr:`WgradTarget.key`): the backward (``_tasks.same_backward``) that
-#: last planned to overwrite its ``main_grad`` (a later GEMM of that backward adds instead).
-#: An entry lives as long as its target's leader parameter (no size limit: dropping the entry
-#: of a backward still running would let its next GEMM overwrite the sum again).
-_OVERWRITING_TASK: dict[tuple[int, ...], int] = {}
+#: Per parameter (its id) whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``): the
+#: backward (a graph task, compared by ``_tasks.same_backward``) whose gradient it holds. An
+#: entry lives as long as its parameter (no size limit: dropping the entry of a backward still
+#: running would let its next GEMM into that parameter overwrite the sum again).
+_WRITTEN_FOR: dict[int, int] = {}
 
 
-def _overwrote_in_this_backward(target: WgradTarget) -> bool:
-    """Whether the backward now running (its graph task) already planned a GEMM into the
-    ``main_grad``s of ``target``'s parameters; records that it does now. Outside a backward
-    (``backward_dw()``): ``False``."""
-    task = running_task()
-    if task < 0:
-        return False
-    key = target.key
-    if key not in _OVERWRITING_TASK:
-        weakref.finalize(target.params[0], _OVERWRITING_TASK.pop, key, None)
-    elif same_backward(_OVERWRITING_TASK[key], task):
-        return True
-    _OVERWRITING_TASK[key] = task
-    return False
+def _overwrites_of(
+    plan: WeightGradPlan, task: int, pending: AbstractSet[int]
+) -> tuple[bool, tuple[Tensor, ...]]:
+    """``(accumulate, zero_first)`` for a GEMM of backward ``task`` into ``main_grad``s
+    that ``overwrite_main_grad`` says to overwrite: it overwrites where no earlier GEMM of
+    that backward wrote (or is ``pending`` to write) any of its trainable parameters, adds
+    where one wrote them all, and where one wrote some, adds after zeroing the others'."""
+    members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
+    live = [(param, buffer) for param, buffer, keep in members if keep]
+    mine, written_for = backward_of(task), _WRITTEN_FOR.get
+    written = [
+        id(param) in pending or backward_of(written_for(id(param), -1)) == mine for param, _ in live
+    ]
+    if not any(written):
+        return False, ()
+    return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
+
+
+def _record_written(plan: WeightGradPlan, task: int) -> None:
+    """Record that ``plan``'s trainable parameters' ``main_grad``s hold backward ``task``'s
+    gradient (see :data:`_WRITTEN_FOR`)."""
+    for param, keep in zip(plan.weights, plan.trainable, strict=True):
+        if keep:
+            if id(param) not in _WRITTEN_FOR:
+                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)
+            _WRITTEN_FOR[id(param)] = task
 
 
 @dataclass(frozen=True)
@@ -263,6 +296,7 @@ class DeferredWgrad:
     operands: tuple[str, str]
     versions: tuple[tuple[int, ...], tuple[int, ...]]
     trainable: tuple[bool, ...]
+    task: int
 
     @classmethod
     def queue(
@@ -273,10 +307,11 @@ class DeferredWgrad:
         splits: Splits,
         operands: tuple[str, str],
     ) -> DeferredWgrad:
-        """A job whose operands' versions are those they have now."""
+        """A job whose operands' versions are those they have now, for the backward
+        running now (its graph task)."""
         versions = (operand_versions(dy_TN), operand_versions(x_TK))
         trainable = tuple(p.requires_grad for p in target.params)
-        return cls(target, dy_TN, x_TK, splits, operands, versions, trainable)
+        return cls(target, dy_TN, x_TK, splits, operands, versions, trainable, running_task())
 
     def check_unchanged(self, owner: str) -> None:
         """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued, or
@@ -308,10 +343,12 @@ class DeferredWgrad:
                     "or pass a copy"
                 )
 
-    def early(self, again: bool = False) -> ReadyWgrad | None:
-        """:meth:`WgradTarget.early` for this job (``again``: an earlier GEMM of the same
-        backward wrote the same parameters' buffers)."""
-        return self.target.early(self.dy_TN, self.x_TK, self.splits, deferred=True, again=again)
+    def early(self, pending: AbstractSet[int]) -> ReadyWgrad | None:
+        """:meth:`WgradTarget.early` for this job, of the backward that queued it
+        (``pending``: the parameters its job's GEMMs planned before this one write)."""
+        return self.target.early(
+            self.dy_TN, self.x_TK, self.splits, deferred=True, task=self.task, pending=pending
+        )
 
     def run(self, ready: ReadyWgrad | None = None, *, run_hooks: bool = True) -> None:
         """Run the GEMM now, finalize distributed weights and deliver to ``.grad``
@@ -413,12 +450,12 @@ class WgradQueue:
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)
         with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():
-            firsts = {entry.target.key: index for index, entry in reversed(list(enumerate(job)))}
+            pending: set[int] = set()
+            readied: list[ReadyWgrad | None] = []
             try:
-                readied = [
-                    entry.early(again=firsts[entry.target.key] != index)
-                    for index, entry in enumerate(job)
-                ]
+                for entry in job:
+                    readied.append(entry.early(pending))
+                    pending.update(map(id, entry.target.params))
             except Exception:  # nothing written: the job waits for a retry
                 self._jobs.appendleft(job)
                 raise

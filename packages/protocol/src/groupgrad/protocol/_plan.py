@@ -141,13 +141,13 @@ class WeightGradPlan:
     def gemm_out(self) -> torch.Tensor | list[torch.Tensor]:
         """:attr:`buffers` in the form a grouped-wgrad kernel's ``out`` takes.
 
-        A packed weight's single ``(E, N, K)`` buffer is given as it is;
-        buffers that are views of one packed tensor give that tensor (the
-        GEMM's packed path, no per-member work on the host); otherwise the
-        list of ``(N, K)`` buffers, also for a group of one expert (its one
-        buffer is not an ``(E, N, K)`` tensor).
+        A packed ``(E, N, K)`` weight's single buffer is given as it is (the
+        GEMM checks its shape); buffers that are views of one packed tensor
+        give that tensor (the GEMM's packed path, no per-member work on the
+        host); otherwise the list of the experts' buffers, also for a group of
+        one expert (its one buffer is not an ``(E, N, K)`` tensor).
         """
-        if len(self.buffers) == 1 and getattr(self.buffers[0], "ndim", 0) == 3:
+        if len(self.weights) == 1 and self.weights[0].ndim == 3:
             return self.buffers[0]
         return self.packed if self.packed is not None else list(self.buffers)
 

@@ -616,16 +616,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "two-uses-hooks-run-on-each-half",
         "a delayed layer used twice runs its post-accumulate-grad hooks after each use's GEMM, "
         "the first time on half of the gradient",
-        "packages/modules/src/groupgrad/modules/_wgrad.py",
-        "                entry.run(ready, run_hooks=last[entry.target.key] == index)",
-        "                entry.run(ready, run_hooks=True)",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "        last.append(all(backward_of(other) != mine for other in tasks))",
+        "        last.append(True)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
         "two-uses-overwrite-each-other",
         "a layer used twice in one backward with overwrite_main_grad: the second use's GEMM "
         "overwrites the first's in main_grad",
-        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
         "id(param) in pending or backward_of(written_for(id(param), -1)) == mine",
         "id(param) in pending",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -758,8 +758,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "wgrad-out-loses-parameter-names",
         "a layer's wgrad GEMM names its main_grads out[e] instead of weight3.main_grad",
         _WGRAD,
-        "            names=plan.gemm_names,\n",
-        "            names=None,\n",
+        "out, names = plan.gemm_out, plan.gemm_names",
+        "out, names = plan.gemm_out, None",
         (f"{MODULES}/test_bad_inputs.py",),
     ),
     Mutant(
@@ -1465,7 +1465,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the record of which backward overwrote a layer's main_grad kept in a table cleared at "
         "4096 layers: cleared between a layer's two GEMMs of one backward, the second GEMM "
         "overwrites the first's gradient",
-        _WGRAD,
+        "packages/modules/src/groupgrad/modules/_param_records.py",
         "                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)\n",
         "                if len(_WRITTEN_FOR) >= 4096:\n                    _WRITTEN_FOR.clear()\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -1475,7 +1475,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a GEMM into main_grads of which an earlier GEMM of the same backward wrote some (a "
         "weight shared by two groups) overwrites them all: the shared weight loses the earlier "
         "GEMM's gradient",
-        _WGRAD,
+        "packages/modules/src/groupgrad/modules/_param_records.py",
         "    if not any(written):\n",
         "    if not all(written):\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -1487,6 +1487,16 @@ MUTANTS: tuple[Mutant, ...] = (
         _WGRAD,
         "deferred=True, task=self.task, pending=pending",
         "deferred=True, task=-1, pending=pending",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "shared-weight-hooks-run-per-layer",
+        "a deferred parameter's hooks run after the last GEMM of its own layer's job: a weight "
+        "shared by two delayed layers runs them after each layer's backward_dw(), the first "
+        "time on part of the gradient",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "        _QUEUED[id(param)].append(task)\n",
+        "        _QUEUED[id(param)].append(task) if param.dim() > 99 else None\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

@@ -1048,6 +1048,39 @@ def test_a_weight_shared_by_two_groups_gets_both_gradients_when_overwriting(how:
         _close(w.main_grad, want)
 
 
+@pytest.mark.parametrize("route", ["grad", "main_grad"])
+def test_a_delayed_weight_shared_by_two_layers_runs_its_hooks_once_on_the_whole_gradient(
+    route: str,
+) -> None:
+    # Catches: the hooks of a deferred parameter run after the last GEMM of its layer's job:
+    # a weight shared by two delayed layers ran them after each layer's backward_dw(), the
+    # first time on one layer's part of the gradient (a DDP hook would reduce that part).
+    main_grad = route == "main_grad"
+    torch.manual_seed(81)
+    a = GroupedLinear(
+        1, K, N, bias=False, accumulate_into_main_grad=main_grad, delay_wgrad_compute=True
+    )
+    b = GroupedLinear(
+        2, K, N, bias=False, accumulate_into_main_grad=main_grad, delay_wgrad_compute=True
+    )
+    b.weight0 = a.weight0
+    shared = a.weight0
+    if main_grad:
+        _attach_main_grad([shared, b.weight1])
+    seen: list[torch.Tensor] = []
+    shared.register_post_accumulate_grad_hook(
+        lambda p: seen.append((p.main_grad if main_grad else p.grad).clone())
+    )
+    x1, x2 = _randn(3, K, seed=82), _randn(5, K, seed=83)
+    dy1, dy2 = _randn(3, N, seed=84), _randn(5, N, seed=85)
+    ((a(x1, [3]) * dy1).sum() + (b(x2, [2, 3]) * dy2).sum()).backward()
+    a.backward_dw()
+    assert seen == [], "the hooks ran before the other layer's GEMM into the weight"
+    b.backward_dw()
+    assert len(seen) == 1
+    _close(seen[0], dy1.T @ x1 + dy2[:2].T @ x2[:2])
+
+
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
 def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay: bool) -> None:
     # Catches: the fused MLP's backward counting each reentrant checkpoint region's nested

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import ClassVar
@@ -35,7 +36,13 @@ from groupgrad.modules._operands import (
     operand_dtype,
     operand_versions,
 )
-from groupgrad.modules._tasks import backward_of, running_task, same_backward
+from groupgrad.modules._param_records import (
+    overwrites_of,
+    queue_deferred,
+    record_written,
+    unqueue_deferred,
+)
+from groupgrad.modules._tasks import running_task, same_backward
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
@@ -55,7 +62,7 @@ class ReadyWgrad:
 
     With ``overwrite_main_grad``: ``task`` is the backward whose gradient the GEMM
     writes (recorded on the parameters when it runs, ``-1``: none), ``zero_first`` the
-    ``main_grad``s to zero before it where it adds (``_overwrites_of``).
+    ``main_grad``s to zero before it where it adds (``_param_records.overwrites_of``).
     """
 
     plan: WeightGradPlan
@@ -69,7 +76,7 @@ class ReadyWgrad:
             buffer.zero_()
         self.gemm.run()
         if self.task >= 0:
-            _record_written(self.plan, self.task)
+            record_written(self.plan, self.task)
         return self.plan.finish()
 
 
@@ -131,28 +138,20 @@ class WgradTarget:
     ) -> ReadyWgrad:
         """The GEMM into ``plan``'s buffers, checked by the kernels (names from the plan).
 
-        A parameter may get several GEMMs in one backward (a layer used several times
-        in one forward, a weight shared by two layers): where ``overwrite_main_grad``
-        says overwrite, the first of them overwrites its ``main_grad`` and the others
-        add to it (their sum is the gradient); :func:`_overwrites_of` decides. ``task``:
-        the backward the GEMM writes for (``None``: the one running now; a deferred
-        job's is the backward that queued it); ``pending``: the ids of parameters
-        whose GEMMs of that backward are planned but not yet run (``backward_dw()``
-        plans a job's GEMMs before the first runs).
+        Where ``overwrite_main_grad`` says overwrite, the first GEMM of a backward into
+        a parameter overwrites its ``main_grad``, the others add (a layer used twice, a
+        weight shared by two layers; ``_param_records.overwrites_of``). ``task``: the
+        backward it writes for (``None``: the one running now; a deferred job's is the
+        one that queued it); ``pending``: parameters whose GEMMs of that backward are
+        planned, not yet run (``backward_dw()`` plans a job's GEMMs before the first runs).
         """
         task = running_task() if task is None else task
         zero_first: tuple[Tensor, ...] = ()
         overwrites = plan.route is WgradRoute.MAIN_GRAD and not plan.accumulate
         if overwrites and task >= 0:
-            plan.accumulate, zero_first = _overwrites_of(plan, task, pending)
-        gemm = prepare_wgrad(
-            dy_TN,
-            x_TK,
-            splits,
-            out=plan.gemm_out,
-            accumulate=plan.accumulate,
-            names=plan.gemm_names,
-        )
+            plan.accumulate, zero_first = overwrites_of(plan, task, pending)
+        out, names = plan.gemm_out, plan.gemm_names
+        gemm = prepare_wgrad(dy_TN, x_TK, splits, out=out, accumulate=plan.accumulate, names=names)
         return ReadyWgrad(plan, gemm, task if overwrites else -1, zero_first)
 
     def early(
@@ -188,7 +187,7 @@ class WgradTarget:
         *,
         deferred: bool = False,
         ready: ReadyWgrad | None = None,
-        run_hooks: bool = True,
+        run_hooks: bool | Sequence[bool] = True,
     ) -> list[Tensor | None]:
         """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
 
@@ -202,7 +201,7 @@ class WgradTarget:
                 (planned and checked now).
             run_hooks: Deferred: run the parameters' post-accumulate-grad hooks
                 after delivering (``False`` where a later GEMM of the same
-                backward adds to them).
+                backward adds to them), for all or per parameter.
 
         Returns:
             What autograd receives for each parameter (all ``None`` when deferred).
@@ -213,7 +212,13 @@ class WgradTarget:
         grads = ready.run()
         if not deferred:
             return grads
-        accumulate_grads_like_autograd(self.params, grads, run_hooks=run_hooks)
+        flags = [run_hooks] * len(self.params) if isinstance(run_hooks, bool) else run_hooks
+        live = {hooks for hooks, p in zip(flags, self.params, strict=True) if p.requires_grad}
+        if len(live) <= 1:  # one call for the group (a frozen member's flag does not matter)
+            accumulate_grads_like_autograd(self.params, grads, run_hooks=live != {False})
+        else:
+            for param, grad, hooks in zip(self.params, grads, flags, strict=True):
+                accumulate_grads_like_autograd([param], [grad], run_hooks=hooks)
         return [None] * len(self.params)
 
     def step(
@@ -243,41 +248,6 @@ class WgradTarget:
         return defer_weight_grads(
             self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
         )
-
-
-#: Per parameter (its id) whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``): the
-#: backward (a graph task, compared by ``_tasks.same_backward``) whose gradient it holds. An
-#: entry lives as long as its parameter (no size limit: dropping the entry of a backward still
-#: running would let its next GEMM into that parameter overwrite the sum again).
-_WRITTEN_FOR: dict[int, int] = {}
-
-
-def _overwrites_of(
-    plan: WeightGradPlan, task: int, pending: AbstractSet[int]
-) -> tuple[bool, tuple[Tensor, ...]]:
-    """``(accumulate, zero_first)`` for a GEMM of backward ``task`` into ``main_grad``s
-    that ``overwrite_main_grad`` says to overwrite: it overwrites where no earlier GEMM of
-    that backward wrote (or is ``pending`` to write) any of its trainable parameters, adds
-    where one wrote them all, and where one wrote some, adds after zeroing the others'."""
-    members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
-    live = [(param, buffer) for param, buffer, keep in members if keep]
-    mine, written_for = backward_of(task), _WRITTEN_FOR.get
-    written = [
-        id(param) in pending or backward_of(written_for(id(param), -1)) == mine for param, _ in live
-    ]
-    if not any(written):
-        return False, ()
-    return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
-
-
-def _record_written(plan: WeightGradPlan, task: int) -> None:
-    """Record that ``plan``'s trainable parameters' ``main_grad``s hold backward ``task``'s
-    gradient (see :data:`_WRITTEN_FOR`)."""
-    for param, keep in zip(plan.weights, plan.trainable, strict=True):
-        if keep:
-            if id(param) not in _WRITTEN_FOR:
-                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)
-            _WRITTEN_FOR[id(param)] = task
 
 
 @dataclass(frozen=True)
@@ -311,7 +281,18 @@ class DeferredWgrad:
         running now (its graph task)."""
         versions = (operand_versions(dy_TN), operand_versions(x_TK))
         trainable = tuple(p.requires_grad for p in target.params)
-        return cls(target, dy_TN, x_TK, splits, operands, versions, trainable, running_task())
+        job = cls(target, dy_TN, x_TK, splits, operands, versions, trainable, running_task())
+        queue_deferred(job.live(), job.task)
+        return job
+
+    def live(self) -> list[Tensor]:
+        """The parameters that required grad when the job was queued (the ones it writes)."""
+        return [p for p, keep in zip(self.target.params, self.trainable, strict=True) if keep]
+
+    def unqueue(self) -> list[bool]:
+        """Take this GEMM off its parameters' queued ones (it ran, or its job was dropped):
+        for each parameter, whether it was the last of its backward's (hooks run after it)."""
+        return unqueue_deferred(self.target.params, self.trainable, self.task)
 
     def check_unchanged(self, owner: str) -> None:
         """Raise if ``dy_TN`` or ``x_TK`` was modified in place since the job was queued, or
@@ -350,11 +331,13 @@ class DeferredWgrad:
             self.dy_TN, self.x_TK, self.splits, deferred=True, task=self.task, pending=pending
         )
 
-    def run(self, ready: ReadyWgrad | None = None, *, run_hooks: bool = True) -> None:
-        """Run the GEMM now, finalize distributed weights and deliver to ``.grad``
-        (``run_hooks``: the parameters' post-accumulate-grad hooks run after it)."""
+    def run(self, ready: ReadyWgrad | None = None) -> None:
+        """Run the GEMM now, finalize distributed weights and deliver to ``.grad``; a
+        parameter's post-accumulate-grad hooks run after the last of one backward's deferred
+        GEMMs into it, whichever module's ``backward_dw()`` runs that one (as autograd runs
+        them once, after the last gradient of the backward)."""
         self.target.run(
-            self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready, run_hooks=run_hooks
+            self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready, run_hooks=self.unqueue()
         )
 
 
@@ -444,8 +427,8 @@ class WgradQueue:
                 entry.check_unchanged(owner)
         except RuntimeError:  # the job is dropped: its parameters' held hooks go back
             for entry in job:
-                pairs = zip(entry.target.params, entry.trainable, strict=True)
-                release_post_accumulate_grad_hooks(p for p, held in pairs if held)
+                entry.unqueue()
+                release_post_accumulate_grad_hooks(entry.live())
             raise
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)
@@ -459,6 +442,5 @@ class WgradQueue:
             except Exception:  # nothing written: the job waits for a retry
                 self._jobs.appendleft(job)
                 raise
-            last = {entry.target.key: index for index, entry in enumerate(job)}
-            for index, (entry, ready) in enumerate(zip(job, readied, strict=True)):
-                entry.run(ready, run_hooks=last[entry.target.key] == index)
+            for entry, ready in zip(job, readied, strict=True):
+                entry.run(ready)

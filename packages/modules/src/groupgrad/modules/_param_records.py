@@ -1,0 +1,92 @@
+"""Per parameter, what backwards did with its weight gradient (a weight may be in several groups).
+
+Two rules follow one backward per parameter, not per weight group, since a
+weight shared by two layers (or given to two functional calls) is in two
+groups, each with a GEMM of its own:
+
+* ``overwrite_main_grad``: the first GEMM of a backward into a parameter's
+  ``main_grad`` overwrites it, the others add (:func:`overwrites_of`, after
+  :func:`record_written` recorded the GEMMs that ran);
+* ``delay_wgrad_compute``: a parameter's post-accumulate-grad hooks run after
+  the last of one backward's deferred GEMMs into it, whichever module's
+  ``backward_dw()`` runs that one (:func:`queue_deferred`,
+  :func:`unqueue_deferred`), as autograd runs them once per backward.
+
+Backwards are told apart by their graph tasks (``_tasks.backward_of``). The
+records are keyed by the parameter's id and live as long as the parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+
+from torch import Tensor
+
+from groupgrad.modules._tasks import backward_of
+from groupgrad.protocol import WeightGradPlan
+
+__all__ = ["overwrites_of", "queue_deferred", "record_written", "unqueue_deferred"]
+
+#: Per parameter (its id) whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``): the
+#: backward (a graph task, compared by ``_tasks.backward_of``) whose gradient it holds. An
+#: entry lives as long as its parameter (no size limit: dropping the entry of a backward still
+#: running would let its next GEMM into that parameter overwrite the sum again).
+_WRITTEN_FOR: dict[int, int] = {}
+
+
+def overwrites_of(
+    plan: WeightGradPlan, task: int, pending: AbstractSet[int]
+) -> tuple[bool, tuple[Tensor, ...]]:
+    """``(accumulate, zero_first)`` for a GEMM of backward ``task`` into ``main_grad``s
+    that ``overwrite_main_grad`` says to overwrite: it overwrites where no earlier GEMM of
+    that backward wrote (or is ``pending`` to write) any of its trainable parameters, adds
+    where one wrote them all, and where one wrote some, adds after zeroing the others'."""
+    members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
+    live = [(param, buffer) for param, buffer, keep in members if keep]
+    mine, written_for = backward_of(task), _WRITTEN_FOR.get
+    written = [
+        id(param) in pending or backward_of(written_for(id(param), -1)) == mine for param, _ in live
+    ]
+    if not any(written):
+        return False, ()
+    return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
+
+
+def record_written(plan: WeightGradPlan, task: int) -> None:
+    """Record that ``plan``'s trainable parameters' ``main_grad``s hold backward ``task``'s
+    gradient (see :data:`_WRITTEN_FOR`)."""
+    for param, keep in zip(plan.weights, plan.trainable, strict=True):
+        if keep:
+            if id(param) not in _WRITTEN_FOR:
+                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)
+            _WRITTEN_FOR[id(param)] = task
+
+
+#: Per parameter (its id): the backwards (graph tasks) of its deferred GEMMs queued and not yet
+#: run, in any module's queue (a weight shared by two layers is in both).
+_QUEUED: dict[int, list[int]] = {}
+
+
+def queue_deferred(params: Iterable[Tensor], task: int) -> None:
+    """Record a deferred GEMM of backward ``task`` into each of ``params``."""
+    for param in params:
+        if id(param) not in _QUEUED:
+            _QUEUED[id(param)] = []
+            weakref.finalize(param, _QUEUED.pop, id(param), None)
+        _QUEUED[id(param)].append(task)
+
+
+def unqueue_deferred(params: Sequence[Tensor], trainable: Sequence[bool], task: int) -> list[bool]:
+    """Take a deferred GEMM of backward ``task`` off the ``trainable`` ones of ``params`` (it
+    ran, or its job was dropped): for each parameter, whether no other GEMM of that backward
+    into it is queued (its hooks run after this one)."""
+    mine = backward_of(task)
+    last = []
+    for param, keep in zip(params, trainable, strict=True):
+        tasks = _QUEUED.get(id(param), []) if keep else []
+        if task in tasks:
+            tasks.remove(task)
+        last.append(all(backward_of(other) != mine for other in tasks))
+    return last

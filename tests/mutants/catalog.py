@@ -607,7 +607,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "two-uses-queue-two-jobs",
         "a layer used twice in one forward with delay_wgrad_compute queues a job per use: "
         "backward_dw() once per backward leaves half the gradient for the next step",
-        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
         "        if self._jobs and same_backward(task, self._last_task):",
         "        if False:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -634,7 +634,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "two-delayed-uses-overwrite-each-other",
         "a delayed layer used twice with overwrite_main_grad: backward_dw()'s second GEMM "
         "overwrites the first's in main_grad",
-        "packages/modules/src/groupgrad/modules/_wgrad.py",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
         "                    pending.update(map(id, entry.target.params))",
         "                    pending.update(())",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -1339,7 +1339,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "backward-dw-refusal-drops-the-job",
         "a backward_dw() refused by a main_grad check drops its job (the gradient lost, the "
         "hooks held for good) instead of keeping it for a retry",
-        _WGRAD,
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
         "                self._jobs.appendleft(job)\n                raise",
         "                raise",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -1348,7 +1348,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "backward-dw-with-grad-on",
         "backward_dw() runs its GEMMs with grad on: a main_grad that requires grad, written by "
         "backward, is refused there",
-        _WGRAD,
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
         "        with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():",
         "        with no_autocast(operand_device(job[0].dy_TN)):",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
@@ -1497,6 +1497,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "packages/modules/src/groupgrad/modules/_param_records.py",
         "        _QUEUED[id(param)].append(task)\n",
         "        _QUEUED[id(param)].append(task) if param.dim() > 99 else None\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "distributed-overwrite-second-use-silent",
+        "a distributed layer used twice in one backward with overwrite_main_grad runs both "
+        "GEMMs: its finalize overwrites main_grad with each, keeping the last use's gradient",
+        _WGRAD,
+        "                refuse_distributed_rewrite(plan, task, pending)\n",
+        "                pass\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "deferred-run-plans-for-no-backward",
+        "backward_dw() plans a GEMM it did not ready (a distributed group's) for no backward: "
+        "a distributed layer used twice with overwrite_main_grad is not refused when delayed",
+        _WGRAD,
+        "ready = self.ready(dy_TN, x_TK, splits, plan, task)",
+        "ready = self.ready(dy_TN, x_TK, splits, plan)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

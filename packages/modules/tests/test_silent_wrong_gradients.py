@@ -1082,6 +1082,37 @@ def test_a_delayed_weight_shared_by_two_layers_runs_its_hooks_once_on_the_whole_
 
 
 @pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_a_distributed_weight_overwriting_main_grad_refuses_a_second_use_in_one_backward(
+    delay: bool,
+) -> None:
+    # Catches: a distributed layer used twice in one backward with overwrite_main_grad: its
+    # implementer's finalize delivers each use's gradient by overwriting main_grad, so it kept
+    # the last use's gradient only, silently (torch_distributed's shards did).
+    layer = GroupedLinear(
+        E, K, N, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
+    )
+    group = make_fake_group(
+        [getattr(layer, f"weight{e}") for e in range(E)], main_grad_dtype=torch.float32
+    )
+    for e, member in enumerate(group):
+        setattr(layer, f"weight{e}", member)
+        member.main_grad = torch.zeros(N, K)
+        member.overwrite_main_grad = True
+    x = _randn(sum(SPLITS), K, seed=86)
+    once = layer(x, SPLITS).square().sum()
+    once.backward()
+    if delay:
+        layer.backward_dw()  # one use per backward: delivered, no error
+    assert all(member.main_grad.any() for member in group)
+    twice = layer(x, SPLITS).square().sum() + layer(x, SPLITS).sum()
+    run = (lambda: (twice.backward(), layer.backward_dw())) if delay else twice.backward
+    with pytest.raises(
+        RuntimeError, match=r"weight\d is a distributed weight with overwrite_main_grad"
+    ):
+        run()
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
 def test_an_mlp_used_in_two_reentrant_regions_gets_one_backwards_gradients(delay: bool) -> None:
     # Catches: the fused MLP's backward counting each reentrant checkpoint region's nested
     # graph task as a backward of its own (a second job; the second overwrite of main_grad).

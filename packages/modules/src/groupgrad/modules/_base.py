@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from groupgrad.modules._wgrad import WgradQueue
+from groupgrad.modules._wgrad_queue import WgradQueue
 
 __all__ = ["FLAG_REPR_FIELDS", "GroupedModule"]
 

@@ -53,7 +53,8 @@ from groupgrad.modules._grads import (
 )
 from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._operands import Fp8Form, Operand, operand_rows, put_together, take_apart
-from groupgrad.modules._wgrad import WgradQueue, WgradTarget
+from groupgrad.modules._wgrad import WgradTarget
+from groupgrad.modules._wgrad_queue import WgradQueue
 from groupgrad.protocol import WgradRoute, accumulate_grads_like_autograd, receives_dummy
 
 __all__ = ["hand_over", "refuse_derived_parameters"]

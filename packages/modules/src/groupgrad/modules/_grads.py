@@ -27,7 +27,8 @@ from torch.autograd.graph import Node
 
 from groupgrad.modules._group import Splits, expert_index
 from groupgrad.modules._operands import Operand
-from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradQueue, WgradTarget
+from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradTarget
+from groupgrad.modules._wgrad_queue import WgradQueue
 from groupgrad.protocol import WgradRoute, autograd_grad_dtype
 
 #: A layer's weights' gradient nodes, in the weights' order (``None`` for one that requires

@@ -55,7 +55,8 @@ from groupgrad.modules._group import (
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
-from groupgrad.modules._wgrad import WgradQueue, WgradTarget
+from groupgrad.modules._wgrad import WgradTarget
+from groupgrad.modules._wgrad_queue import WgradQueue
 from groupgrad.protocol import (
     is_distributed_weight,
     is_fsdp_param,

@@ -30,7 +30,7 @@ Backward, one pass for every variant::
     dx          = fc1 dgrad(dh)                 re-materialized fc1 weights
 
 With ``delay_wgrad_compute`` both wgrads go into one job of the module's
-:class:`~groupgrad.modules._wgrad.WgradQueue`; ``backward_dw()`` runs them
+:class:`~groupgrad.modules._wgrad_queue.WgradQueue`; ``backward_dw()`` runs them
 (fc2, then fc1).
 
 With ``fp8_recipe="blockwise"`` the same Function and backward run the FP8
@@ -87,7 +87,7 @@ from groupgrad.modules._mlp_forms import MLPForms
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
-from groupgrad.modules._wgrad import WgradQueue
+from groupgrad.modules._wgrad_queue import WgradQueue
 from groupgrad.protocol import is_distributed_weight
 
 __all__ = [

@@ -6,7 +6,9 @@ groups, each with a GEMM of its own:
 
 * ``overwrite_main_grad``: the first GEMM of a backward into a parameter's
   ``main_grad`` overwrites it, the others add (:func:`overwrites_of`, after
-  :func:`record_written` recorded the GEMMs that ran);
+  :func:`record_written` recorded the GEMMs that ran); a distributed weight's
+  implementer delivers each GEMM's gradient itself, so a second one is refused
+  (:func:`refuse_distributed_rewrite`);
 * ``delay_wgrad_compute``: a parameter's post-accumulate-grad hooks run after
   the last of one backward's deferred GEMMs into it, whichever module's
   ``backward_dw()`` runs that one (:func:`queue_deferred`,
@@ -25,9 +27,15 @@ from collections.abc import Set as AbstractSet
 from torch import Tensor
 
 from groupgrad.modules._tasks import backward_of
-from groupgrad.protocol import WeightGradPlan
+from groupgrad.protocol import WeightGradPlan, overwrites_main_grad
 
-__all__ = ["overwrites_of", "queue_deferred", "record_written", "unqueue_deferred"]
+__all__ = [
+    "overwrites_of",
+    "queue_deferred",
+    "record_written",
+    "refuse_distributed_rewrite",
+    "unqueue_deferred",
+]
 
 #: Per parameter (its id) whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``): the
 #: backward (a graph task, compared by ``_tasks.backward_of``) whose gradient it holds. An
@@ -52,6 +60,28 @@ def overwrites_of(
     if not any(written):
         return False, ()
     return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
+
+
+def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: AbstractSet[int]) -> None:
+    """Refuse a second GEMM of backward ``task`` into a distributed weight whose
+    ``overwrite_main_grad`` is set: its implementer's finalize delivers each GEMM's
+    gradient itself, overwriting ``main_grad``, so it would keep the last use's only.
+
+    Raises:
+        RuntimeError: naming the parameter, before the GEMM runs.
+    """
+    mine = backward_of(task)
+    for param, name, keep in zip(plan.weights, plan.names, plan.trainable, strict=True):
+        if not keep or not overwrites_main_grad(param):
+            continue
+        if id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == mine:
+            raise RuntimeError(
+                f"{name} is a distributed weight with overwrite_main_grad set and gets a second "
+                "weight gradient in one backward (its layer is used more than once): its "
+                "finalize overwrites main_grad with each, keeping the last use's only. For a "
+                "weight used several times per backward, set overwrite_main_grad = False and "
+                "zero main_grad between steps"
+            )
 
 
 def record_written(plan: WeightGradPlan, task: int) -> None:

@@ -1,7 +1,7 @@
 """Which backward a layer's gradients belong to: its autograd graph task, or the one it is nested in.
 
 The wgrad rules that follow one backward — one ``backward_dw()`` job per
-backward (``_wgrad.WgradQueue.push``), the first GEMM into ``main_grad``
+backward (``_wgrad_queue.WgradQueue.push``), the first GEMM into ``main_grad``
 overwriting and the others adding (``_wgrad._overwrites_of``) —
 tell backwards apart by autograd's graph task id. A reentrant checkpoint
 (``torch.utils.checkpoint`` with ``use_reentrant=True``, Megatron-Core's

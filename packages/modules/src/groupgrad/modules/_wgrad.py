@@ -8,7 +8,7 @@ is backward's wgrad step: it resolves the ``main_grad`` contract into a plan
 (``groupgrad.protocol``) and runs the GEMM into it, or queues a
 :class:`DeferredWgrad` for ``backward_dw()``. A deferred job checks, as
 autograd checks saved tensors, that its operands were not changed in place
-before it runs; the :class:`WgradQueue` plans and checks every ``main_grad``
+before it runs; the queue (``_wgrad_queue.WgradQueue``) plans and checks every ``main_grad``
 GEMM of a job before the first one writes, so a rejected job writes nothing.
 The buffers are checked once, by the kernels' validator
 (:func:`~groupgrad.kernels.prepare_wgrad`), whose messages name them after
@@ -17,19 +17,15 @@ the parameters (``weight3.main_grad``).
 
 from __future__ import annotations
 
-import collections
-import itertools
-import weakref
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from groupgrad.kernels import PreparedWgrad, prepare_wgrad
-from groupgrad.modules._group import Splits, WeightGroupSpec, no_autocast
+from groupgrad.modules._group import Splits, WeightGroupSpec
 from groupgrad.modules._operands import (
     Operand,
     operand_device,
@@ -40,30 +36,28 @@ from groupgrad.modules._param_records import (
     overwrites_of,
     queue_deferred,
     record_written,
+    refuse_distributed_rewrite,
     unqueue_deferred,
 )
-from groupgrad.modules._tasks import running_task, same_backward
+from groupgrad.modules._tasks import running_task
 from groupgrad.protocol import (
     WeightGradPlan,
     WgradRoute,
     accumulate_grads_like_autograd,
     defer_weight_grads,
+    overwrites_main_grad,
     plan_weight_grads,
-    release_post_accumulate_grad_hooks,
     wgrad_route,
 )
 
-__all__ = ["DeferredWgrad", "ReadyWgrad", "WgradQueue", "WgradTarget"]
+__all__ = ["DeferredWgrad", "ReadyWgrad", "WgradTarget"]
 
 
 @dataclass(frozen=True)
 class ReadyWgrad:
-    """A wgrad GEMM planned and checked, not yet run: its plan and its checked kernel call.
-
-    With ``overwrite_main_grad``: ``task`` is the backward whose gradient the GEMM
-    writes (recorded on the parameters when it runs, ``-1``: none), ``zero_first`` the
-    ``main_grad``s to zero before it where it adds (``_param_records.overwrites_of``).
-    """
+    """A wgrad GEMM planned and checked, not yet run: its plan and its checked kernel call;
+    with ``overwrite_main_grad``, the backward it writes for (``task``, recorded when it runs;
+    ``-1``: none) and the ``main_grad``s to zero first (``_param_records.overwrites_of``)."""
 
     plan: WeightGradPlan
     gemm: PreparedWgrad
@@ -150,6 +144,10 @@ class WgradTarget:
         overwrites = plan.route is WgradRoute.MAIN_GRAD and not plan.accumulate
         if overwrites and task >= 0:
             plan.accumulate, zero_first = overwrites_of(plan, task, pending)
+        elif plan.route is WgradRoute.DISTRIBUTED and task >= 0:
+            overwrites = any(map(overwrites_main_grad, plan.weights))
+            if overwrites:
+                refuse_distributed_rewrite(plan, task, pending)
         out, names = plan.gemm_out, plan.gemm_names
         gemm = prepare_wgrad(dy_TN, x_TK, splits, out=out, accumulate=plan.accumulate, names=names)
         return ReadyWgrad(plan, gemm, task if overwrites else -1, zero_first)
@@ -188,6 +186,7 @@ class WgradTarget:
         deferred: bool = False,
         ready: ReadyWgrad | None = None,
         run_hooks: bool | Sequence[bool] = True,
+        task: int | None = None,
     ) -> list[Tensor | None]:
         """Run the GEMM ``dw_e = dy_e.T @ x_e`` into the plan's buffers and finish the plan.
 
@@ -198,7 +197,7 @@ class WgradTarget:
             deferred: Running in ``backward_dw()``: the result is delivered to
                 ``.grad`` here (as autograd would) instead of being returned.
             ready: What :meth:`early` readied for this GEMM, or ``None``
-                (planned and checked now).
+                (planned and checked now, for backward ``task``: see :meth:`ready`).
             run_hooks: Deferred: run the parameters' post-accumulate-grad hooks
                 after delivering (``False`` where a later GEMM of the same
                 backward adds to them), for all or per parameter.
@@ -208,7 +207,7 @@ class WgradTarget:
         """
         if ready is None:
             plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
-            ready = self.ready(dy_TN, x_TK, splits, plan)
+            ready = self.ready(dy_TN, x_TK, splits, plan, task)
         grads = ready.run()
         if not deferred:
             return grads
@@ -336,111 +335,13 @@ class DeferredWgrad:
         parameter's post-accumulate-grad hooks run after the last of one backward's deferred
         GEMMs into it, whichever module's ``backward_dw()`` runs that one (as autograd runs
         them once, after the last gradient of the backward)."""
+        hooks, task = self.unqueue(), self.task
         self.target.run(
-            self.dy_TN, self.x_TK, self.splits, deferred=True, ready=ready, run_hooks=self.unqueue()
+            self.dy_TN,
+            self.x_TK,
+            self.splits,
+            deferred=True,
+            ready=ready,
+            run_hooks=hooks,
+            task=task,
         )
-
-
-class WgradQueue:
-    """FIFO of deferred wgrad GEMMs (``delay_wgrad_compute=True``), one job per backward.
-
-    Each backward pushes one job (the wgrads of every weight group it
-    deferred); each ``backward_dw()`` runs the oldest job. A layer used several
-    times in one forward defers a GEMM for each use: the uses of one backward
-    (one autograd graph task) make one job, whose parameters' post-accumulate-
-    grad hooks run once, after the last of their GEMMs, on the whole gradient.
-    """
-
-    _registry: ClassVar[weakref.WeakValueDictionary[int, WgradQueue]] = (
-        weakref.WeakValueDictionary()
-    )
-    _count: ClassVar[itertools.count[int]] = itertools.count()
-
-    def __init__(self) -> None:
-        self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
-        self._last_task = -1  # the autograd graph task that pushed the newest job
-        self.number = next(WgradQueue._count)
-        """This queue's registry number: how a compiled graph names it (a constant)."""
-        WgradQueue._registry[self.number] = self
-
-    @classmethod
-    def numbered(cls, number: int) -> WgradQueue | None:
-        """The live queue registered as ``number``; ``None`` for a negative number.
-
-        Raises:
-            RuntimeError: No live queue has that number (its module is gone).
-        """
-        if number < 0:
-            return None
-        queue = cls._registry.get(number)
-        if queue is None:
-            raise RuntimeError(
-                f"the wgrad queue number {number} of a compiled graph no longer exists; the "
-                "module it belonged to was deleted"
-            )
-        return queue
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def __reduce__(self) -> tuple[type[WgradQueue], tuple[()]]:
-        """A copy or unpickled module gets a fresh, empty queue of its own number."""
-        return (WgradQueue, ())
-
-    def push(self, job: list[DeferredWgrad]) -> None:
-        """Queue the deferred wgrads of one backward (nothing for an empty job): added to
-        the newest job when the same backward (``_tasks.same_backward``) pushed it."""
-        if not job:
-            return
-        task = running_task()
-        if self._jobs and same_backward(task, self._last_task):
-            self._jobs[-1].extend(job)
-            return
-        self._jobs.append(job)
-        self._last_task = task
-
-    def pop_and_run(self, owner: str) -> None:
-        """Run the oldest backward's deferred wgrads.
-
-        Every operand of the job is checked first: when one was changed in
-        place since backward, the job is dropped (its gradient can no longer be
-        computed from the values the forward saw) and nothing is written.
-        Every ``main_grad`` GEMM of the job is then planned and checked
-        before the first GEMM writes: a refused one (a missing ``main_grad``)
-        writes nothing and leaves the job first in line, its hooks held, to
-        run once the caller mended what was refused.
-
-        Raises:
-            RuntimeError: No backward has queued anything, or an operand of
-                the oldest job was modified in place since its backward.
-            ValueError, TypeError, RuntimeError: A ``main_grad`` check refused
-                the job (it stays queued).
-        """
-        if not self._jobs:
-            raise RuntimeError(
-                f"{owner}.backward_dw() was called but no backward has queued a weight "
-                "gradient; call it once after each backward"
-            )
-        job = self._jobs.popleft()
-        try:
-            for entry in job:
-                entry.check_unchanged(owner)
-        except RuntimeError:  # the job is dropped: its parameters' held hooks go back
-            for entry in job:
-                entry.unqueue()
-                release_post_accumulate_grad_hooks(entry.live())
-            raise
-        # as in backward, where autograd's engine runs without grad: a main_grad that
-        # requires grad is written alike by both (the kernels refuse that only with grad on)
-        with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():
-            pending: set[int] = set()
-            readied: list[ReadyWgrad | None] = []
-            try:
-                for entry in job:
-                    readied.append(entry.early(pending))
-                    pending.update(map(id, entry.target.params))
-            except Exception:  # nothing written: the job waits for a retry
-                self._jobs.appendleft(job)
-                raise
-            for entry, ready in zip(job, readied, strict=True):
-                entry.run(ready)

@@ -1517,4 +1517,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "ready = self.ready(dy_TN, x_TK, splits, plan)",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "fsdp2-mlp-halves-as-units-misnamed",
+        "fc1 and fc2 of a GroupedMLP sharded as FSDP2 units of their own are refused as "
+        "'already a DTensor' (a tensor-parallel message), not as units the fused op never runs",
+        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_validate.py",
+        "            if inner:\n",
+        "            if False:\n",
+        ("integrations/fsdp2/tests/test_validation.py",),
+    ),
 )

@@ -100,6 +100,13 @@ def _dtensor_parameter() -> nn.Module:
     return layer
 
 
+def _mlp_halves_as_units() -> nn.Module:
+    block = Block()  # the fused MLP never calls fc1's or fc2's forward: FSDP2 never gathers them
+    fully_shard(block.mlp.fc1, mp_policy=BF16_FP32)
+    fully_shard(block.mlp.fc2, mp_policy=BF16_FP32)
+    return block
+
+
 def _sub_unit_sharded_by_plain_fsdp2() -> nn.Module:
     block = Block()
     torch_fully_shard(block.mlp, mp_policy=BF16_FP32)
@@ -131,6 +138,11 @@ def _mixed_dtypes() -> nn.Module:
         (
             _dtensor_parameter,
             r"parameter 'weight' of GroupedLinear '<module>' is already a DTensor",
+        ),
+        (
+            _mlp_halves_as_units,
+            r"'mlp\.fc1' inside GroupedMLP 'mlp' is an FSDP unit of its own; expected GroupedMLP "
+            r"'mlp' sharded whole",
         ),
         (
             _sub_unit_sharded_by_plain_fsdp2,

@@ -203,12 +203,29 @@ def check_layers(modules: Sequence[nn.Module]) -> None:
                 "backward_dw() could write the weight gradients"
             )
         for param_name, param in sub.named_parameters():
+            inner = _inner_unit(sub, param_name)
+            if inner:
+                raise ValueError(
+                    f"{_join(name, inner)!r} inside {kind} {label!r} is an FSDP unit of its own; "
+                    f"expected {kind} {label!r} sharded whole: its grouped op runs fc1 and fc2 "
+                    "itself and never calls their forward, so FSDP2 would never gather their "
+                    "parameters (shard the layer, or a module holding it, as one unit)"
+                )
             if isinstance(param, DTensor):
                 raise ValueError(
                     f"parameter {_join(name, param_name)!r} of {kind} {label!r} is already a "
                     f"DTensor (placements {param.placements}); groupgrad's grouped GEMMs take "
                     "plain tensors, expected an unsharded parameter before fully_shard"
                 )
+
+
+def _inner_unit(layer: nn.Module, param_name: str) -> str:
+    """The name of the FSDP unit inside ``layer`` that holds parameter ``param_name``, or ``""``."""
+    path = param_name.split(".")[:-1]
+    for depth in range(1, len(path) + 1):
+        if isinstance(layer.get_submodule(".".join(path[:depth])), FSDPModule):
+            return ".".join(path[:depth])
+    return ""
 
 
 def check_uniform_dtype(modules: Sequence[nn.Module]) -> None:

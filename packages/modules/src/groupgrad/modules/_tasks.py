@@ -2,7 +2,7 @@
 
 The wgrad rules that follow one backward — one ``backward_dw()`` job per
 backward (``_wgrad_queue.WgradQueue.push``), the first GEMM into ``main_grad``
-overwriting and the others adding (``_wgrad._overwrites_of``) —
+overwriting and the others adding (``_param_records.overwrites_of``) —
 tell backwards apart by autograd's graph task id. A reentrant checkpoint
 (``torch.utils.checkpoint`` with ``use_reentrant=True``, Megatron-Core's
 recompute) runs the backward of each checkpointed region as a graph task of

@@ -102,6 +102,12 @@ def module_flags(case: Case) -> dict[str, Any]:
     }
 
 
+def splits_for(experts: int, splits: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each micro-batch's token counts for a layer of ``experts``: ``splits`` (one count per
+    expert), or, for one expert, each micro-batch's total."""
+    return [list(s) for s in splits] if experts > 1 else [[sum(s)] for s in splits]
+
+
 def experts_fp64(linear: nn.Module) -> tuple[list[Tensor], list[Tensor | None]]:
     """Each expert's weight and bias (``None`` without bias) of a ``GroupedLinear``, in fp64."""
     E: int = linear.num_groups  # type: ignore[assignment]

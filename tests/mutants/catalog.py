@@ -626,8 +626,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a layer used twice in one backward with overwrite_main_grad: the second use's GEMM "
         "overwrites the first's in main_grad",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "id(param) in pending or backward_of(written_for(id(param), -1)) == mine",
-        "id(param) in pending",
+        "return id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == backward",
+        "return id(param) in pending",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(

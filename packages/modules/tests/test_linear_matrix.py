@@ -98,11 +98,6 @@ def _reference(
     return {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw": dw, "db": db}  # type: ignore[dict-item]
 
 
-def _splits(recipe: str | None, experts: int) -> list[list[int]]:
-    """Each micro-batch's token counts: :data:`SPLITS`, or their sums for one expert."""
-    return SPLITS[recipe] if experts == E else [[sum(s)] for s in SPLITS[recipe]]
-
-
 @pytest.mark.parametrize("experts", [E, 1])
 @pytest.mark.parametrize("recipe", [None, "blockwise"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -117,7 +112,7 @@ def test_grouped_linear_matrix(case: Case, recipe: str | None, experts: int) -> 
     sum_db = [torch.zeros(b.shape, dtype=torch.float64) for b in biases]
     gen = torch.Generator().manual_seed(123)
 
-    for step, splits in enumerate(_splits(recipe, experts)[:MICRO_BATCHES]):
+    for step, splits in enumerate(matrix.splits_for(experts, SPLITS[recipe])[:MICRO_BATCHES]):
         tokens = sum(splits)
         x = torch.randn(tokens, K, generator=gen).requires_grad_()
         dy = torch.randn(tokens, N, generator=gen)

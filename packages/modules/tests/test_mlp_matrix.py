@@ -92,11 +92,6 @@ def _reference(
     return ref
 
 
-def _splits(recipe: str | None, experts: int) -> list[list[int]]:
-    """Each micro-batch's token counts: :data:`SPLITS`, or their sums for one expert."""
-    return SPLITS[recipe] if experts == E else [[sum(s)] for s in SPLITS[recipe]]
-
-
 @pytest.mark.parametrize("experts", [E, 1])
 @pytest.mark.parametrize("recipe", [None, "blockwise"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -119,7 +114,7 @@ def test_grouped_mlp_matrix(case: Case, recipe: str | None, experts: int) -> Non
     gen = torch.Generator().manual_seed(123)
 
     for step, (splits, with_probs) in enumerate(
-        zip(_splits(recipe, experts), WITH_PROBS, strict=True)
+        zip(matrix.splits_for(experts, SPLITS[recipe]), WITH_PROBS, strict=True)
     ):
         tokens = sum(splits)
         x = torch.randn(tokens, H, generator=gen).requires_grad_()

@@ -170,8 +170,9 @@ def _check_before_writing(
             "they say); set them before the first compiled step, or call torch._dynamo.reset()"
         )
     returned = [r for layer in layers for r in _returned(layer, queued)]
-    live = [(p, n) for p, n, r in zip(params, names, returned, strict=True) if r]
-    live = [(p, n) for p, n in live if p.requires_grad]
+    live = [
+        (p, n) for p, n, r in zip(params, names, returned, strict=True) if r and p.requires_grad
+    ]
     accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
     return {id(p) for (p, _), takes in zip(live, accumulates, strict=True) if takes}
 

@@ -53,10 +53,8 @@ def overwrites_of(
     where one wrote them all, and where one wrote some, adds after zeroing the others'."""
     members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
     live = [(param, buffer) for param, buffer, keep in members if keep]
-    mine, written_for = backward_of(task), _WRITTEN_FOR.get
-    written = [
-        id(param) in pending or backward_of(written_for(id(param), -1)) == mine for param, _ in live
-    ]
+    mine = backward_of(task)
+    written = [_written_for(param, mine, pending) for param, _ in live]
     if not any(written):
         return False, ()
     return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
@@ -74,7 +72,7 @@ def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: Abstrac
     for param, name, keep in zip(plan.weights, plan.names, plan.trainable, strict=True):
         if not keep or not overwrites_main_grad(param):
             continue
-        if id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == mine:
+        if _written_for(param, mine, pending):
             raise RuntimeError(
                 f"{name} is a distributed weight with overwrite_main_grad set and gets a second "
                 "weight gradient in one backward (its layer is used more than once): its "
@@ -82,6 +80,12 @@ def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: Abstrac
                 "weight used several times per backward, set overwrite_main_grad = False and "
                 "zero main_grad between steps"
             )
+
+
+def _written_for(param: Tensor, backward: int, pending: AbstractSet[int]) -> bool:
+    """Whether a GEMM of ``backward`` (``_tasks.backward_of``) wrote ``param``'s ``main_grad``
+    or is ``pending`` to write it."""
+    return id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == backward
 
 
 def record_written(plan: WeightGradPlan, task: int) -> None:

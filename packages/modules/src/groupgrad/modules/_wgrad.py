@@ -94,11 +94,6 @@ class WgradTarget:
         """``E``: the packed weight's first dimension, or the number of per-expert weights."""
         return self.shape[0] if self.spec.packed else len(self.params)
 
-    @property
-    def key(self) -> tuple[int, ...]:
-        """Which parameters this targets (their identities): equal for the uses of one layer."""
-        return tuple(map(id, self.params))
-
     def trainable(self) -> bool:
         """Whether any parameter requires grad (else there is no GEMM to run)."""
         return any(param.requires_grad for param in self.params)

@@ -1526,4 +1526,40 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if False:\n",
         ("integrations/fsdp2/tests/test_validation.py",),
     ),
+    Mutant(
+        "raising-hook-keeps-later-holds",
+        "a post-accumulate-grad hook that raises in backward_dw() leaves the holds of the "
+        "parameters after it in place for good: autograd never runs their hooks again",
+        "packages/protocol/src/groupgrad/protocol/_hooks.py",
+        "        release_post_accumulate_grad_hooks(param for param, _, _ in live[released:])",
+        "        pass",
+        (f"{PROTOCOL}/test_plan.py", f"{MODULES}/test_silent_wrong_gradients.py"),
+    ),
+    Mutant(
+        "run-hooks-flags-misapplied",
+        "per-parameter run_hooks flags ignored: every parameter's hooks run, a shared weight's "
+        "after its first deferred GEMM too",
+        "packages/protocol/src/groupgrad/protocol/_hooks.py",
+        "                if hooks:\n",
+        "                if run_hooks:\n",
+        (f"{PROTOCOL}/test_plan.py", f"{MODULES}/test_silent_wrong_gradients.py"),
+    ),
+    Mutant(
+        "raising-deferred-gemm-keeps-holds",
+        "a deferred GEMM that raises (out of memory) in backward_dw() leaves its parameters' "
+        "hooks held for good",
+        _WGRAD,
+        "            release_post_accumulate_grad_hooks(p for p in self.params if p.requires_grad)\n",
+        "            pass\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "raising-deferred-job-keeps-later-holds",
+        "a deferred job whose GEMM or hook raises leaves its GEMMs not run yet queued and "
+        "their parameters' hooks held for good",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
+        "                    _drop(job[index + 1 :])\n",
+        "                    pass\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
 )

@@ -20,6 +20,7 @@ from groupgrad.modules import (
     grouped_mlp,
     routed_grouped_mlp,
 )
+from groupgrad.modules._wgrad import ReadyWgrad
 from groupgrad.protocol import accumulate_grads_like_autograd
 from groupgrad.protocol.testing import make_fake_group
 
@@ -691,6 +692,43 @@ def test_hooks_held_for_a_dropped_deferred_job_go_back_to_autograd() -> None:
     module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hook
     module(x, SPLITS).sum().backward()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("where", ["hook", "gemm"])
+def test_a_backward_dw_that_raises_gives_every_held_hook_back_to_autograd(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Catches: a raising hook (or GEMM: out of memory) leaving the holds of its group's
+    # parameters, and of the job's GEMMs not run yet, in place for good: their hooks (a DDP
+    # reduction) never ran again. The job is lost, as a backward that raises loses its gradients.
+    module = GroupedMLP(E, K, 6, delay_wgrad_compute=True)
+    calls: dict[str, int] = {}
+    failing = [True]  # the first hook or GEMM to run raises, once
+
+    def fail_once() -> None:
+        if failing.pop() if failing else False:
+            raise KeyError(f"a {where} failed")
+
+    for name, param in module.named_parameters():
+        def hook(p: torch.Tensor, name: str = name) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            if where == "hook":
+                fail_once()
+        param.register_post_accumulate_grad_hook(hook)
+    if where == "gemm":
+        run = ReadyWgrad.run
+        monkeypatch.setattr(ReadyWgrad, "run", lambda self: fail_once() or run(self))
+    x = _randn(sum(SPLITS), K, seed=34)
+    module(x, SPLITS).sum().backward()
+    with pytest.raises(KeyError, match=f"a {where} failed"):
+        module.backward_dw()
+    assert sum(calls.values()) == (where == "hook")
+    with pytest.raises(RuntimeError, match="no backward has queued"):
+        module.backward_dw()
+    calls.clear()
+    module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hooks
+    module(x, SPLITS).sum().backward()
+    assert calls == {name: 1 for name, _ in module.named_parameters()}
 
 
 def _twice_differentiable_case(op: str) -> tuple[object, torch.Tensor, list[torch.Tensor]]:

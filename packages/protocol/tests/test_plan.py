@@ -9,6 +9,7 @@ from groupgrad.protocol import (
     WgradRoute,
     accumulate_grads_like_autograd,
     defer_weight_grads,
+    hold_post_accumulate_grad_hooks,
     plan_weight_grads,
     weight_grad_buffers,
     wgrad_route,
@@ -377,6 +378,34 @@ def test_deferred_autograd_route_accumulates_into_grad_and_fires_hooks() -> None
     assert bool((params[1].grad == 3.0).all())
     with pytest.raises(ValueError, match="grads has 1 entries but the group has 3 weights"):
         accumulate_grads_like_autograd(params, [None])
+
+
+def test_deferred_hooks_run_per_parameter_and_every_hold_goes_back_when_one_raises() -> None:
+    # Catches: run_hooks flags applied to the wrong parameter, and a raising hook leaving the
+    # holds of the parameters after it in place for good (autograd never ran their hooks again).
+    params = _params(dtype=torch.float32)
+    fired: list[int] = []
+
+    def hook(p: torch.Tensor, i: int) -> None:
+        fired.append(i)
+        if i == 0 and fired.count(0) == 1:
+            raise KeyError("hook 0 failed")
+
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(lambda p, i=index: hook(p, i))
+    hold_post_accumulate_grad_hooks(params)
+    with pytest.raises(KeyError, match="hook 0 failed"):
+        accumulate_grads_like_autograd(params, [None] * 3)
+    assert fired == [0]
+    for param in params:  # autograd runs the hooks again: no hold is left
+        (param * 1).sum().backward()
+    assert fired == [0, 0, 1, 2]
+    fired.clear()
+    hold_post_accumulate_grad_hooks(params)
+    accumulate_grads_like_autograd(params, [None] * 3, run_hooks=[False, True, False])
+    assert fired == [1]
+    with pytest.raises(ValueError, match="run_hooks has 2 entries but the group has 3 weights"):
+        accumulate_grads_like_autograd(params, [None] * 3, run_hooks=[True, True])
 
 
 def test_deferred_distributed_route_hands_autograd_nothing_at_backward() -> None:

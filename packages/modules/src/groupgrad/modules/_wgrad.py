@@ -47,6 +47,7 @@ from groupgrad.protocol import (
     defer_weight_grads,
     overwrites_main_grad,
     plan_weight_grads,
+    release_post_accumulate_grad_hooks,
     wgrad_route,
 )
 
@@ -203,16 +204,14 @@ class WgradTarget:
         if ready is None:
             plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
             ready = self.ready(dy_TN, x_TK, splits, plan, task)
-        grads = ready.run()
         if not deferred:
-            return grads
-        flags = [run_hooks] * len(self.params) if isinstance(run_hooks, bool) else run_hooks
-        live = {hooks for hooks, p in zip(flags, self.params, strict=True) if p.requires_grad}
-        if len(live) <= 1:  # one call for the group (a frozen member's flag does not matter)
-            accumulate_grads_like_autograd(self.params, grads, run_hooks=live != {False})
-        else:
-            for param, grad, hooks in zip(self.params, grads, flags, strict=True):
-                accumulate_grads_like_autograd([param], [grad], run_hooks=hooks)
+            return ready.run()
+        try:
+            grads = ready.run()
+        except BaseException:  # nothing to deliver: the holds backward put on the hooks go back
+            release_post_accumulate_grad_hooks(p for p in self.params if p.requires_grad)
+            raise
+        accumulate_grads_like_autograd(self.params, grads, run_hooks=run_hooks)
         return [None] * len(self.params)
 
     def step(

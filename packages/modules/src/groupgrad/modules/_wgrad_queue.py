@@ -93,6 +93,10 @@ class WgradQueue:
         writes nothing and leaves the job first in line, its hooks held, to
         run once the caller mended what was refused.
 
+        A GEMM or hook that raises while the job runs loses the job (its
+        GEMMs not run yet are dropped, and every hold on the parameters' hooks
+        goes back), as a failed backward loses its gradients.
+
         Raises:
             RuntimeError: No backward has queued anything, or an operand of
                 the oldest job was modified in place since its backward.
@@ -108,10 +112,8 @@ class WgradQueue:
         try:
             for entry in job:
                 entry.check_unchanged(owner)
-        except RuntimeError:  # the job is dropped: its parameters' held hooks go back
-            for entry in job:
-                entry.unqueue()
-                release_post_accumulate_grad_hooks(entry.live())
+        except RuntimeError:
+            _drop(job)
             raise
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)
@@ -125,5 +127,17 @@ class WgradQueue:
             except Exception:  # nothing written: the job waits for a retry
                 self._jobs.appendleft(job)
                 raise
-            for entry, ready in zip(job, readied, strict=True):
-                entry.run(ready)
+            for index, (entry, ready) in enumerate(zip(job, readied, strict=True)):
+                try:
+                    entry.run(ready)
+                except BaseException:  # the job is lost (a hook or the GEMM raised)
+                    _drop(job[index + 1 :])
+                    raise
+
+
+def _drop(entries: list[DeferredWgrad]) -> None:
+    """Drop deferred GEMMs that will never run: off their parameters' queued ones, and
+    their holds on the parameters' hooks go back (autograd runs them again)."""
+    for entry in entries:
+        entry.unqueue()
+        release_post_accumulate_grad_hooks(entry.live())

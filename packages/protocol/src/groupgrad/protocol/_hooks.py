@@ -91,7 +91,10 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
 
 
 def accumulate_grads_like_autograd(
-    weights: WeightGroup, grads: Sequence[torch.Tensor | None], *, run_hooks: bool = True
+    weights: WeightGroup,
+    grads: Sequence[torch.Tensor | None],
+    *,
+    run_hooks: bool | Sequence[bool] = True,
 ) -> None:
     """Add deferred gradients into ``.grad`` as autograd's AccumulateGrad would have.
 
@@ -109,17 +112,28 @@ def accumulate_grads_like_autograd(
         grads: One entry per parameter, e.g. :meth:`WeightGradPlan.finish`'s result.
         run_hooks: ``False`` where autograd's own AccumulateGrad runs the
             hooks afterwards (it does, for a ``None`` gradient too, when the
-            backward that delivers them reaches the parameter).
+            backward that delivers them reaches the parameter), or a later
+            deferred gradient of the same backward does; for all parameters
+            or one flag per parameter.
 
     Raises:
         ValueError: ``grads`` does not have one entry per parameter.
         RuntimeError: A gradient's shape differs from its parameter's, or it
             lives on another device (autograd rejects both); nothing is
             accumulated then.
+
+    A hook that raises stops the delivery, as in autograd; every hold of this
+    call is released all the same, so the parameters' hooks still run from
+    the next backward.
     """
     members = as_weight_list(weights)
     if len(grads) != len(members):
         raise ValueError(f"grads has {len(grads)} entries but the group has {len(members)} weights")
+    flags = [run_hooks] * len(members) if isinstance(run_hooks, bool) else list(run_hooks)
+    if len(flags) != len(members):
+        raise ValueError(
+            f"run_hooks has {len(flags)} entries but the group has {len(members)} weights"
+        )
     for index, (param, grad) in enumerate(zip(members, grads, strict=True)):
         if grad is None or not param.requires_grad:
             continue
@@ -132,15 +146,21 @@ def accumulate_grads_like_autograd(
             raise RuntimeError(
                 f"grads[{index}] is on {grad.device}, expected the parameter's device {param.device}"
             )
-    with torch.no_grad():
-        for param, grad in zip(members, grads, strict=True):
-            if not param.requires_grad:
-                continue
-            if grad is not None:
-                if param.grad is None:
-                    param.grad = grad.detach().to(grad_dtype_of(param))
-                else:
-                    param.grad.add_(grad)
-            if run_hooks:
-                run_post_accumulate_grad_hooks(param)
-            release_post_accumulate_grad_hooks([param])
+    live = [
+        (p, g, hooks) for p, g, hooks in zip(members, grads, flags, strict=True) if p.requires_grad
+    ]
+    released = 0
+    try:
+        with torch.no_grad():
+            for param, grad, hooks in live:
+                if grad is not None:
+                    if param.grad is None:
+                        param.grad = grad.detach().to(grad_dtype_of(param))
+                    else:
+                        param.grad.add_(grad)
+                if hooks:
+                    run_post_accumulate_grad_hooks(param)
+                release_post_accumulate_grad_hooks([param])
+                released += 1
+    finally:
+        release_post_accumulate_grad_hooks(param for param, _, _ in live[released:])

@@ -1562,4 +1562,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "                    pass\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "hf-fp8-sizes-named-by-internals",
+        "a transformers model whose hidden size or expert width is not a multiple of 128 under "
+        "'groupgrad_fp8' is refused naming an internal operand, not the module, its sizes and "
+        "'groupgrad' to use instead",
+        "integrations/transformers/src/groupgrad/integrations/transformers/_forward.py",
+        "    if bad:\n",
+        "    if False:\n",
+        ("integrations/transformers/tests/test_fp8_experts.py",),
+    ),
 )

@@ -212,6 +212,8 @@ def _experts_forward(
             f"has dtype {up.dtype}; expected one dtype (or torch.autocast), as the eager "
             "experts require"
         )
+    if fp8_recipe is not None:
+        _check_fp8_sizes(self, hidden_states.shape[-1], down.shape[-2 if route.transposed else -1])
     if route.probs_in_mlp and fp8_recipe is None:  # gather, MLP, combine in one op: least memory
         # a "no expert" choice rides along with the last expert at router weight 0
         weights_Tk = top_k_weights.masked_fill(top_k_index >= num_experts, 0)
@@ -241,3 +243,15 @@ def _experts_forward(
     unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)
     out_TH = unsorted_SH.view(tokens, top_k, y_SH.shape[-1]).sum(dim=1, dtype=torch.float32)
     return out_TH.to(hidden_states.dtype)
+
+
+def _check_fp8_sizes(module: nn.Module, hidden: int, width: int) -> None:
+    """Refuse a hidden size or expert width FP8's 128-wide blocks cannot tile, naming them."""
+    sizes = (("hidden size", hidden), ("expert width", width))
+    bad = [f"{name} {size}" for name, size in sizes if size % 128]
+    if bad:
+        raise ValueError(
+            f"{type(module).__name__} has {' and '.join(bad)}; the experts implementation "
+            f"'groupgrad_fp8' needs multiples of 128 (its FP8 blocks are 128 wide): use "
+            "'groupgrad' for this model"
+        )

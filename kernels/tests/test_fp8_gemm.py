@@ -345,6 +345,18 @@ def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     overlapping.seg_offsets = torch.tensor([0, 0, 160, 208, 512, 528])
     with pytest.raises(ValueError, match=r"^dy\.seg_offsets is \[0, 0, 160, 208, 512, 528\], exp"):
         grouped_wgrad(overlapping, operands["x_seg"], SPLITS)
+    for tampered in (None, dy.seg_offsets.tolist()):  # not a tensor: named, not torch's error
+        sealed_then_tampered = copy.copy(dy)
+        sealed_then_tampered.seg_offsets = tampered
+        with pytest.raises(ValueError, match=rf"^dy\.seg_offsets is a {type(tampered).__name__} "):
+            grouped_wgrad(sealed_then_tampered, operands["x_seg"], SPLITS)
+    for part in ("data", "scales"):  # a hand-built form missing a tensor
+        missing = Fp8Blocks(
+            **{"data": x.data, "scales": x.scales, part: None},
+            block=ROWS, dtype=x.dtype, shape=x.shape,
+        )  # fmt: skip
+        with pytest.raises(TypeError, match=r"^x holds .*NoneType .*expected torch\.float8_e4m3fn"):
+            grouped_fprop(missing, w, SPLITS)
     matrix = copy.copy(dy)  # no expert count to read off it
     matrix.row_offsets = dy.row_offsets[:, None]
     with pytest.raises(ValueError, match=r"^x\.row_offsets is of shape \(6, 1\), expected an \(E"):

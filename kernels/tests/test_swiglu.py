@@ -109,12 +109,28 @@ def test_public_entry_points_run_the_ops_and_check_shapes() -> None:
     ):
         assert torch.equal(got, want)
     assert swiglu_probs_backward(da, h)[1] is None
+
+
+TWINS = {
+    "op": (swiglu_probs, swiglu_probs_backward),
+    "ref": (swiglu_probs_ref, swiglu_probs_backward_ref),
+}
+
+
+@pytest.mark.parametrize("twin", ["op", "ref"])
+def test_both_twins_check_shapes(twin: str) -> None:
+    # Catches: the *_ref twins broadcasting a probs or da of the wrong shape over the tokens.
+    forward, backward = TWINS[twin]
+    h, da, probs = _inputs(9, 12, torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match=r"h has shape \(9, 23\), expected \(T, 2F\)"):
-        swiglu_probs(h[:, :23])
-    with pytest.raises(ValueError, match=r"probs has shape \(8,\), expected \(T,\) = \(9,\)"):
-        swiglu_probs(h, probs[:8])
-    with pytest.raises(ValueError, match=r"da has shape \(9, 11\), expected \(T, F\) = \(9, 12\)"):
-        swiglu_probs_backward(da[:, :11], h, probs)
+        forward(h[:, :23])
+    for short in (probs[:1], torch.cat([probs, probs[:1]])):
+        with pytest.raises(ValueError, match=r"probs has shape \(\d+,\), expected \(T,\) = \(9,\)"):
+            forward(h, short)
+        with pytest.raises(ValueError, match=r"probs has shape \(\d+,\), expected \(T,\) = \(9,\)"):
+            backward(da, h, short)
+    with pytest.raises(ValueError, match=r"da has shape \(1, 12\), expected \(T, F\) = \(9, 12\)"):
+        backward(da[:1], h, probs)
 
 
 BAD_DTYPES = [
@@ -131,17 +147,23 @@ BAD_DTYPES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("twin", ["op", "ref"])
 @pytest.mark.parametrize(
     ("name", "change", "error", "match"), BAD_DTYPES, ids=[c[0] for c in BAD_DTYPES]
 )
-def test_public_entry_points_check_dtypes_and_devices(name, change, error, match) -> None:
+def test_both_twins_check_dtypes_and_devices(twin, name, change, error, match) -> None:
     h, da, probs = change(*_inputs(9, 12, torch.bfloat16, torch.float32))
-    forward = not name.startswith("da")
+    forward, backward = TWINS[twin]
+    if twin == "ref" and name == "h-fp64":  # the oracle dtype: accepted, fp64 math
+        want = F.silu(h[:, :12]) * h[:, 12:] * probs.double()[:, None]
+        assert torch.allclose(forward(h, probs), want, rtol=1e-12, atol=0)
+        return
+    is_forward = not name.startswith("da")
     with pytest.raises(error, match=match):
-        swiglu_probs(h, probs) if forward else swiglu_probs_backward(da, h, probs)
-    if not name.startswith("da"):
+        forward(h, probs) if is_forward else backward(da, h, probs)
+    if is_forward:
         with pytest.raises(error, match=match):
-            swiglu_probs_backward(da.to(torch.float32), h, probs)
+            backward(da.to(torch.float32), h, probs)
 
 
 def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypatch) -> None:

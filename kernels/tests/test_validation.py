@@ -131,6 +131,18 @@ CASES = [
     Case("x-column-major", "fprop", lambda a: a.update(x=column_major(a["x"])), ValueError,
          r"x must be row-major \(stride 1 in the last dimension\), got shape \(12, 16\) "
          r"with strides \(1, 12\)"),
+    # Catches: a sparse, mkldnn or nested operand reaching torch's internals (an error about
+    # data pointers or strides) or the reference kernel, unnamed.
+    Case("x-sparse-csr", "fprop", lambda a: a.update(x=a["x"].float().to_sparse_csr()), TypeError,
+         r"^x is a torch\.sparse_csr tensor, expected a dense \(torch\.strided\) tensor"),
+    Case("x-nested", "fprop", lambda a: a.update(x=torch.nested.nested_tensor([a["x"], a["x"]])),
+         TypeError, r"^x is a nested tensor, expected a dense \(torch\.strided\) tensor"),
+    Case("wgrad-x-mkldnn", "wgrad", lambda a: a.update(x=a["x"].float().to_mkldnn()), TypeError,
+         r"^x is a torch\._mkldnn tensor, expected a dense"),
+    Case("weights-sparse", "fprop", lambda a: a.update(weights=a["weights"].to_sparse()),
+         TypeError, r"^weights is a torch\.sparse_coo tensor, expected a dense"),
+    Case("splits-sparse", "fprop", lambda a: a.update(splits=torch.tensor(SPLITS).to_sparse()),
+         TypeError, r"^splits is a torch\.sparse_coo tensor, expected a dense"),
     Case("x-K", "fprop", lambda a: a.update(x=rand(T, K + 1)), ValueError,
          r"x has 17 columns, expected K = 16 like weights of shape \(E, N, K\) = \(4, 8, 16\)"),
     # fprop: weights

@@ -926,8 +926,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the forward's SwiGLU reads the bf16 h while backward's reads the kept FP8 h: the "
         "recomputed a (fc2's wgrad operand, dprobs, dh) is not the forward's",
         "kernels/src/groupgrad/kernels/_swiglu_fp8.py",
-        "    a_TF = swiglu_probs_ref(_dequantize_rows(h_data, h_scales, h.dtype), probs)",
-        "    a_TF = swiglu_probs_ref(h, probs)",
+        "    a_TF = swiglu_math(_dequantize_rows(h_data, h_scales, h.dtype), probs)",
+        "    a_TF = swiglu_math(h, probs)",
         (f"{KERNELS}/test_swiglu_fp8.py", f"{MODULES}/test_mlp_matrix.py"),
     ),
     Mutant(
@@ -1071,8 +1071,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a hand-built (128, 1) form's seg_offsets and block_offsets are taken as they are (the "
         "reference reads experts into shared columns, or past its tensors)",
         "kernels/src/groupgrad/kernels/_validate.py",
-        "        if not torch.equal(got := getattr(value, part), want):\n",
-        "        if not torch.equal(got := getattr(value, part), got):\n",
+        "and torch.equal(got, want)):\n",
+        "and torch.equal(got, got)):\n",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -1571,5 +1571,50 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if bad:\n",
         "    if False:\n",
         ("integrations/transformers/tests/test_fp8_experts.py",),
+    ),
+    Mutant(
+        "swiglu-ref-twin-unchecked",
+        "swiglu_probs_ref broadcasts a probs of the wrong shape over every token (and truncates "
+        "an integer h) instead of the public op's named error",
+        "kernels/src/groupgrad/kernels/_swiglu.py",
+        "    check_swiglu_args(h_T2F, probs_T, oracle=True)\n",
+        "",
+        (f"{KERNELS}/test_swiglu.py",),
+    ),
+    Mutant(
+        "swiglu-backward-ref-twin-unchecked",
+        "swiglu_probs_backward_ref broadcasts a da or probs of the wrong shape over every token "
+        "instead of the public op's named error",
+        "kernels/src/groupgrad/kernels/_swiglu.py",
+        "    check_swiglu_backward_args(da_TF, h_T2F, probs_T, oracle=True)\n",
+        "",
+        (f"{KERNELS}/test_swiglu.py",),
+    ),
+    Mutant(
+        "non-strided-operand-unnamed",
+        "a sparse, mkldnn or nested operand reaches torch's internals or the reference kernel "
+        "(an error about data pointers) instead of a TypeError naming it",
+        _RULES,
+        "    if value.layout != torch.strided or value.is_nested:\n",
+        "    if False:\n",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "fp8-form-missing-tensor-unnamed",
+        "a hand-built Fp8Blocks without data or scales fails with an AttributeError from "
+        "inside the validator",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "    kinds = [t.dtype if isinstance(t, Tensor) else type(t).__name__ for t in (data, scales)]",
+        "    kinds = [data.dtype, scales.dtype]",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "fp8-tampered-offsets-unnamed",
+        "a quantized (128, 1) form whose seg_offsets were replaced by a non-tensor fails in "
+        "torch.equal instead of a message naming the part",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        "        if not (isinstance(got, Tensor) and got.device == want.device and torch.equal(got, want)):",
+        "        if not torch.equal(got, want):",
+        (f"{KERNELS}/test_fp8_gemm.py",),
     ),
 )

@@ -66,17 +66,27 @@ def swiglu_probs_ref(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     """Pure-PyTorch twin of :func:`swiglu_probs`: ``silu(h[:, :F]) * h[:, F:] * probs[:, None]``.
 
     Runs on any device; the math is fp32 (fp64 for fp64 inputs), rounded once
-    into ``h``'s dtype. Nothing is mutated.
+    into ``h``'s dtype. Nothing is mutated. The arguments are checked as
+    :func:`swiglu_probs` checks them (fp64 ``h`` allowed).
 
     Args:
         h_T2F: ``(T, 2F)`` fc1 output, gate columns first then up columns;
             bf16, fp16, fp32 (or fp64, as a test oracle).
         probs_T: ``(T,)`` per-token scale (router probabilities), any floating
-            dtype, or ``None`` for ones.
+            dtype, on ``h``'s device, or ``None`` for ones.
 
     Returns:
         ``a_TF``: a new ``(T, F)`` tensor in ``h``'s dtype.
+
+    Raises:
+        ValueError, TypeError: As :func:`swiglu_probs`.
     """
+    check_swiglu_args(h_T2F, probs_T, oracle=True)
+    return swiglu_math(h_T2F, probs_T)
+
+
+def swiglu_math(h_T2F: Tensor, probs_T: Tensor | None) -> Tensor:
+    """:func:`swiglu_probs_ref` of checked arguments (the ops' reference kernel)."""
     g_TF, u_TF = _gate_and_up(h_T2F)
     a_TF = g_TF * torch.sigmoid(g_TF) * u_TF
     if probs_T is not None:
@@ -98,14 +108,26 @@ def swiglu_probs_backward_ref(
             takes it.
         h_T2F: ``(T, 2F)`` fc1 output saved by forward (gate then up), bf16,
             fp16, fp32 or fp64.
-        probs_T: ``(T,)`` the forward's ``probs``, any floating dtype, or ``None``.
+        probs_T: ``(T,)`` the forward's ``probs``, any floating dtype, on
+            ``h``'s device, or ``None``.
 
     Returns:
         ``(dh_T2F, dprobs_T, a_TF)``: new tensors; ``dh`` ``(T, 2F)`` and ``a``
         ``(T, F)`` in ``h``'s dtype, ``dprobs`` ``(T,)`` in ``probs``' dtype
         (``None`` without ``probs``); ``a`` equals :func:`swiglu_probs_ref`'s
         output bit for bit.
+
+    Raises:
+        ValueError, TypeError: As :func:`swiglu_probs_backward`.
     """
+    check_swiglu_backward_args(da_TF, h_T2F, probs_T, oracle=True)
+    return swiglu_backward_math(da_TF, h_T2F, probs_T)
+
+
+def swiglu_backward_math(
+    da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """:func:`swiglu_probs_backward_ref` of checked arguments (the ops' reference kernel)."""
     g_TF, u_TF = _gate_and_up(h_T2F)
     sig_TF = torch.sigmoid(g_TF)
     silu_TF = g_TF * sig_TF
@@ -129,14 +151,14 @@ def swiglu_probs_backward_ref(
 @torch.library.custom_op("groupgrad::swiglu_probs", mutates_args=())
 def swiglu_probs_op(h: Tensor, probs: Tensor | None) -> Tensor:
     """Default kernel (every device but CUDA): the reference. ``h`` (T, 2F) -> ``a`` (T, F)."""
-    return swiglu_probs_ref(h, probs)
+    return swiglu_math(h, probs)
 
 
 def swiglu_probs_backward_op_ref(
     da: Tensor, h: Tensor, probs: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Default kernel of the backward op: the reference, ``dprobs`` ``(0,)`` without ``probs``."""
-    dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
+    dh, dprobs, a = swiglu_backward_math(da, h, probs)
     return dh, _dprobs_or_empty(dprobs, h), a
 
 
@@ -190,7 +212,7 @@ def _say_once(message: str) -> None:
 def _swiglu_probs_cuda(h: Tensor, probs: Tensor | None) -> Tensor:
     kernels = _triton_or_say_why()
     if kernels is None:
-        return swiglu_probs_ref(h, probs)
+        return swiglu_math(h, probs)
     return kernels.swiglu_probs_triton(h, probs)
 
 
@@ -200,7 +222,7 @@ def _swiglu_probs_backward_cuda(
 ) -> tuple[Tensor, Tensor, Tensor]:
     kernels = _triton_or_say_why()
     if kernels is None:
-        dh, dprobs, a = swiglu_probs_backward_ref(da, h, probs)
+        dh, dprobs, a = swiglu_backward_math(da, h, probs)
     else:
         dh, dprobs, a = kernels.swiglu_probs_backward_triton(da, h, probs)
     return dh, _dprobs_or_empty(dprobs, h), a
@@ -209,19 +231,37 @@ def _swiglu_probs_backward_cuda(
 # ---------------------------------------------------------------- public entry points
 
 
-def check_swiglu_args(h_T2F: Tensor, probs_T: Tensor | None) -> None:
-    """The public ops' arguments: ``h`` a ``(T, 2F)`` bf16/fp16/fp32 tensor, ``probs`` ``(T,)``
-    floating on ``h``'s device (fp64 is for the ``*_ref`` twins, the test oracles)."""
-    if not isinstance(h_T2F, Tensor) or h_T2F.dtype not in INPUT_DTYPES:
+def check_swiglu_args(h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = False) -> None:
+    """The public ops' arguments: ``h`` a ``(T, 2F)`` bf16/fp16/fp32 tensor (fp64 too for
+    the ``*_ref`` twins, the test oracles: ``oracle``), ``probs`` ``(T,)`` floating on
+    ``h``'s device."""
+    dtypes = (*INPUT_DTYPES, torch.float64) if oracle else INPUT_DTYPES
+    if not isinstance(h_T2F, Tensor) or h_T2F.dtype not in dtypes:
         what = h_T2F.dtype if isinstance(h_T2F, Tensor) else type(h_T2F).__name__
+        also = " or torch.float64" if oracle else ""
         raise TypeError(
-            f"h has dtype {what}, expected torch.bfloat16, torch.float16 or torch.float32"
+            f"h has dtype {what}, expected torch.bfloat16, torch.float16 or torch.float32{also}"
         )
     if h_T2F.dim() != 2 or h_T2F.shape[1] % 2:
         raise ValueError(
             f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F): gate and up halves side by side"
         )
     check_probs(probs_T, h_T2F.shape[0], h_T2F.device)
+
+
+def check_swiglu_backward_args(
+    da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = False
+) -> None:
+    """:func:`check_swiglu_args`, and ``da`` a floating ``(T, F)`` tensor on ``h``'s device."""
+    check_swiglu_args(h_T2F, probs_T, oracle=oracle)
+    expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
+    if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
+        what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
+        raise TypeError(f"da has dtype {what}, expected a floating-point tensor")
+    if da_TF.device != h_T2F.device:
+        raise ValueError(f"da is on {da_TF.device}, expected h's device {h_T2F.device}")
+    if tuple(da_TF.shape) != expected:
+        raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
 
 
 def check_probs(probs_T: Tensor | None, T: int, device: torch.device) -> None:
@@ -266,7 +306,7 @@ def swiglu_probs(h_T2F: Tensor, probs_T: Tensor | None = None) -> Tensor:
     check_swiglu_args(h_T2F, probs_T)
     h, probs = h_T2F.contiguous(), None if probs_T is None else probs_T.contiguous()
     if _direct_ok(h, probs):
-        kernel = _swiglu_probs_cuda if h.is_cuda else swiglu_probs_ref
+        kernel = _swiglu_probs_cuda if h.is_cuda else swiglu_math
         return run_directly("groupgrad::swiglu_probs", kernel, h, probs)
     return swiglu_probs_op(h, probs)
 
@@ -300,15 +340,7 @@ def swiglu_probs_backward(
         TypeError: ``h`` is not bf16, fp16 or fp32, or ``da`` or ``probs``
             is not floating-point.
     """
-    check_swiglu_args(h_T2F, probs_T)
-    expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
-    if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
-        what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
-        raise TypeError(f"da has dtype {what}, expected a floating-point tensor")
-    if da_TF.device != h_T2F.device:
-        raise ValueError(f"da is on {da_TF.device}, expected h's device {h_T2F.device}")
-    if tuple(da_TF.shape) != expected:
-        raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
+    check_swiglu_backward_args(da_TF, h_T2F, probs_T)
     probs = None if probs_T is None else probs_T.contiguous()
     da, h = da_TF.contiguous().to(h_T2F.dtype), h_T2F.contiguous()
     if _direct_ok(h, probs, da):

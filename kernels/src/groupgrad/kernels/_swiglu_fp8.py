@@ -59,8 +59,8 @@ from groupgrad.kernels._fp8_ops import (
 from groupgrad.kernels._swiglu import (
     check_probs,
     check_swiglu_args,
-    swiglu_probs_backward_ref,
-    swiglu_probs_ref,
+    swiglu_backward_math,
+    swiglu_math,
 )
 from groupgrad.kernels._validate import fp8_operand
 
@@ -95,7 +95,7 @@ def _dequantize_rows(data_TC: Tensor, scales_BT: Tensor, dtype: torch.dtype) -> 
 def forward_ref(h: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(h_data, h_scales_BT, a_data, a_scales_BT)`` of a contiguous ``(T, 2F)`` ``h``."""
     h_data, h_scales = rows_ref(h)
-    a_TF = swiglu_probs_ref(_dequantize_rows(h_data, h_scales, h.dtype), probs)
+    a_TF = swiglu_math(_dequantize_rows(h_data, h_scales, h.dtype), probs)
     return h_data, h_scales, *rows_ref(a_TF)
 
 
@@ -106,7 +106,7 @@ def backward_ref(
 ) -> list[Tensor]:  # fmt: skip
     """The backward op's outputs (:func:`backward_op`), ``(0,)`` tensors for forms not asked."""
     h_T2F = _dequantize_rows(h_data, h_scales, da.dtype)
-    dh_T2F, dprobs, a_TF = swiglu_probs_backward_ref(da, h_T2F, probs)
+    dh_T2F, dprobs, a_TF = swiglu_backward_math(da, h_T2F, probs)
     offsets = (row_offsets, seg_offsets, block_offsets, num_blocks, padded_tokens, False)
     rows = rows_ref(dh_T2F) if dh_rows else _nothing(da)
     tokens = segments_ref(dh_T2F, *offsets)[:2] if dh_tokens else _nothing(da)

@@ -254,9 +254,16 @@ def _host_offsets_counts(name: str, value: Fp8Blocks, starts: list[int]) -> list
         )
     _, seg, block = segment_offsets(counts, torch.device("cpu"))
     for part, want in (("seg_offsets", seg), ("block_offsets", block)):
-        if not torch.equal(got := getattr(value, part), want):
+        got = getattr(value, part)
+        if not (isinstance(got, Tensor) and got.device == want.device and torch.equal(got, want)):
+            if not isinstance(got, Tensor):
+                shown = f"a {type(got).__name__} ({got!r})"
+            else:
+                shown = f"{got.tolist()}" + (
+                    "" if got.device == want.device else f" on {got.device}"
+                )
             raise ValueError(
-                f"{name}.{part} is {got.tolist()}, expected {want.tolist()} from its "
+                f"{name}.{part} is {shown}, expected the tensor {want.tolist()} on cpu from its "
                 "row_offsets (the layout quantize_fp8 writes)"
             )
     return counts
@@ -301,10 +308,11 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         seal[1] = True
         return value
     data, scales = value.data, value.scales
-    if data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+    kinds = [t.dtype if isinstance(t, Tensor) else type(t).__name__ for t in (data, scales)]
+    if kinds != [torch.float8_e4m3fn, torch.float32]:
         raise TypeError(
-            f"{name} holds {data.dtype} data and {scales.dtype} scales, expected "
-            "torch.float8_e4m3fn and torch.float32"
+            f"{name} holds {kinds[0]} data and {kinds[1]} scales, expected "
+            "torch.float8_e4m3fn and torch.float32 tensors; build it with quantize_fp8"
         )
     device = data.device
     for part, shape, strides, dtype in layout:

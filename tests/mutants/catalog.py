@@ -1595,9 +1595,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sparse, mkldnn or nested operand reaches torch's internals or the reference kernel "
         "(an error about data pointers) instead of a TypeError naming it",
         _RULES,
-        "    if value.layout != torch.strided or value.is_nested:\n",
-        "    if False:\n",
+        "    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)",
+        "    return True",
         (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "layout-read-while-tracing",
+        "the operand check reads Tensor.layout while Dynamo traces a backward: every layer "
+        "whose input requires grad fails to compile with fullgraph=True",
+        _RULES,
+        "    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)",
+        "    return t.layout == torch.strided and not t.is_nested",
+        (f"{MODULES}/test_compile.py",),
     ),
     Mutant(
         "fp8-form-missing-tensor-unnamed",

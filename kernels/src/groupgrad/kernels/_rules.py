@@ -175,11 +175,18 @@ def ordered_collection(value: object) -> TypeGuard[Iterable[Any]]:
     )
 
 
+def dense(t: Tensor) -> bool:
+    """Whether ``t`` is a dense strided tensor (not sparse, mkldnn or nested). Traced code
+    is not asked: Dynamo refuses to read ``layout`` in a traced backward, and a compiled
+    graph's tensors are dense."""
+    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)
+
+
 def tensor_arg(name: str, value: object) -> Tensor:
     """``value`` if it is a dense strided tensor (not sparse, mkldnn or nested)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided or value.is_nested:
+    if not dense(value):
         what = "nested" if value.is_nested else value.layout
         raise TypeError(f"{name} is a {what} tensor, expected a dense (torch.strided) tensor")
     return value
@@ -189,7 +196,7 @@ def input_matrix(name: str, value: object) -> Tensor:
     """A GEMM's row operand: a 2-D row-major bf16/fp16/fp32 tensor."""
     if (
         type(value) in PLAIN_TYPES
-        and cast(Tensor, value).layout == torch.strided
+        and dense(cast(Tensor, value))
         and cast(Tensor, value).dtype in INPUT_DTYPES
         and cast(Tensor, value).dim() == 2
         and cast(Tensor, value).is_contiguous()
@@ -216,7 +223,7 @@ def weights_arg(
     """
     if (  # the common weights: one plain contiguous (E, N, K) tensor like a
         type(weights) in PLAIN_TYPES
-        and cast(Tensor, weights).layout == torch.strided
+        and dense(cast(Tensor, weights))
         and cast(Tensor, weights).dim() == 3
         and cast(Tensor, weights).dtype == a.dtype
         and cast(Tensor, weights).device == a.device
@@ -334,7 +341,7 @@ def splits_arg(
     if (  # the common splits: a plain 1-D integer tensor of E counts on the CPU or rows' device
         type(splits) in PLAIN_TYPES
         and not torch.compiler.is_compiling()
-        and cast(Tensor, splits).layout == torch.strided
+        and dense(cast(Tensor, splits))
         and cast(Tensor, splits).dtype in _group.SPLITS_DTYPES
         and cast(Tensor, splits).dim() == 1
         and (experts is None or cast(Tensor, splits).shape[0] == experts)

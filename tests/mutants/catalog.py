@@ -1626,4 +1626,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if not torch.equal(got, want):",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
+    Mutant(
+        "evaluation-compile-through-apply",
+        "grad mode off, the grouped Functions run through apply, where Dynamo binds their "
+        "variadic parameters wrongly: a fullgraph compile of an evaluation step fails",
+        "packages/modules/src/groupgrad/modules/_no_grad.py",
+        "    if torch.is_grad_enabled():\n",
+        "    if True:\n",
+        (f"{MODULES}/test_compile.py",),
+    ),
 )

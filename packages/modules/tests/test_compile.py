@@ -21,7 +21,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from groupgrad.modules import GroupedLinear, GroupedMLP, grouped_linear, grouped_mlp
+from groupgrad.modules import (
+    GroupedLinear,
+    GroupedMLP,
+    grouped_linear,
+    grouped_mlp,
+    routed_grouped_mlp,
+)
 from groupgrad.protocol.testing import make_fake_group
 from groupgrad_testsupport.compiled import assert_keeps_fp32, compiled_graphs
 from groupgrad_testsupport.numerics import assert_within_scale
@@ -443,3 +449,48 @@ def test_compiled_backward_for_some_weights_going_to_grad_delivers_exactly_those
     torch.compile(layer, fullgraph=True)(x, splits).float().sum().backward(inputs=[weights[2]])
     assert torch.equal(weights[2].grad, want)
     assert all(w.grad is None for w in weights[:2] + weights[3:])
+
+
+class Inference(nn.Module):
+    """A layer of each Function and argument count, bf16 and FP8, for an evaluation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        h, bf16 = 128, {"dtype": BF16}  # FP8 blocks are 128 wide
+        self.lin = GroupedLinear(E, h, h, **bf16)  # per-expert, no bias
+        self.lin_packed = GroupedLinear(E, h, h, bias=True, single_grouped_weight=True, **bf16)
+        self.mlp = GroupedMLP(E, h, h, bias=True, **bf16)
+        self.mlp_packed = GroupedMLP(E, h, h, single_grouped_weight=True, **bf16)
+        self.lin_fp8 = GroupedLinear(E, h, h, bias=True, fp8_recipe="blockwise", **bf16)
+        self.mlp_fp8 = GroupedMLP(
+            E, h, h, single_grouped_weight=True, fp8_recipe="blockwise", **bf16
+        )
+        self.fc1 = nn.Parameter(torch.randn(E, 2 * h, h, **bf16) / h**0.5)
+        self.fc2 = nn.Parameter(torch.randn(E, h, h, **bf16) / h**0.5)
+
+    def forward(self, x: Tensor, splits: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        y = self.lin_packed(self.lin(x, splits), splits)
+        y = self.mlp_packed(self.mlp(y, splits), splits)
+        y = self.mlp_fp8(self.lin_fp8(y, splits), splits)
+        sorted_ids, slots = torch.sort(ids.reshape(-1), stable=True)
+        counts = torch.bincount(sorted_ids, minlength=E)
+        return routed_grouped_mlp(y, self.fc1, self.fc2, slots, counts, weights)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_evaluation_step_compiles_with_fullgraph(mode: str) -> None:
+    # Catches: the grouped Functions' apply traced with grad mode off, where Dynamo binds their
+    # variadic parameters to the wrong arguments ("unsupported operand type(s) for @: 'int'
+    # and 'FakeTensor'", "'str' object has no attribute 'split'").
+    model = Inference()
+    generator = torch.Generator().manual_seed(7)
+    splits = torch.tensor([40, 0, 56, 32])
+    x = torch.randn(128, 128, generator=generator).to(BF16)
+    ids = torch.randint(0, E, (128, 2), generator=generator)
+    weights = torch.rand(128, 2, generator=generator).to(BF16)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with context():
+        want = model(x, splits, ids, weights)
+        got = torch.compile(model, fullgraph=True)(x, splits, ids, weights)
+    torch.testing.assert_close(got, want)  # bf16's tolerance: inductor may fuse differently
+    assert not got.requires_grad

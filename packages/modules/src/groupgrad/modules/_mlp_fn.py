@@ -84,6 +84,7 @@ from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported f
     mlp_arguments,
 )
 from groupgrad.modules._mlp_forms import MLPForms
+from groupgrad.modules._no_grad import apply_function
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -229,8 +230,8 @@ def apply_grouped_mlp(
     x_TH, cast_dtype = autocast_input(x_TH)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
     forms = MLPForms() if forms is None else forms
-    return GroupedMLPFunction.apply(
-        x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params
+    return apply_function(
+        GroupedMLPFunction, x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params
     )
 
 

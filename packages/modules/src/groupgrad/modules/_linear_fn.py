@@ -52,7 +52,7 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._no_grad import apply_function
+from groupgrad.modules._no_grad import forward_without_backward
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -301,9 +301,10 @@ def apply_grouped_linear(
     refuse_derived_parameters(params, spec.names[0])
     x_TK, cast_dtype = autocast_input(x_TK)
     splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
-    return apply_function(
-        GroupedLinearFunction, x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *params
-    )
+    args = (x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *params)
+    if not torch.is_grad_enabled():  # no backward follows: see _no_grad
+        return forward_without_backward(GroupedLinearFunction, *args)
+    return GroupedLinearFunction.apply(*args)
 
 
 def grouped_linear(

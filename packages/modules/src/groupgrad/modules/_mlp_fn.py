@@ -84,7 +84,7 @@ from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported f
     mlp_arguments,
 )
 from groupgrad.modules._mlp_forms import MLPForms
-from groupgrad.modules._no_grad import apply_function
+from groupgrad.modules._no_grad import forward_without_backward
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -230,9 +230,10 @@ def apply_grouped_mlp(
     x_TH, cast_dtype = autocast_input(x_TH)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
     forms = MLPForms() if forms is None else forms
-    return apply_function(
-        GroupedMLPFunction, x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params
-    )
+    args = (x_TH, splits, probs_T, layout, queue, cast_dtype, forms, *params)
+    if not torch.is_grad_enabled():  # no backward follows: see _no_grad
+        return forward_without_backward(GroupedMLPFunction, *args)
+    return GroupedMLPFunction.apply(*args)
 
 
 def mlp_forms(

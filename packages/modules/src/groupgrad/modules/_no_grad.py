@@ -2,8 +2,8 @@
 
 With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``, an
 evaluation loop) a grouped Function's forward runs on a context no backward
-reads: :func:`apply_function` calls ``forward`` directly there instead of
-``apply``. Eager results are the same; the reason is ``torch.compile``: Dynamo
+reads: :func:`forward_without_backward` calls ``forward`` directly there
+instead of ``apply``. Eager results are the same; the reason is ``torch.compile``: Dynamo
 (torch 2.11 to 2.13) binds the variadic parameters of a Function's forward to
 the wrong arguments when it traces ``apply`` with grad mode off, so a
 ``fullgraph=True`` compile of an evaluation step failed ("unsupported operand
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply_function"]
+__all__ = ["forward_without_backward"]
 
 
 class _NoBackward:
@@ -28,9 +28,10 @@ class _NoBackward:
         pass
 
 
-def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)``; with grad mode off, ``function.forward`` on a context no
-    backward reads (the same result; see the module's docstring for why)."""
-    if torch.is_grad_enabled():
-        return function.apply(*args)
+def forward_without_backward(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.forward(ctx, *args)`` on a context no backward reads: what ``apply`` computes
+    with grad mode off. Callers use it in place of ``apply`` exactly then, and call their
+    Function's ``apply`` themselves otherwise (reached through a helper's argument, an
+    ``apply`` that Dynamo falls back on running eagerly recorded no graph: a weight computed
+    from a parameter lost its gradient)."""
     return function.forward(_NoBackward(), *args)

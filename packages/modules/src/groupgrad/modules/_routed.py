@@ -49,7 +49,7 @@ from groupgrad.modules._group import (
 )
 from groupgrad.modules._linear_fn import layer_dgrad, layer_fprop
 from groupgrad.modules._mlp_fn import MLPLayout, check_activation, check_mlp_inputs, mlp_arguments
-from groupgrad.modules._no_grad import apply_function
+from groupgrad.modules._no_grad import forward_without_backward
 from groupgrad.modules._once import differentiable_once
 
 __all__ = ["routed_grouped_mlp"]
@@ -290,6 +290,7 @@ def routed_grouped_mlp(
     refuse_derived_parameters(params, layout.fc1.names[0])
     x, cast_dtype = autocast_input(x)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
-    return apply_function(
-        RoutedMLPFunction, x, top_k_weights, slots, splits, layout, cast_dtype, *params
-    )
+    args = (x, top_k_weights, slots, splits, layout, cast_dtype, *params)
+    if not torch.is_grad_enabled():  # no backward follows: see _no_grad
+        return forward_without_backward(RoutedMLPFunction, *args)
+    return RoutedMLPFunction.apply(*args)

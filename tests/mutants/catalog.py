@@ -1630,9 +1630,36 @@ MUTANTS: tuple[Mutant, ...] = (
         "evaluation-compile-through-apply",
         "grad mode off, the grouped Functions run through apply, where Dynamo binds their "
         "variadic parameters wrongly: a fullgraph compile of an evaluation step fails",
-        "packages/modules/src/groupgrad/modules/_no_grad.py",
-        "    if torch.is_grad_enabled():\n",
-        "    if True:\n",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "    if not torch.is_grad_enabled():  # no backward follows: see _no_grad\n",
+        "    if False:\n",
         (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "routed-evaluation-compile-through-apply",
+        "grad mode off, routed_grouped_mlp runs through apply, where Dynamo binds its variadic "
+        "parameters wrongly: a fullgraph compile of an evaluation step fails",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "    if not torch.is_grad_enabled():  # no backward follows: see _no_grad\n",
+        "    if False:\n",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "backward-dw-after-frozen-backward-raises",
+        "backward_dw() after a backward whose layer had every weight frozen raises 'no backward "
+        "has queued' (Megatron's delayed-wgrad schedule stopped at step 1)",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
+        "        self._idle_backward = not job\n",
+        "        self._idle_backward = False\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "backward-dw-idle-answered-forever",
+        "once a backward deferred nothing, every later backward_dw() without a job passes "
+        "silently (a call with no backward before it is not refused)",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
+        "            self._idle_backward = False\n            return\n",
+        "            return\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

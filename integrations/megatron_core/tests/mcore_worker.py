@@ -180,14 +180,18 @@ def _train_layer(
         result["out"].append(out.detach().cpu())
         result["dx"].append(x.grad.detach().cpu())
     ddp.finish_grad_sync()
-    result["main_grad"] = {
-        sequential_name(n): p.main_grad.detach().cpu() for n, p in layer.named_parameters()
-    }
+    trainable = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    result["main_grad"] = {sequential_name(n): p.main_grad.detach().cpu() for n, p in trainable}
     result["grad_added"] = {
         sequential_name(n): bool(p.grad_added_to_main_grad)
-        for n, p in layer.named_parameters()
+        for n, p in trainable
         if ".experts." in f".{n}" and sequential_name(n).endswith(".weight")  # biases: autograd
     }
+    result["untouched"] = all(  # a frozen parameter gets no gradient of any kind
+        p.grad is None and getattr(p, "main_grad", None) is None
+        for p in layer.parameters()
+        if not p.requires_grad
+    )
     return result
 
 
@@ -204,6 +208,11 @@ def run_layer(sc: dict[str, Any]) -> dict[str, Any]:
     )
     layer = build_layer(sc["backend"], config, device)
     copy_weights(reference, layer)
+    if sc.get("frozen_experts"):
+        for module in (reference, layer):
+            for name, param in module.named_parameters():
+                if name.startswith("experts."):
+                    param.requires_grad_(False)
     results = {
         "groupgrad": _train_layer(layer, config, sc, delay=sc.get("delay", False), dtype=dtype),
         "sequential": _train_layer(reference, reference.config, sc, delay=False, dtype=dtype),

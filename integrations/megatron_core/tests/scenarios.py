@@ -53,6 +53,19 @@ FP32_LAYERS += [
     for backend in BACKENDS
     for fusion in (False, True)
 ]
+# Every expert weight frozen (a fine-tune of the router only), delayed wgrad: backward_dw()
+# after each backward has nothing to run
+FP32_LAYERS += [
+    layer(
+        f"fp32-ep2-{backend}-delay-fusion-experts-frozen",
+        ep=2,
+        backend=backend,
+        delay=True,
+        fusion=True,
+        frozen_experts=True,
+    )
+    for backend in BACKENDS
+]
 BF16_LAYERS = [
     layer(layer_name(1, backend, False, False, "bf16"), ep=1, backend=backend, dtype="bfloat16")
     for backend in BACKENDS

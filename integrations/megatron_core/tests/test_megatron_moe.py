@@ -69,7 +69,12 @@ def test_fp32_equals_sequential_mlp(runs: Launches, name: str) -> None:
         where = f"{name} rank {rank}"
         assert result["experts_type"] == expected_type, where
         checks.assert_matches_sequential(result, where)
+        assert result["groupgrad"]["untouched"], where
         flags = result["groupgrad"]["grad_added"]
+        if scenario.get("frozen_experts"):  # no expert weight trains: no main_grad, no flag
+            assert flags == {}, where
+            assert not any(".experts." in f".{n}" for n in result["groupgrad"]["main_grad"])
+            continue
         assert flags, where
         wanted = scenario.get("fusion", False)
         assert set(flags.values()) == {wanted}, (

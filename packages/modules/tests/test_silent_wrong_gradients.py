@@ -710,10 +710,12 @@ def test_a_backward_dw_that_raises_gives_every_held_hook_back_to_autograd(
             raise KeyError(f"a {where} failed")
 
     for name, param in module.named_parameters():
+
         def hook(p: torch.Tensor, name: str = name) -> None:
             calls[name] = calls.get(name, 0) + 1
             if where == "hook":
                 fail_once()
+
         param.register_post_accumulate_grad_hook(hook)
     if where == "gemm":
         run = ReadyWgrad.run
@@ -824,7 +826,9 @@ def test_a_backward_for_the_input_only_leaves_main_grad_alone(
     assert float(dx.abs().sum()) > 0
     assert all(not w.main_grad.any() for w in weights)
     assert all(w.grad is None for w in weights)
-    if delay:  # nothing was queued: backward_dw() has no job
+    if delay:  # nothing was queued: the backward_dw() after it runs nothing, a second raises
+        layer.backward_dw()  # type: ignore[operator]
+        assert all(not w.main_grad.any() for w in weights)
         with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
             layer.backward_dw()  # type: ignore[operator]
     # the same layer's full backward still writes every main_grad, once
@@ -832,6 +836,24 @@ def test_a_backward_for_the_input_only_leaves_main_grad_alone(
     if delay:
         layer.backward_dw()  # type: ignore[operator]
     assert all(w.main_grad.any() for w in weights)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_backward_dw_after_a_backward_with_every_weight_frozen_runs_nothing(kind: str) -> None:
+    # Catches: backward_dw() raising "no backward has queued" after a backward whose layer had
+    # every weight frozen (a fine-tune of the router and attention only): Megatron's delayed
+    # wgrad schedule calls it once after each backward, and training stopped at step 1.
+    layer, weights = _writing_main_grads(kind, delay=True)
+    for param in layer.parameters():
+        param.requires_grad_(False)
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=52).requires_grad_()
+    for _ in range(2):
+        layer(x, SPLITS).square().sum().backward()
+        layer.backward_dw()  # type: ignore[operator]
+    assert x.grad is not None and x.grad.any()
+    assert all(not w.main_grad.any() and w.grad is None for w in weights)
+    with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
+        layer.backward_dw()  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_fp8"])

@@ -42,6 +42,9 @@ class WgradQueue:
     def __init__(self) -> None:
         self._jobs: collections.deque[list[DeferredWgrad]] = collections.deque()
         self._last_task = -1  # the autograd graph task that pushed the newest job
+        # the newest backward through the layer deferred nothing (all its weights frozen, or
+        # it asked for the input's gradient only), and no backward_dw() has answered it yet
+        self._idle_backward = False
         self.number = next(WgradQueue._count)
         """This queue's registry number: how a compiled graph names it (a constant)."""
         WgradQueue._registry[self.number] = self
@@ -71,8 +74,10 @@ class WgradQueue:
         return (WgradQueue, ())
 
     def push(self, job: list[DeferredWgrad]) -> None:
-        """Queue the deferred wgrads of one backward (nothing for an empty job): added to
-        the newest job when the same backward (``_tasks.same_backward``) pushed it."""
+        """Queue the deferred wgrads of one backward: added to the newest job when the same
+        backward (``_tasks.same_backward``) pushed it. An empty job queues nothing; the
+        ``backward_dw()`` that follows it has nothing to run (and does not raise)."""
+        self._idle_backward = not job
         if not job:
             return
         task = running_task()
@@ -98,11 +103,16 @@ class WgradQueue:
         goes back), as a failed backward loses its gradients.
 
         Raises:
-            RuntimeError: No backward has queued anything, or an operand of
-                the oldest job was modified in place since its backward.
+            RuntimeError: No backward has queued anything (and the newest
+                backward through the layer was not one that deferred
+                nothing), or an operand of the oldest job was modified in
+                place since its backward.
             ValueError, TypeError, RuntimeError: A ``main_grad`` check refused
                 the job (it stays queued).
         """
+        if not self._jobs and self._idle_backward:  # every weight frozen: nothing to run
+            self._idle_backward = False
+            return
         if not self._jobs:
             raise RuntimeError(
                 f"{owner}.backward_dw() was called but no backward has queued a weight "

@@ -850,7 +850,8 @@ def test_backward_dw_after_a_backward_with_every_weight_frozen_runs_nothing(kind
     for _ in range(2):
         layer(x, SPLITS).square().sum().backward()
         layer.backward_dw()  # type: ignore[operator]
-    assert x.grad is not None and x.grad.any()
+    assert x.grad is not None
+    assert x.grad.any()
     assert all(not w.main_grad.any() and w.grad is None for w in weights)
     with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
         layer.backward_dw()  # type: ignore[operator]

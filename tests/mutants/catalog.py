@@ -1662,4 +1662,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "            return\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "unfused-moe-act-without-te-unchecked",
+        "Megatron's TEGroupedMLP with groupgrad linears is built with 'moe_act' recompute and "
+        "no Transformer Engine, and stops at the first forward with a NameError",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_config.py",
+        '    if getattr(config, "recompute_granularity", None) != "selective" or "moe_act" not in modules:',
+        "    if True:",
+        ("integrations/megatron_core/tests/test_specs_and_config.py",),
+    ),
 )

@@ -195,6 +195,20 @@ def test_fp4_is_refused() -> None:
         _linear(GroupgradColumnParallelGroupedLinear, config)
 
 
+def test_moe_act_recompute_without_transformer_engine_is_refused_for_megatrons_layer() -> None:
+    # Catches: TEGroupedMLP with groupgrad linears built with 'moe_act' recompute and no
+    # Transformer Engine, failing at the first forward with NameError: FP8GlobalStateManager.
+    config = _config(
+        recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^GroupgradColumnParallelGroupedLinear: recompute_modules holds 'moe_act' .*"
+        r"without Transformer Engine installed .*Use the fused groupgrad experts",
+    ):
+        _linear(GroupgradColumnParallelGroupedLinear, config)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

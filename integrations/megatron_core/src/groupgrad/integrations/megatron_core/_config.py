@@ -17,6 +17,7 @@ __all__ = [
     "check_expert_groups",
     "check_fused_config",
     "check_spec_experts",
+    "check_unfused_recompute",
     "process_groups",
 ]
 
@@ -124,3 +125,33 @@ def check_spec_experts(cls: type, config: Any, owner: str) -> None:
             f"{config.num_moe_experts}; expected the same number (pass the config's "
             "num_moe_experts to the spec helper)"
         )
+
+
+def check_unfused_recompute(config: Any, owner: str) -> None:
+    """Refuse ``moe_act`` recompute in Megatron's ``TEGroupedMLP`` where it cannot run.
+
+    ``TEGroupedMLP`` recomputes the activation through
+    ``tensor_parallel.CheckpointWithoutOutput()``, whose default ``fp8=False``
+    counts as FP8 (``fp8 is not None``) and so reads Transformer Engine's FP8
+    state: without Transformer Engine the first forward fails with
+    ``NameError: FP8GlobalStateManager`` (megatron-core 0.16 and 0.19).
+
+    Raises:
+        ValueError: ``"moe_act"`` in ``recompute_modules`` with
+            ``recompute_granularity="selective"``, and that class would read
+            Transformer Engine's state without Transformer Engine installed.
+    """
+    modules = getattr(config, "recompute_modules", None) or ()
+    if getattr(config, "recompute_granularity", None) != "selective" or "moe_act" not in modules:
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if getattr(tp_random, "HAVE_TE", False) or not tp_random.CheckpointWithoutOutput().fp8:
+        return
+    raise ValueError(
+        f"{owner}: recompute_modules holds 'moe_act' (recompute_granularity='selective'), "
+        "which Megatron's TEGroupedMLP runs through tensor_parallel.CheckpointWithoutOutput; "
+        "without Transformer Engine installed that fails at the first forward (NameError: "
+        "FP8GlobalStateManager). Use the fused groupgrad experts (fused=True: they keep fc1's "
+        "output and recompute the activation in backward anyway), or drop 'moe_act'"
+    )

@@ -32,6 +32,7 @@ from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
     check_expert_groups,
     check_spec_experts,
+    check_unfused_recompute,
     process_groups,
 )
 from groupgrad.integrations.megatron_core._fp8 import refuse_unfused_fp8
@@ -131,6 +132,7 @@ class GroupgradGroupedLinear(GroupedLinear):
             )
         check_expert_config(config, owner)
         refuse_unfused_fp8(config, owner)
+        check_unfused_recompute(config, owner)
         check_spec_experts(type(self), config, owner)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)

@@ -1671,4 +1671,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if True:",
         ("integrations/megatron_core/tests/test_specs_and_config.py",),
     ),
+    Mutant(
+        "ddp-delay-unrefused",
+        "a delayed layer inside PyTorch's DistributedDataParallel runs: backward_dw() delivers "
+        "each rank's own weight gradient, never averaged",
+        "packages/modules/src/groupgrad/modules/_base.py",
+        "    if weights:\n        raise RuntimeError(",
+        "    if False:\n        raise RuntimeError(",
+        (f"{MODULES}/test_ddp.py",),
+    ),
+    Mutant(
+        "ddp-delay-refused-for-ignored-weights",
+        "a delayed layer whose weights DDP ignores (the user reduces them) is refused all the same",
+        "packages/modules/src/groupgrad/modules/_base.py",
+        "        weights = [(name, p) for name, p in weights if id(p) in ids]\n",
+        "",
+        (f"{MODULES}/test_ddp.py",),
+    ),
+    Mutant(
+        "backward-dw-after-forward-without-grad-raises",
+        "a delayed layer whose forward needed no grad (every weight frozen, an input that needs "
+        "none) has its backward_dw() raise 'no backward has queued'",
+        "packages/modules/src/groupgrad/modules/_base.py",
+        "        if self.delay_wgrad_compute and torch.is_grad_enabled() and not out.requires_grad:",
+        "        if False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
 )

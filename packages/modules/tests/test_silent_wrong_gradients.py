@@ -838,20 +838,25 @@ def test_a_backward_for_the_input_only_leaves_main_grad_alone(
     assert all(w.main_grad.any() for w in weights)
 
 
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_backward_dw_after_a_backward_with_every_weight_frozen_runs_nothing(kind: str) -> None:
+def test_backward_dw_after_a_backward_with_every_weight_frozen_runs_nothing(
+    kind: str, input_grad: bool
+) -> None:
     # Catches: backward_dw() raising "no backward has queued" after a backward whose layer had
-    # every weight frozen (a fine-tune of the router and attention only): Megatron's delayed
-    # wgrad schedule calls it once after each backward, and training stopped at step 1.
+    # every weight frozen (a fine-tune of the router only): Megatron's delayed wgrad schedule
+    # calls it once after each backward, and training stopped at step 1. Without an input
+    # that needs grad (the first layer of such a fine-tune) no backward reaches the layer.
     layer, weights = _writing_main_grads(kind, delay=True)
     for param in layer.parameters():
         param.requires_grad_(False)
-    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=52).requires_grad_()
+    x = _randn(sum(SPLITS), weights[0].shape[-1], seed=52).requires_grad_(input_grad)
+    head = torch.ones((), requires_grad=True)  # a trainable parameter after the layer
     for _ in range(2):
-        layer(x, SPLITS).square().sum().backward()
+        (layer(x, SPLITS).square().sum() * head).backward()
         layer.backward_dw()  # type: ignore[operator]
-    assert x.grad is not None
-    assert x.grad.any()
+    assert head.grad is not None
+    assert (x.grad is not None) == input_grad
     assert all(not w.main_grad.any() and w.grad is None for w in weights)
     with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
         layer.backward_dw()  # type: ignore[operator]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from groupgrad.modules._wgrad_queue import WgradQueue
 
@@ -37,8 +39,24 @@ class GroupedModule(nn.Module):
         self._wgrad_queue = WgradQueue()
 
     def _forward_queue(self) -> WgradQueue | None:
-        """Where a forward's backward queues its wgrads: the queue when delayed, else ``None``."""
-        return self._wgrad_queue if self.delay_wgrad_compute else None
+        """Where a forward's backward queues its wgrads: the queue when delayed, else ``None``.
+
+        Raises:
+            RuntimeError: Delayed inside the forward of PyTorch's
+                ``DistributedDataParallel`` that averages a weight of this layer.
+        """
+        if not self.delay_wgrad_compute:
+            return None
+        _refuse_delay_under_ddp(self)
+        return self._wgrad_queue
+
+    def _after_forward(self, out: Tensor) -> Tensor:
+        """``out``. Delayed, with grad mode on and nothing of the forward requiring grad
+        (every weight frozen, an input that needs none), no backward reaches the layer to
+        queue a job: the ``backward_dw()`` after the step's backward runs nothing."""
+        if self.delay_wgrad_compute and torch.is_grad_enabled() and not out.requires_grad:
+            self._wgrad_queue.nothing_deferred()
+        return out
 
     def backward_dw(self) -> None:
         """Run the weight-gradient GEMMs that one backward deferred (oldest first).
@@ -62,3 +80,31 @@ class GroupedModule(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{label}={getattr(self, name)!r}" for label, name in self._repr_fields)
+
+
+def _refuse_delay_under_ddp(module: nn.Module) -> None:
+    """Refuse ``delay_wgrad_compute`` where PyTorch's DDP averages the layer's weights: DDP
+    reduces a gradient when autograd produces it, in backward; a delayed one lands later, in
+    ``backward_dw()``, and no rank would ever see the others' (silently, each rank kept its
+    own). Traced, every parameter of the DDP module counts as averaged."""
+    ddp = DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return
+    weights = [
+        (name, p)
+        for name, p in module.named_parameters()
+        if p.requires_grad and "weight" in name.rsplit(".", 1)[-1]
+    ]
+    if not torch.compiler.is_compiling():
+        averaged = getattr(ddp, "_module_parameters", None) or list(ddp.module.parameters())
+        ids = {id(p) for p in averaged}
+        weights = [(name, p) for name, p in weights if id(p) in ids]
+    if weights:
+        raise RuntimeError(
+            f"{type(module).__name__} has delay_wgrad_compute=True inside "
+            "torch.nn.parallel.DistributedDataParallel, which averages each gradient when "
+            "autograd produces it, in backward; a delayed weight gradient lands later, in "
+            f"backward_dw(), and would never be averaged over the ranks ({weights[0][0]!r} "
+            "among others). Set delay_wgrad_compute=False under DDP, or list the layer's "
+            "weights in DDP's parameters to ignore and reduce them yourself"
+        )

@@ -214,7 +214,7 @@ class GroupedLinear(GroupedModule):
             keep_weights=keeps_weights_for_backward(self),
         )
         weights, biases = self.current_parameters()
-        return apply_grouped_linear(
+        out = apply_grouped_linear(
             x,
             splits,
             self.group_spec(checks_versions=checks_weight_versions(self)),
@@ -223,3 +223,4 @@ class GroupedLinear(GroupedModule):
             len(biases),
             fp8,
         )
+        return self._after_forward(out)

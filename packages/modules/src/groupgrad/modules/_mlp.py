@@ -223,4 +223,5 @@ class GroupedMLP(GroupedModule):
         )
         layout = MLPLayout(fc1, fc2, num_weights=len(fc1_weights), num_biases=len(fc1_biases))
         params = [*fc1_weights, *fc1_biases, *fc2_weights, *fc2_biases]
-        return apply_grouped_mlp(x, splits, probs, layout, self._forward_queue(), params, forms)
+        out = apply_grouped_mlp(x, splits, probs, layout, self._forward_queue(), params, forms)
+        return self._after_forward(out)

@@ -73,6 +73,11 @@ class WgradQueue:
         """A copy or unpickled module gets a fresh, empty queue of its own number."""
         return (WgradQueue, ())
 
+    def nothing_deferred(self) -> None:
+        """A step's backward reaches the layer with nothing to defer, or not at all (see
+        ``GroupedModule._after_forward``): the ``backward_dw()`` after it runs nothing."""
+        self._idle_backward = True
+
     def push(self, job: list[DeferredWgrad]) -> None:
         """Queue the deferred wgrads of one backward: added to the newest job when the same
         backward (``_tasks.same_backward``) pushed it. An empty job queues nothing; the

@@ -1697,4 +1697,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "fsdp2-flag-switched-after-sharding-unchecked",
+        "delay_wgrad_compute or accumulate_into_main_grad switched on after fully_shard: the "
+        "weight gradient misses FSDP2's reduce-scatter (the sharded .grad stays None)",
+        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_shard.py",
+        "    if layers := groupgrad_layers(modules):",
+        "    if False:",
+        ("integrations/fsdp2/tests/test_validation.py",),
+    ),
 )

@@ -81,6 +81,27 @@ def test_layer_options_fsdp2_cannot_serve(options: dict[str, Any], match: str) -
     assert _unsharded(block)
 
 
+@pytest.mark.parametrize(
+    ("flag", "match"),
+    [
+        ("accumulate_into_main_grad", r"GroupedMLP 'mlp' has accumulate_into_main_grad=True"),
+        ("delay_wgrad_compute", r"GroupedMLP 'mlp' has delay_wgrad_compute=True, expected False"),
+    ],
+)
+def test_a_layer_flag_switched_on_after_sharding_is_refused_at_the_next_forward(
+    flag: str, match: str
+) -> None:
+    # Catches: delay_wgrad_compute switched on after fully_shard: backward_dw() wrote the
+    # unsharded weights' gradient after FSDP2's reduce-scatter, the sharded .grad stayed None.
+    block = Block()
+    fully_shard(block, mp_policy=BF16_FP32)
+    x, splits = torch.randn(6, 8), [2, 0, 4]
+    block(x, splits).float().sum().backward()  # the setup as sharded trains
+    setattr(block.mlp, flag, True)
+    with pytest.raises(ValueError, match=match):
+        block(x, splits)
+
+
 def _fc2_switched_to_main_grad_later() -> nn.Module:
     block = Block()
     block.mlp.fc2.accumulate_into_main_grad = True

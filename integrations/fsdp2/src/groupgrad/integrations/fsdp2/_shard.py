@@ -16,6 +16,7 @@ from groupgrad.integrations.fsdp2._route import (
 )
 from groupgrad.integrations.fsdp2._validate import (
     UNIT_MARK,
+    LayerFlags,
     check_grad_dtype_support,
     check_layers,
     check_modules,
@@ -23,6 +24,7 @@ from groupgrad.integrations.fsdp2._validate import (
     check_plain_parameters,
     check_reduce_dtype,
     check_uniform_dtype,
+    groupgrad_layers,
     mp_policy_of,
     unit_members,
 )
@@ -121,6 +123,10 @@ def fully_shard(
         fresh = FreshFp8Weights(fp8)
         for sub in modules:
             sub.register_forward_pre_hook(fresh)
+    if layers := groupgrad_layers(modules):
+        flags = LayerFlags(layers)
+        for sub in modules:
+            sub.register_forward_pre_hook(flags)
     for sub in modules:
         setattr(sub, UNIT_MARK, reduce_dtype)
     return sharded

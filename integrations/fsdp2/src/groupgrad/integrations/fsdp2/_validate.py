@@ -21,7 +21,9 @@ from groupgrad.protocol import MAIN_GRAD_DTYPES, is_distributed_weight
 
 __all__ = [
     "UNIT_MARK",
+    "LayerFlags",
     "check_grad_dtype_support",
+    "check_layer_flags",
     "check_layers",
     "check_modules",
     "check_nested_units",
@@ -29,6 +31,7 @@ __all__ = [
     "check_reduce_dtype",
     "check_uniform_dtype",
     "compute_dtype",
+    "groupgrad_layers",
     "mp_policy_of",
     "unit_members",
 ]
@@ -163,6 +166,54 @@ def check_nested_units(modules: Sequence[nn.Module]) -> None:
             )
 
 
+def check_layer_flags(layer: GroupedLinear | GroupedMLP, label: str) -> None:
+    """Reject the flags of a groupgrad layer FSDP2 cannot serve (at setup, and at each forward
+    of its unit: :class:`LayerFlags`, since a flag may be switched on later).
+
+    Raises:
+        ValueError: ``accumulate_into_main_grad`` or ``delay_wgrad_compute`` is on.
+    """
+    kind = type(layer).__name__
+    if layer.accumulate_into_main_grad:
+        raise ValueError(
+            f"{kind} {label!r} has accumulate_into_main_grad=True, expected False under "
+            "FSDP2: FSDP2 reduce-scatters .grad and gives its unsharded parameters no "
+            "main_grad; the weight gradient reaches .grad in mp_policy.reduce_dtype straight "
+            "from the GEMM without it"
+        )
+    if layer.delay_wgrad_compute:
+        raise ValueError(
+            f"{kind} {label!r} has delay_wgrad_compute=True, expected False under FSDP2: "
+            "FSDP2 reduce-scatters a unit's gradients when its backward ends, before "
+            "backward_dw() could write the weight gradients"
+        )
+
+
+class LayerFlags:
+    """Forward pre-hook of an FSDP2 unit: :func:`check_layer_flags` on its groupgrad layers
+    again (a flag switched on after ``fully_shard`` would lose or misroute the gradient).
+
+    Args:
+        layers: ``(label, layer)`` of the unit's groupgrad layers.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, GroupedLinear | GroupedMLP]]) -> None:
+        self.layers = list(layers)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for label, layer in self.layers:
+            check_layer_flags(layer, label)
+
+
+def groupgrad_layers(modules: Sequence[nn.Module]) -> list[tuple[str, GroupedLinear | GroupedMLP]]:
+    """``(label, layer)`` of every groupgrad layer in the unit ``modules``."""
+    return [
+        (_label(name), sub)
+        for name, sub in unit_members(modules)
+        if isinstance(sub, GROUPGRAD_LAYERS)
+    ]
+
+
 def check_layers(modules: Sequence[nn.Module]) -> None:
     """Reject groupgrad layers set up in a way FSDP2 cannot serve.
 
@@ -189,19 +240,7 @@ def check_layers(modules: Sequence[nn.Module]) -> None:
         if not isinstance(sub, GROUPGRAD_LAYERS):
             continue
         kind, label = type(sub).__name__, _label(name)
-        if sub.accumulate_into_main_grad:
-            raise ValueError(
-                f"{kind} {label!r} has accumulate_into_main_grad=True, expected False under "
-                "FSDP2: FSDP2 reduce-scatters .grad and gives its unsharded parameters no "
-                "main_grad; the weight gradient reaches .grad in mp_policy.reduce_dtype straight "
-                "from the GEMM without it"
-            )
-        if sub.delay_wgrad_compute:
-            raise ValueError(
-                f"{kind} {label!r} has delay_wgrad_compute=True, expected False under FSDP2: "
-                "FSDP2 reduce-scatters a unit's gradients when its backward ends, before "
-                "backward_dw() could write the weight gradients"
-            )
+        check_layer_flags(sub, label)
         for param_name, param in sub.named_parameters():
             inner = _inner_unit(sub, param_name)
             if inner:

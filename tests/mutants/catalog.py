@@ -1706,4 +1706,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:",
         ("integrations/fsdp2/tests/test_validation.py",),
     ),
+    Mutant(
+        "masters-state-not-restored",
+        "MasterWeights.load_state_dict copies nothing: a resumed run restarts from other fp32 "
+        "masters than the saved ones",
+        "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed/_master.py",
+        "        for value, master in zip(saved, self.master_params, strict=True):\n            master.copy_(value)",
+        "        pass",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "masters-of-another-rank-loaded",
+        "MasterWeights.load_state_dict takes another rank's file (same shapes, other rows)",
+        "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed/_master.py",
+        '        if state["rank"] != rank:',
+        "        if False:",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
 )

@@ -201,6 +201,65 @@ def run_masters(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     }
 
 
+def run_masters_resume(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """bf16 shards and fp32 masters with AdamW: 2 steps, against 1 step, a checkpoint (model,
+    masters and optimizer, ``torch.save`` per rank), a fresh model loading it, 1 step."""
+    E, K, N = cfg["experts"], cfg["in_features"], cfg["out_features"]
+    folder = Path(cfg["folder"])
+
+    def build(seed: int) -> tuple[GroupedLinear, td.MasterWeights, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        layer = GroupedLinear(E, K, N, bias=False, dtype=torch.bfloat16, device=rank.device)
+        td.shard_expert_weights(layer)
+        masters = td.MasterWeights(p for _, p in td.named_sharded_parameters(layer))
+        optimizer = torch.optim.AdamW(masters.parameters(), lr=cfg["lr"], weight_decay=0.1)
+        return layer, masters, optimizer
+
+    def step(layer: GroupedLinear, masters: td.MasterWeights, opt: Any, seed: int) -> None:
+        data = torch.Generator().manual_seed(seed * 100 + rank.rank)
+        x = torch.randn(cfg["tokens"], K, generator=data).to(rank.device, torch.bfloat16)
+        dy = torch.randn(cfg["tokens"], N, generator=data).to(rank.device, torch.bfloat16)
+        layer(x, cfg["splits"]).backward(dy)
+        masters.step(opt)
+
+    def state(layer: GroupedLinear, masters: td.MasterWeights) -> dict[str, Any]:
+        shards = [cpu(p) for _, p in td.named_sharded_parameters(layer)]
+        return {"shards": shards, "masters": [cpu(m) for m in masters.parameters()]}
+
+    straight = build(cfg["seed"])
+    for seed in (1, 2):
+        step(*straight, seed)
+    first = build(cfg["seed"])
+    step(*first, 1)
+    layer, masters, optimizer = first
+    saved = state(layer, masters)
+    path = folder / f"masters-rank{rank.rank}.pt"
+    torch.save(
+        {"model": layer.state_dict(), "masters": masters.state_dict(),
+         "optimizer": optimizer.state_dict()},
+        path,
+    )  # fmt: skip
+    dist.barrier()
+    resumed = build(cfg["seed"] + 1)  # other initial weights: everything must come from the file
+    checkpoint = torch.load(path, map_location=rank.device, weights_only=False)
+    resumed[0].load_state_dict(checkpoint["model"])
+    resumed[1].load_state_dict(checkpoint["masters"])
+    resumed[2].load_state_dict(checkpoint["optimizer"])
+    step(*resumed, 2)
+    other = torch.load(folder / f"masters-rank{1 - rank.rank}.pt", weights_only=False)
+    try:
+        resumed[1].load_state_dict(other["masters"])
+        other_error = None
+    except ValueError as error:
+        other_error = str(error)
+    return {
+        "saved": saved,
+        "straight": state(*straight[:2]),
+        "resumed": state(*resumed[:2]),
+        "other_file_error": other_error,
+    }
+
+
 def run_frozen(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     """Frozen members of a sharded group: never written, need no main_grad, get ``None``."""
     torch.manual_seed(cfg["seed"])
@@ -323,6 +382,7 @@ KINDS: dict[str, Callable[[dict[str, Any], Rank], dict[str, Any]]] = {
     "ddp": run_ddp,
     "ddp_root_layer": run_ddp_root_layer,
     "masters": run_masters,
+    "masters_resume": run_masters_resume,
     "frozen": run_frozen,
     "checkpoint_save": run_checkpoint_save,
     "checkpoint_load": run_checkpoint_load,

@@ -247,6 +247,21 @@ CASES = [
          r"\(3, 4\)"),
     Case("masters/dtype", _sharded, lambda m: MasterWeights(_params(m), dtype=torch.int32),
          ValueError, r"dtype is torch.int32, expected a floating-point torch.dtype"),
+    Case("masters/load-keys", _sharded,
+         lambda m: MasterWeights(_params(m)).load_state_dict({"masters": []}), ValueError,
+         r"state has \['masters'\], expected MasterWeights\.state_dict\(\)'s 'masters' and "
+         r"'rank'"),
+    Case("masters/load-count", _sharded,
+         lambda m: MasterWeights(_params(m)).load_state_dict({"rank": dist.get_rank(), "masters": []}),
+         ValueError, r"state holds 0 masters, expected 3"),
+    Case("masters/load-shape", _sharded,
+         lambda m: MasterWeights(_params(m)).load_state_dict(
+             {"rank": dist.get_rank(), "masters": [torch.zeros(N, K)] * 3}),
+         ValueError, r"state's masters\[0\] has shape \(6, 4\), expected \(3, 4\)"),
+    Case("masters/load-rank", _sharded,
+         lambda m: MasterWeights(_params(m)).load_state_dict(
+             {"rank": 1 - dist.get_rank(), "masters": []}),
+         ValueError, r"state holds rank (\d)'s masters, this is rank (?!\1)\d: each rank loads"),
     # the shard group's reduction, before its collective
     Case("reduce/wgrads-count", _sharded,
          lambda m: _group(m).reduce_scatter_grads([torch.zeros(N, K)] * 2), ValueError,

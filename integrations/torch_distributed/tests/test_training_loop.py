@@ -26,6 +26,7 @@ independent single-process references (``loop_reference.py``):
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,14 @@ def _checkpoints(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return save, load
 
 
+def _masters_resume(folder: Path) -> dict[str, Any]:
+    return {"name": "masters-resume", "kind": "masters_resume", "seed": 8, "experts": 3,
+            "in_features": 8, "out_features": 12, "tokens": 12, "splits": [5, 0, 7], "lr": 1e-3,
+            "folder": str(folder)}  # fmt: skip
+
+
 def _two_rank_scenarios(folder: Path) -> list[dict[str, Any]]:
-    return [*DDP, ROOT_LAYER, *MASTERS, *FROZEN, *_checkpoints(folder)]
+    return [*DDP, ROOT_LAYER, *MASTERS, *FROZEN, *_checkpoints(folder), _masters_resume(folder)]
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +189,26 @@ def test_fp32_master_weights_with_adamw_match_the_fp32_reference(
     runs: Launches, cfg: dict[str, Any]
 ) -> None:
     check_master_weights(runs(2), cfg)
+
+
+def test_a_resume_from_masters_state_dict_continues_bit_for_bit(runs: Launches) -> None:
+    # Catches: a resume that restarts the fp32 masters from the bf16 shards (the README's
+    # recipe was copy_from_model()): the low bits rounding dropped are lost, and the next steps
+    # differ from the run that never stopped.
+    for rank, result in enumerate(runs(2)["masters-resume"]):
+        where = f"rank {rank}"
+        saved = result["saved"]
+        assert any(  # the masters hold more than the shards: copy_from_model() would lose it
+            not torch.equal(m, s.float())
+            for m, s in zip(saved["masters"], saved["shards"], strict=True)
+        ), where
+        for part in ("shards", "masters"):
+            for got, want in zip(result["resumed"][part], result["straight"][part], strict=True):
+                assert torch.equal(got, want), f"{where}: resumed {part} differ"
+        assert re.match(
+            rf"state holds rank {1 - rank}'s masters, this is rank {rank}",
+            result["other_file_error"],
+        ), where
 
 
 # --- frozen members ---------------------------------------------------------------------------

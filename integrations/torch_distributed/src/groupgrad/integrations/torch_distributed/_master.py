@@ -10,9 +10,11 @@ an fp32 copy of every shard (the *master* weight), lets a plain
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from groupgrad.protocol import main_grad_or_none, takes_grad_added_flag
@@ -34,8 +36,12 @@ class MasterWeights:
     :meth:`copy_to_model`, :meth:`zero_main_grad`.
 
     Only the parameters given here are touched; the optimizer's other
-    parameters keep their own ``.grad``. After loading a checkpoint into the
-    model, call :meth:`copy_from_model` to refresh the masters.
+    parameters keep their own ``.grad``. Checkpoints: the model's state holds
+    the rounded (bf16) shards, not the fp32 masters; save :meth:`state_dict`
+    with the optimizer's state, per rank, and resume with
+    :meth:`load_state_dict` (bit for bit). :meth:`copy_from_model` restarts
+    the masters from the model's values instead (e.g. after loading a
+    checkpoint that has no masters), losing what rounding dropped.
 
     Args:
         params: The model parameters, each with a ``main_grad`` of its shape
@@ -117,6 +123,48 @@ class MasterWeights:
         """Refresh every master from its model parameter (e.g. after loading a checkpoint)."""
         for param, master in zip(self.model_params, self.master_params, strict=True):
             master.copy_(param)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's masters (the tensors themselves) and the rank that holds them, for
+        ``torch.save`` beside the optimizer's state: one file per rank, since each rank's
+        masters are its own shards. Not for ``torch.distributed.checkpoint``, which takes
+        plain tensors as the same on every rank and keeps one rank's."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {"rank": rank, "masters": [master.detach() for master in self.master_params]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy the masters of :meth:`state_dict` back (the model is not touched).
+
+        Raises:
+            ValueError: ``state`` is not such a dict; it holds another number of
+                masters, or one of another shape; it was saved by another rank.
+                Nothing is copied then.
+        """
+        if not isinstance(state, Mapping) or set(state) != {"rank", "masters"}:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"state has {keys}, expected MasterWeights.state_dict()'s 'masters' and 'rank'"
+            )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if state["rank"] != rank:
+            raise ValueError(
+                f"state holds rank {state['rank']}'s masters, this is rank {rank}: each rank "
+                "loads the file it saved (the masters are its own shards)"
+            )
+        saved = list(state["masters"])
+        if len(saved) != len(self.master_params):
+            raise ValueError(
+                f"state holds {len(saved)} masters, expected {len(self.master_params)}"
+            )
+        for index, (value, master) in enumerate(zip(saved, self.master_params, strict=True)):
+            if not isinstance(value, Tensor) or value.shape != master.shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"state's masters[{index}] has shape {got}, expected {tuple(master.shape)}"
+                )
+        for value, master in zip(saved, self.master_params, strict=True):
+            master.copy_(value)
 
     @torch.no_grad()
     def zero_main_grad(self) -> None:

@@ -134,9 +134,9 @@ CASES = [
     # Catches: a sparse, mkldnn or nested operand reaching torch's internals (an error about
     # data pointers or strides) or the reference kernel, unnamed.
     Case("x-sparse-csr", "fprop", lambda a: a.update(x=a["x"].float().to_sparse_csr()), TypeError,
-         r"^x is a torch\.sparse_csr tensor, expected a dense \(torch\.strided\) tensor"),
+         r"^x is a torch\.sparse_csr tensor, expected a dense \(torch\.strided\) one"),
     Case("x-nested", "fprop", lambda a: a.update(x=torch.nested.nested_tensor([a["x"], a["x"]])),
-         TypeError, r"^x is a nested tensor, expected a dense \(torch\.strided\) tensor"),
+         TypeError, r"^x is a nested tensor, expected a dense \(torch\.strided\) one"),
     Case("wgrad-x-mkldnn", "wgrad", lambda a: a.update(x=a["x"].float().to_mkldnn()), TypeError,
          r"^x is a torch\._mkldnn tensor, expected a dense"),
     Case("weights-sparse", "fprop", lambda a: a.update(weights=a["weights"].to_sparse()),

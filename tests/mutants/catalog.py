@@ -536,8 +536,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "weights, out or splits given as a set (no expert order), a dict or a generator (read "
         "once, returned spent) are taken: experts get each other's weights",
         _RULES,
-        "        value, str | bytes | Set | Mapping | Iterator",
-        "        value, str | bytes",
+        "    unordered = str | bytes | Set | Mapping | Iterator",
+        "    unordered = str | bytes",
         (f"{KERNELS}/test_validation.py", f"{KERNELS}/test_fp8_quant.py"),
     ),
     Mutant(

@@ -170,25 +170,21 @@ def ordered_collection(value: object) -> TypeGuard[Iterable[Any]]:
     """Whether ``value`` may hold a group's members or the token counts: iterable in a fixed
     order, again and again (a list, a tuple, an ``nn.ParameterList``, a NumPy array) — not a
     set or a dict (their order is not the experts'), a generator (read once) or a string."""
-    return isinstance(value, Iterable) and not isinstance(
-        value, str | bytes | Set | Mapping | Iterator
-    )
+    unordered = str | bytes | Set | Mapping | Iterator
+    return isinstance(value, Iterable) and not isinstance(value, unordered)
 
 
 def dense(t: Tensor) -> bool:
-    """Whether ``t`` is a dense strided tensor (not sparse, mkldnn or nested). Traced code
-    is not asked: Dynamo refuses to read ``layout`` in a traced backward, and a compiled
-    graph's tensors are dense."""
+    """Not sparse, mkldnn or nested (traced, not asked: Dynamo refuses ``layout`` there)."""
     return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)
 
 
 def tensor_arg(name: str, value: object) -> Tensor:
-    """``value`` if it is a dense strided tensor (not sparse, mkldnn or nested)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not dense(value):
-        what = "nested" if value.is_nested else value.layout
-        raise TypeError(f"{name} is a {what} tensor, expected a dense (torch.strided) tensor")
+        kind = "nested" if value.is_nested else value.layout
+        raise TypeError(f"{name} is a {kind} tensor, expected a dense (torch.strided) one")
     return value
 
 

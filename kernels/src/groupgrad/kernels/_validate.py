@@ -9,11 +9,8 @@ a rejected call leaves ``out`` untouched, and gets back a :class:`GroupedCall` o
 the end of this module, beside the FP8 calls, their only users. Problems raise
 ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, layout, token
 counts, overlap) naming the argument — as the caller named it, through ``names`` — its
-value and what was expected.
-
-Each rule has one form: one combined cheap test that accepts the common case
-(plain contiguous tensors on one device, a packed group, integer ``splits``, a
-sealed ``Fp8Blocks``) and, only when it fails, the checks that name the misfit.
+value and what was expected. Each rule has one form (see ``_rules``; a sealed
+``Fp8Blocks`` passes the FP8 rules' cheap test).
 
 What is checked for ``splits`` depends on where it lives:
 
@@ -256,12 +253,7 @@ def _host_offsets_counts(name: str, value: Fp8Blocks, starts: list[int]) -> list
     for part, want in (("seg_offsets", seg), ("block_offsets", block)):
         got = getattr(value, part)
         if not (isinstance(got, Tensor) and got.device == want.device and torch.equal(got, want)):
-            if not isinstance(got, Tensor):
-                shown = f"a {type(got).__name__} ({got!r})"
-            else:
-                shown = f"{got.tolist()}" + (
-                    "" if got.device == want.device else f" on {got.device}"
-                )
+            shown = got.tolist() if isinstance(got, Tensor) else f"a {type(got).__name__} ({got!r})"
             raise ValueError(
                 f"{name}.{part} is {shown}, expected the tensor {want.tolist()} on cpu from its "
                 "row_offsets (the layout quantize_fp8 writes)"

@@ -635,8 +635,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a delayed layer used twice with overwrite_main_grad: backward_dw()'s second GEMM "
         "overwrites the first's in main_grad",
         "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
-        "                    pending.update(map(id, entry.target.params))",
-        "                    pending.update(())",
+        "                pending.update(map(id, entry.target.params))",
+        "                pending.update(())",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1340,8 +1340,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a backward_dw() refused by a main_grad check drops its job (the gradient lost, the "
         "hooks held for good) instead of keeping it for a retry",
         "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
-        "                self._jobs.appendleft(job)\n                raise",
-        "                raise",
+        "            self._jobs.appendleft(job)\n            raise",
+        "            raise",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1558,8 +1558,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a deferred job whose GEMM or hook raises leaves its GEMMs not run yet queued and "
         "their parameters' hooks held for good",
         "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
-        "                    _drop(job[index + 1 :])\n",
-        "                    pass\n",
+        "                _drop(job[index + 1 :])\n",
+        "                pass\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1722,5 +1722,50 @@ MUTANTS: tuple[Mutant, ...] = (
         '        if state["rank"] != rank:',
         "        if False:",
         (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
+        "fetched-main-grad-ignored",
+        "plan_weight_grads calls get_main_grad() again for a member the caller fetched a "
+        "buffer for in this backward",
+        _PLAN,
+        "    fetched = {i: known[i] if i in known else fetch_main_grad(members[i], labels[i]) for i in live}",
+        "    fetched = {i: fetch_main_grad(members[i], labels[i]) for i in live}",
+        (f"{PROTOCOL}/test_plan.py",),
+    ),
+    Mutant(
+        "get-main-grad-per-gemm",
+        "a layer used twice in one backward calls get_main_grad() for each GEMM: an owner "
+        "handing out a fresh buffer per call gets the second use added into garbage",
+        _WGRAD,
+        "            fetched=fetched_for(self.params, task) if task >= 0 else None,",
+        "            fetched=None,",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "fetched-main-grads-kept-past-backward",
+        "the main_grad buffers a backward took are never forgotten: the next backward writes "
+        "the previous one's buffers instead of calling get_main_grad()",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "            Variable._execution_engine.queue_callback(lambda: _FETCHED.pop(key, None))",
+        "            pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "deferred-fetched-main-grads-leak",
+        "the main_grad buffers a deferred job took are kept after the job ran (one set per "
+        "backward, for as long as the process lives)",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
+        "                forget_fetched(job[0].task)",
+        "                pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "failed-backward-main-grads-kept",
+        "the main_grad buffers a backward took before it raised are kept for good (no callback "
+        "runs for a backward that raised), one set per failed backward",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "        _FETCHED.clear()  # backwards do not overlap",
+        "        pass  # backwards do not overlap",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
 )

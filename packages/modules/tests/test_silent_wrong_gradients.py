@@ -20,6 +20,7 @@ from groupgrad.modules import (
     grouped_mlp,
     routed_grouped_mlp,
 )
+from groupgrad.modules._param_records import _FETCHED
 from groupgrad.modules._wgrad import ReadyWgrad
 from groupgrad.protocol import accumulate_grads_like_autograd
 from groupgrad.protocol.testing import make_fake_group
@@ -731,6 +732,54 @@ def test_a_backward_dw_that_raises_gives_every_held_hook_back_to_autograd(
     module.delay_wgrad_compute = False  # nothing deferred any more: autograd runs the hooks
     module(x, SPLITS).sum().backward()
     assert calls == {name: 1 for name, _ in module.named_parameters()}
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay: bool) -> None:
+    # Catches: a layer used twice in one backward calling get_main_grad() for each GEMM; an
+    # owner that hands out a fresh (uninitialised) buffer per call, as DESIGN allows, got the
+    # second use's gradient added into garbage and lost the first's.
+    layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True,
+                          delay_wgrad_compute=delay)  # fmt: skip
+    handed: dict[str, list[torch.Tensor]] = {}
+    for name, param in layer.named_parameters():
+        param.__fsdp_param__ = True  # type: ignore[attr-defined]
+        param.overwrite_main_grad = True  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+
+        def fresh(p: torch.Tensor = param, name: str = name) -> torch.Tensor:
+            handed.setdefault(name, []).append(torch.full(p.shape, float("nan")))
+            return handed[name][-1]
+
+        param.get_main_grad = fresh  # type: ignore[attr-defined]
+    weights = [w.detach().double().requires_grad_() for w in layer.parameters()]
+    for step in (1, 2):  # the second backward calls the getter again
+        x, dy = _randn(sum(SPLITS), K, seed=60 + step), _randn(sum(SPLITS), K, seed=70 + step)
+        layer(torch.tanh(layer(x, SPLITS)), SPLITS).backward(dy)
+        if delay:
+            layer.backward_dw()
+        twice = _linear_fp64(torch.tanh(_linear_fp64(x, weights, SPLITS)), weights, SPLITS)
+        want = torch.autograd.grad((twice * dy.double()).sum(), weights)
+        for e, name in enumerate(f"weight{e}" for e in range(E)):
+            assert len(handed[name]) == step, (name, step)
+            _close(handed[name][-1], want[e])
+        assert not _FETCHED, "the buffers a backward took outlive it"
+
+
+def test_main_grads_a_failed_backward_took_go_at_the_next_backward() -> None:
+    # Catches: the buffers fc2's plan took kept for good after fc1's plan raised (autograd runs
+    # no queued callback for a backward that raised), one set per failed backward.
+    mlp = GroupedMLP(E, K, 6, accumulate_into_main_grad=True)
+    for param in mlp.parameters():
+        param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
+    missing = mlp.fc1.weight0.main_grad
+    del mlp.fc1.weight0.main_grad
+    x = _randn(sum(SPLITS), K, seed=80)
+    with pytest.raises(RuntimeError, match="main_grad"):
+        mlp(x, SPLITS).sum().backward()
+    mlp.fc1.weight0.main_grad = missing  # type: ignore[attr-defined]
+    mlp(x, SPLITS).sum().backward()
+    assert not _FETCHED
 
 
 def _twice_differentiable_case(op: str) -> tuple[object, torch.Tensor, list[torch.Tensor]]:

@@ -408,6 +408,23 @@ def test_deferred_hooks_run_per_parameter_and_every_hold_goes_back_when_one_rais
         accumulate_grads_like_autograd(params, [None] * 3, run_hooks=[True, True])
 
 
+def test_a_main_grad_an_earlier_plan_fetched_is_taken_without_calling_the_getter() -> None:
+    # Catches: get_main_grad() called again for a member the caller already fetched a buffer
+    # for in this backward (an owner may hand out a fresh buffer per call).
+    params = _params(main_grad=torch.float32)
+    calls: list[int] = []
+    for index, param in enumerate(params):
+        param.__fsdp_param__ = True  # type: ignore[attr-defined]
+        param.get_main_grad = lambda i=index: calls.append(i) or torch.zeros(4, 3)  # type: ignore[attr-defined]
+    known = torch.ones(4, 3)
+    plan = plan_weight_grads(
+        params, shape=(4, 3), compute_dtype=torch.bfloat16, device="cpu",
+        wgrad_into_main_grad=True, fetched={1: known},
+    )  # fmt: skip
+    assert calls == [0, 2]
+    assert plan.buffers[1] is known
+
+
 def test_deferred_distributed_route_hands_autograd_nothing_at_backward() -> None:
     group = make_fake_group([torch.randn(4, 3) for _ in range(2)], main_grad_dtype=torch.float32)
     assert defer_weight_grads(group, wgrad_into_main_grad=True) == [None, None]

@@ -1,6 +1,6 @@
 """Per parameter, what backwards did with its weight gradient (a weight may be in several groups).
 
-Two rules follow one backward per parameter, not per weight group, since a
+Three rules follow one backward per parameter, not per weight group, since a
 weight shared by two layers (or given to two functional calls) is in two
 groups, each with a GEMM of its own:
 
@@ -9,6 +9,8 @@ groups, each with a GEMM of its own:
   :func:`record_written` recorded the GEMMs that ran); a distributed weight's
   implementer delivers each GEMM's gradient itself, so a second one is refused
   (:func:`refuse_distributed_rewrite`);
+* ``get_main_grad()``: called once per backward; its later GEMMs write the
+  buffer the first plan took (:func:`fetched_for`, :func:`record_fetched`);
 * ``delay_wgrad_compute``: a parameter's post-accumulate-grad hooks run after
   the last of one backward's deferred GEMMs into it, whichever module's
   ``backward_dw()`` runs that one (:func:`queue_deferred`,
@@ -24,14 +26,19 @@ import weakref
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
+import torch
 from torch import Tensor
+from torch.autograd import Variable
 
 from groupgrad.modules._tasks import backward_of
 from groupgrad.protocol import WeightGradPlan, overwrites_main_grad
 
 __all__ = [
+    "fetched_for",
+    "forget_fetched",
     "overwrites_of",
     "queue_deferred",
+    "record_fetched",
     "record_written",
     "refuse_distributed_rewrite",
     "unqueue_deferred",
@@ -96,6 +103,40 @@ def record_written(plan: WeightGradPlan, task: int) -> None:
             if id(param) not in _WRITTEN_FOR:
                 weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)
             _WRITTEN_FOR[id(param)] = task
+
+
+#: Per backward (``_tasks.backward_of``), per parameter (its id): the ``main_grad`` buffer a
+#: plan of that backward took, so its later GEMMs into the parameter write the same buffer:
+#: ``get_main_grad()`` is called once per backward (it may hand out a fresh buffer each call).
+#: A backward's entries go when it ends (a callback queued on autograd's engine), a deferred
+#: job's when it has run (:func:`forget_fetched`), any left over when another backward plans.
+_FETCHED: dict[int, dict[int, Tensor]] = {}
+
+
+def fetched_for(params: Sequence[Tensor], task: int) -> dict[int, Tensor]:
+    """The ``main_grad`` buffers earlier plans of backward ``task`` took, by index in ``params``."""
+    taken = _FETCHED.get(backward_of(task), {})
+    return {i: taken[id(p)] for i, p in enumerate(params) if id(p) in taken}
+
+
+def record_fetched(plan: WeightGradPlan, task: int) -> None:
+    """Remember the ``main_grad`` buffers ``plan`` took for backward ``task`` (see
+    :data:`_FETCHED`); inside that backward, until it ends."""
+    key = backward_of(task)
+    if key not in _FETCHED:
+        _FETCHED.clear()  # backwards do not overlap, and one that raised never ran its callback
+        _FETCHED[key] = {}
+        if torch._C._current_graph_task_id() >= 0:  # inside a backward: forget them as it ends
+            Variable._execution_engine.queue_callback(lambda: _FETCHED.pop(key, None))
+    taken = _FETCHED[key]
+    for param, buffer, keep in zip(plan.weights, plan.buffers, plan.trainable, strict=True):
+        if keep:
+            taken[id(param)] = buffer
+
+
+def forget_fetched(task: int) -> None:
+    """Drop what :func:`record_fetched` kept for backward ``task`` (its deferred job ran)."""
+    _FETCHED.pop(backward_of(task), None)
 
 
 #: Per parameter (its id): the backwards (graph tasks) of its deferred GEMMs queued and not yet

@@ -33,8 +33,10 @@ from groupgrad.modules._operands import (
     operand_versions,
 )
 from groupgrad.modules._param_records import (
+    fetched_for,
     overwrites_of,
     queue_deferred,
+    record_fetched,
     record_written,
     refuse_distributed_rewrite,
     unqueue_deferred,
@@ -105,9 +107,13 @@ class WgradTarget:
             self.params, wgrad_into_main_grad=self.spec.wgrad_into_main_grad, names=self.spec.names
         )
 
-    def plan(self, dtype: torch.dtype, device: torch.device, deferred: bool) -> WeightGradPlan:
-        """The protocol's plan, made now (``overwrite_main_grad`` and ``get_main_grad()`` read now)."""
-        return plan_weight_grads(
+    def plan(
+        self, dtype: torch.dtype, device: torch.device, deferred: bool, task: int
+    ) -> WeightGradPlan:
+        """The protocol's plan for backward ``task``, made now (``overwrite_main_grad`` read
+        now; ``get_main_grad()`` called now unless an earlier plan of that backward took the
+        parameter's buffer: ``_param_records.fetched_for``)."""
+        plan = plan_weight_grads(
             self.params,
             shape=self.shape,
             compute_dtype=dtype,
@@ -115,7 +121,11 @@ class WgradTarget:
             wgrad_into_main_grad=self.spec.wgrad_into_main_grad,
             deferred=deferred,
             names=self.spec.names,
+            fetched=fetched_for(self.params, task) if task >= 0 else None,
         )
+        if task >= 0 and plan.route is WgradRoute.MAIN_GRAD:
+            record_fetched(plan, task)
+        return plan
 
     def ready(
         self,
@@ -170,7 +180,8 @@ class WgradTarget:
             return None
         if self.route() is not WgradRoute.MAIN_GRAD:
             return None
-        plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
+        task = running_task() if task is None else task
+        plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred, task)
         return self.ready(dy_TN, x_TK, splits, plan, task, pending)
 
     def run(
@@ -202,7 +213,8 @@ class WgradTarget:
             What autograd receives for each parameter (all ``None`` when deferred).
         """
         if ready is None:
-            plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred)
+            task = running_task() if task is None else task
+            plan = self.plan(operand_dtype(dy_TN), operand_device(dy_TN), deferred, task)
             ready = self.ready(dy_TN, x_TK, splits, plan, task)
         if not deferred:
             return ready.run()

@@ -17,6 +17,7 @@ import torch
 
 from groupgrad.modules._group import no_autocast
 from groupgrad.modules._operands import operand_device
+from groupgrad.modules._param_records import forget_fetched
 from groupgrad.modules._tasks import running_task, same_backward
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad
 from groupgrad.protocol import release_post_accumulate_grad_hooks
@@ -133,21 +134,28 @@ class WgradQueue:
         # as in backward, where autograd's engine runs without grad: a main_grad that
         # requires grad is written alike by both (the kernels refuse that only with grad on)
         with no_autocast(operand_device(job[0].dy_TN)), torch.no_grad():
-            pending: set[int] = set()
-            readied: list[ReadyWgrad | None] = []
             try:
-                for entry in job:
-                    readied.append(entry.early(pending))
-                    pending.update(map(id, entry.target.params))
-            except Exception:  # nothing written: the job waits for a retry
-                self._jobs.appendleft(job)
+                self._run(job)
+            finally:  # the main_grad buffers the job's plans took (a retry fetches them again)
+                forget_fetched(job[0].task)
+
+    def _run(self, job: list[DeferredWgrad]) -> None:
+        """Plan and check every GEMM of ``job``, then run them (see :meth:`pop_and_run`)."""
+        pending: set[int] = set()
+        readied: list[ReadyWgrad | None] = []
+        try:
+            for entry in job:
+                readied.append(entry.early(pending))
+                pending.update(map(id, entry.target.params))
+        except Exception:  # nothing written: the job waits for a retry
+            self._jobs.appendleft(job)
+            raise
+        for index, (entry, ready) in enumerate(zip(job, readied, strict=True)):
+            try:
+                entry.run(ready)
+            except BaseException:  # the job is lost (a hook or the GEMM raised)
+                _drop(job[index + 1 :])
                 raise
-            for index, (entry, ready) in enumerate(zip(job, readied, strict=True)):
-                try:
-                    entry.run(ready)
-                except BaseException:  # the job is lost (a hook or the GEMM raised)
-                    _drop(job[index + 1 :])
-                    raise
 
 
 def _drop(entries: list[DeferredWgrad]) -> None:

@@ -15,7 +15,7 @@ to :func:`accumulate_grads_like_autograd`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -234,6 +234,7 @@ def _main_grad_plan(
     device: torch.device,
     labels: tuple[str, ...],
     deferred: bool,
+    known: Mapping[int, torch.Tensor],
 ) -> WeightGradPlan:
     check_shape(members, shape, labels)
     trainable = [bool(param.requires_grad) for param in members]
@@ -243,7 +244,7 @@ def _main_grad_plan(
             f"no parameter of the group led by {labels[0]!r} requires grad; there is no weight "
             "gradient to write"
         )
-    fetched = {i: fetch_main_grad(members[i], labels[i]) for i in live}
+    fetched = {i: known[i] if i in known else fetch_main_grad(members[i], labels[i]) for i in live}
     first = fetched[live[0]]
     if first.dtype not in MAIN_GRAD_DTYPES:
         raise RuntimeError(
@@ -283,12 +284,14 @@ def plan_weight_grads(
     wgrad_into_main_grad: bool,
     deferred: bool = False,
     names: Sequence[str] | None = None,
+    fetched: Mapping[int, torch.Tensor] | None = None,
 ) -> WeightGradPlan:
     """Resolve where a group's wgrad GEMM writes, in which dtype, and whether it adds.
 
     Call this when the wgrad GEMM is about to run (in backward, or in
     ``backward_dw()`` when deferred): ``overwrite_main_grad`` is read now and
-    ``get_main_grad()`` is called now, once per parameter.
+    ``get_main_grad()`` is called now, once per parameter (not for those in
+    ``fetched``).
 
     * ``AUTOGRAD``: fresh buffers (one packed allocation, per-member views) in
       the parameters' ``grad_dtype`` (:func:`autograd_grad_dtype`: a bf16
@@ -311,6 +314,9 @@ def plan_weight_grads(
         deferred: The GEMM runs in ``backward_dw()``; autograd already received
             :func:`defer_weight_grads`.
         names: Parameter names for error messages (default ``weights[i]``).
+        fetched: ``main_grad`` buffers an earlier plan of the same backward took,
+            by member index: used as they are (``get_main_grad()`` is called
+            once per backward, and may hand out a fresh buffer each call).
 
     Raises:
         RuntimeError: A parameter has no ``main_grad``, or one of a dtype not
@@ -333,7 +339,7 @@ def plan_weight_grads(
     if uniform is None or uniform[1] != shape:
         route = route_of(members, labels, wgrad_into_main_grad)
         if route is WgradRoute.MAIN_GRAD:
-            return _main_grad_plan(members, shape, device, labels, deferred)
+            return _main_grad_plan(members, shape, device, labels, deferred, fetched or {})
         if route is WgradRoute.DISTRIBUTED:
             _check_scratch_dtype(members, compute_dtype, labels)
             buffers = member_grad_buffers(members, shape, compute_dtype, device)

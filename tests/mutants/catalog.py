@@ -1746,7 +1746,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the main_grad buffers a backward took are never forgotten: the next backward writes "
         "the previous one's buffers instead of calling get_main_grad()",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "            Variable._execution_engine.queue_callback(lambda: _FETCHED.pop(key, None))",
+        "            Variable._execution_engine.queue_callback(lambda: forget_fetched(key))",
         "            pass",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),

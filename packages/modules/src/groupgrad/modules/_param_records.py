@@ -127,7 +127,7 @@ def record_fetched(plan: WeightGradPlan, task: int) -> None:
         _FETCHED.clear()  # backwards do not overlap, and one that raised never ran its callback
         _FETCHED[key] = {}
         if torch._C._current_graph_task_id() >= 0:  # inside a backward: forget them as it ends
-            Variable._execution_engine.queue_callback(lambda: _FETCHED.pop(key, None))
+            Variable._execution_engine.queue_callback(lambda: forget_fetched(key))
     taken = _FETCHED[key]
     for param, buffer, keep in zip(plan.weights, plan.buffers, plan.trainable, strict=True):
         if keep:

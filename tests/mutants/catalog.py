@@ -1768,4 +1768,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        pass  # backwards do not overlap",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
+    Mutant(
+        "mfsdp-delay-switched-after-sharding-unchecked",
+        "delay_wgrad_compute switched on after shard_model trains on garbage: Megatron-FSDP "
+        "reduces the unwritten bucket at backward, before backward_dw()",
+        "integrations/megatron_fsdp/src/groupgrad/integrations/megatron_fsdp/_shard.py",
+        "    guard_no_delayed_wgrad(module)\n",
+        "",
+        ("integrations/megatron_fsdp/tests/test_training.py",),
+    ),
 )

@@ -218,7 +218,7 @@ def run_scenario(cfg: dict[str, Any], this: Rank) -> dict[str, Any]:
             gathered_weights.append(gather_full_weights(model))
     finally:
         undo()
-    return {
+    result = {
         "config": cfg,
         "init": init,
         "weight_names": weight_names,
@@ -233,6 +233,18 @@ def run_scenario(cfg: dict[str, Any], this: Rank) -> dict[str, Any]:
         "calls": calls_per_micro,
         "collectives": collectives,
     }
+    result["switched_delay_error"] = None
+    if cfg["fixed"]:  # delay_wgrad_compute switched on after shard_model: refused at forward
+        net.mlp.delay_wgrad_compute = True
+        batch = make_data(cfg, rank, 0, 0)
+        dtype = getattr(torch, cfg.get("dtype", "float32"))
+        x, probs = (batch[k].to(device, dtype) for k in ("x", "probs"))
+        try:
+            model(x, batch["splits"], probs)
+        except ValueError as error:
+            result["switched_delay_error"] = str(error)
+        net.mlp.delay_wgrad_compute = False
+    return result
 
 
 def setup(this: Rank) -> None:

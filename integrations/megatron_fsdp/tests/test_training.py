@@ -68,6 +68,20 @@ def _ids(case: tuple[int, str]) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_delay_switched_on_after_sharding_is_refused_at_forward(
+    runs: Callable[[int], dict[str, Any]], case: tuple
+) -> None:
+    # Catches: delay_wgrad_compute switched on after shard_model, which trained on garbage
+    # (Megatron-FSDP reduced the unwritten bucket at backward, before backward_dw()).
+    world, name = case
+    for rank, result in enumerate(runs(world)[name]):
+        assert result["switched_delay_error"] is not None, f"{name} rank {rank}: not refused"
+        assert result["switched_delay_error"].startswith(
+            "GroupedMLP 'mlp' has delay_wgrad_compute=True, expected False under Megatron-FSDP"
+        ), result["switched_delay_error"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_weights_match_fp64_reference(runs: Callable[[int], dict[str, Any]], case: tuple) -> None:
     world, name = case
     ranks = runs(world)[name]

@@ -22,6 +22,7 @@ from groupgrad.integrations.megatron_fsdp._validate import (
     check_no_delayed_wgrad,
     check_no_distributed_weights,
     check_wgrad_into_main_grad,
+    guard_no_delayed_wgrad,
 )
 
 __all__ = ["fp32_grad_policy", "shard_model", "shard_optimizer"]
@@ -158,6 +159,7 @@ def shard_model(
         device=None if device is None else torch.device(device),
         **fully_shard_kwargs,
     )
+    guard_no_delayed_wgrad(module)
     accumulating = keep_unsharded_grads_accumulating(model, names)
     if accumulating:
         logger.info(

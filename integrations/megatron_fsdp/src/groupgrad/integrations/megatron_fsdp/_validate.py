@@ -25,6 +25,7 @@ __all__ = [
     "check_no_distributed_weights",
     "check_wgrad_into_main_grad",
     "expert_parameter_names",
+    "guard_no_delayed_wgrad",
 ]
 
 GROUPGRAD_MODULES = (GroupedLinear, GroupedMLP)
@@ -153,9 +154,31 @@ def check_no_delayed_wgrad(module: nn.Module) -> None:
             ``delay_wgrad_compute=True``.
     """
     for name, sub in module.named_modules():
-        if isinstance(sub, GROUPGRAD_MODULES) and sub.delay_wgrad_compute:
+        if isinstance(sub, GROUPGRAD_MODULES):
+            NoDelayedWgrad(name)(sub, ())
+
+
+def guard_no_delayed_wgrad(module: nn.Module) -> None:
+    """Register :class:`NoDelayedWgrad` as a forward pre-hook of each groupgrad layer of
+    ``module``: ``delay_wgrad_compute`` switched on after ``shard_model`` is refused at the
+    layer's next forward."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, GROUPGRAD_MODULES):
+            sub.register_forward_pre_hook(NoDelayedWgrad(name))
+
+
+class NoDelayedWgrad:
+    """The rule of :func:`check_no_delayed_wgrad` for one layer (``name`` in the model), also
+    as a forward pre-hook: a flag switched on after ``shard_model`` is refused at the next
+    forward (the bucket reduced at backward would be unwritten: garbage weights)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name or "<root>"
+
+    def __call__(self, layer: nn.Module, args: Any) -> None:
+        if getattr(layer, "delay_wgrad_compute", False):
             raise ValueError(
-                f"{type(sub).__name__} {name or '<root>'!r} has delay_wgrad_compute=True, "
+                f"{type(layer).__name__} {self.name!r} has delay_wgrad_compute=True, "
                 "expected False under Megatron-FSDP: it reduces the gradient bucket at backward, "
                 "before backward_dw() would write the weight gradient"
             )

@@ -1777,4 +1777,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         ("integrations/megatron_fsdp/tests/test_training.py",),
     ),
+    Mutant(
+        "fsdp2-unit-hooks-traced",
+        "the FSDP2 unit's grad_dtype hook is traced by Dynamo when the sharded unit is compiled "
+        "in place: fullgraph=True fails at grad_dtype",
+        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_route.py",
+        "    @torch.compiler.disable  # runs outside a compiled unit's graph (see _shard)\n",
+        "",
+        ("integrations/fsdp2/tests/test_validation.py",),
+    ),
+    Mutant(
+        "fp8-form-carries-a-size",
+        "an FP8 operand's form carries the source's columns into the compiled op's constant "
+        "layout key: a dynamic-shape trace (dynamic=True, an FSDP2 unit recompiled for another "
+        "size) fails",
+        "packages/modules/src/groupgrad/modules/_operands.py",
+        '        str(operand.dtype).removeprefix("torch."),\n',
+        '        str(operand.dtype).removeprefix("torch.") + str(operand.shape[1] * 0)[:0],\n',
+        (f"{MODULES}/test_compile.py",),
+    ),
 )

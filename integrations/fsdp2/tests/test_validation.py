@@ -102,6 +102,28 @@ def test_a_layer_flag_switched_on_after_sharding_is_refused_at_the_next_forward(
         block(x, splits)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_unit_compiled_after_sharding_runs_its_hooks_outside_the_graph(fp8: bool) -> None:
+    # Catches: the unit's forward pre-hooks (grad_dtype of the unsharded parameters, the layer
+    # flags, the FP8 caches) traced by Dynamo when the sharded unit is compiled in place:
+    # "torch.* op returned non-Tensor" at grad_dtype, with fullgraph=True.
+    size = 128 if fp8 else 8  # FP8 blocks are 128 wide
+    options = {"fp8_recipe": "blockwise"} if fp8 else {}
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        mlp = GroupedMLP(3, size, size, **options)
+        fully_shard(mlp, mp_policy=BF16_FP32)
+        if compiled:
+            mlp.compile(fullgraph=True, backend="aot_eager")
+        x, probs = torch.randn(6, size), torch.rand(6)
+        mlp(x, torch.tensor([2, 0, 4]), probs).float().square().sum().backward()
+        grads.append([p.grad.to_local() for p in mlp.parameters()])
+    for eager, compiled in zip(*grads, strict=True):
+        assert compiled.dtype == torch.float32
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 def _fc2_switched_to_main_grad_later() -> nn.Module:
     block = Block()
     block.mlp.fc2.accumulate_into_main_grad = True

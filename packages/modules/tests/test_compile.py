@@ -494,3 +494,26 @@ def test_an_evaluation_step_compiles_with_fullgraph(mode: str) -> None:
         got = torch.compile(model, fullgraph=True)(x, splits, ids, weights)
     torch.testing.assert_close(got, want)  # bf16's tolerance: inductor may fuse differently
     assert not got.requires_grad
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_fp8_layers_compile_with_dynamic_shapes(kind: str) -> None:
+    # Catches: an FP8 operand's form carrying the source's column count into the compiled
+    # op's constant layout key: a symbol under dynamic shapes (dynamic=True, or an FSDP2 unit
+    # recompiled for another layer size), which Dynamo cannot make a constant.
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        cls = GroupedMLP if kind == "mlp" else GroupedLinear
+        layer = cls(E, 128, 128, dtype=BF16, fp8_recipe="blockwise")
+        for param in layer.parameters():
+            param.grad_dtype = torch.float32
+        step = torch.compile(layer, fullgraph=True, dynamic=True) if compiled else layer
+        for tokens in (24, 40):  # two token counts, one graph
+            x = torch.randn(tokens, 128, dtype=BF16)
+            splits = torch.tensor([tokens - 16, 0, 6, 10])
+            step(x, splits).float().square().sum().backward()
+        grads.append([p.grad for p in layer.parameters()])
+    for eager, compiled in zip(*grads, strict=True):
+        assert compiled.dtype == torch.float32
+        torch.testing.assert_close(compiled, eager)

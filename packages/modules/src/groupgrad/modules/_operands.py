@@ -14,7 +14,7 @@ rebuilt from them with its static :class:`Fp8Form` (:func:`put_together`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -40,19 +40,20 @@ Operand = Tensor | Fp8Blocks
 class Fp8Form(NamedTuple):
     """What rebuilds an :class:`Fp8Blocks` besides its tensors, the token count and ``splits``.
 
-    A tuple of constants, so a compiled graph carries it in its layout key.
+    A tuple of constants, so a compiled graph carries it in its layout key: no
+    size (a dynamic-shape trace makes them symbols); the source's columns ``C``
+    are read off the data when it is rebuilt.
 
     Attributes:
-        block: The block shape, e.g. ``(128, 1)``.
+        block: The block shape: ``(1, 128)`` (data ``(T, C)``) or ``(128, 1)``
+            (data ``(C, Tp)``), the activation forms.
         dtype: The name of the dtype it was quantized from (``"bfloat16"``).
-        channels: ``C``, the source's second dimension.
         present: Which entries of :meth:`Fp8Blocks.tensors` are tensors (the
             others are ``None``).
     """
 
     block: tuple[int, int]
     dtype: str
-    channels: int
     present: tuple[bool, ...]
 
 
@@ -101,7 +102,6 @@ def take_apart(operand: Operand) -> tuple[Fp8Form | None, list[Tensor]]:
     form = Fp8Form(
         (int(operand.block[0]), int(operand.block[1])),
         str(operand.dtype).removeprefix("torch."),
-        int(operand.shape[1]),
         tuple(t is not None for t in parts),
     )
     return form, [t for t in parts if t is not None]
@@ -123,10 +123,12 @@ def put_together(
     if form is None:
         return next(tensors)
     parts: Sequence[Tensor | None] = [next(tensors) if p else None for p in form.present]
+    data = cast(Tensor, parts[0])
+    tokens_blocked = form.block == (128, 1)
     return Fp8Blocks.from_tensors(
         parts,
         block=form.block,
         dtype=getattr(torch, form.dtype),
-        shape=(tokens, form.channels),
-        splits=splits if form.block == (128, 1) else None,
+        shape=(tokens, data.shape[0] if tokens_blocked else data.shape[1]),
+        splits=splits if tokens_blocked else None,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from groupgrad.modules import GroupedLinear
@@ -46,6 +47,7 @@ class FreshFp8Weights:
     def __init__(self, layers: Sequence[GroupedLinear]) -> None:
         self.layers = list(layers)
 
+    @torch.compiler.disable  # runs outside a compiled unit's graph (see _shard)
     def __call__(self, module: nn.Module, args: Any) -> None:
         for layer in self.layers:
             layer._fp8_weights.clear()  # the layer's cache (groupgrad.modules._fp8_cache)

@@ -75,6 +75,7 @@ class UnshardedGradDtype:
         self.slots = list(slots)
         self.dtype = dtype
 
+    @torch.compiler.disable  # runs outside a compiled unit's graph (see _shard)
     def __call__(self, module: nn.Module, args: Any) -> None:
         for owner, name in self.slots:
             param = owner._parameters.get(name)

@@ -200,6 +200,7 @@ class LayerFlags:
     def __init__(self, layers: Sequence[tuple[str, GroupedLinear | GroupedMLP]]) -> None:
         self.layers = list(layers)
 
+    @torch.compiler.disable  # runs outside a compiled unit's graph (see _shard)
     def __call__(self, module: nn.Module, args: Any) -> None:
         for label, layer in self.layers:
             check_layer_flags(layer, label)

@@ -4,7 +4,7 @@ With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``, an
 evaluation loop) a grouped Function's forward runs on a context no backward
 reads: :func:`forward_without_backward` calls ``forward`` directly there
 instead of ``apply``. Eager results are the same; the reason is ``torch.compile``: Dynamo
-(torch 2.11 to 2.13) binds the variadic parameters of a Function's forward to
+(seen on torch 2.13) binds the variadic parameters of a Function's forward to
 the wrong arguments when it traces ``apply`` with grad mode off, so a
 ``fullgraph=True`` compile of an evaluation step failed ("unsupported operand
 type(s) for @: 'int' and 'FakeTensor'", "'str' object has no attribute
@@ -31,7 +31,7 @@ class _NoBackward:
 def forward_without_backward(function: type[torch.autograd.Function], *args: Any) -> Any:
     """``function.forward(ctx, *args)`` on a context no backward reads: what ``apply`` computes
     with grad mode off. Callers use it in place of ``apply`` exactly then, and call their
-    Function's ``apply`` themselves otherwise (reached through a helper's argument, an
-    ``apply`` that Dynamo falls back on running eagerly recorded no graph: a weight computed
-    from a parameter lost its gradient)."""
+    Function's ``apply`` directly otherwise: an ``apply`` reached through a helper's argument
+    recorded no graph where Dynamo fell back on eager code (a weight computed from a
+    parameter lost its gradient)."""
     return function.forward(_NoBackward(), *args)

@@ -767,17 +767,19 @@ def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay:
 
 
 def test_main_grads_a_failed_backward_took_go_at_the_next_backward() -> None:
-    # Catches: the buffers fc2's plan took kept for good after fc1's plan raised (autograd runs
-    # no queued callback for a backward that raised), one set per failed backward.
+    # Catches: the buffers fc2's plan took from get_main_grad() kept for good after fc1's plan
+    # raised (autograd runs no queued callback for a backward that raised).
     mlp = GroupedMLP(E, K, 6, accumulate_into_main_grad=True)
-    for param in mlp.parameters():
-        param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
-    missing = mlp.fc1.weight0.main_grad
-    del mlp.fc1.weight0.main_grad
+    buffers = {name: torch.zeros(p.shape) for name, p in mlp.named_parameters()}
+    for name, param in mlp.named_parameters():
+        param.__fsdp_param__ = True  # type: ignore[attr-defined]
+        param.get_main_grad = lambda name=name: buffers[name]  # type: ignore[attr-defined]
+    buffers["fc1.weight0"], kept = None, buffers["fc1.weight0"]  # type: ignore[assignment]
     x = _randn(sum(SPLITS), K, seed=80)
-    with pytest.raises(RuntimeError, match="main_grad"):
+    with pytest.raises(RuntimeError, match=r"get_main_grad\(\) returned NoneType"):
         mlp(x, SPLITS).sum().backward()
-    mlp.fc1.weight0.main_grad = missing  # type: ignore[attr-defined]
+    assert _FETCHED, "fc2's plan took no buffer before fc1's failed: nothing left to forget"
+    buffers["fc1.weight0"] = kept
     mlp(x, SPLITS).sum().backward()
     assert not _FETCHED
 

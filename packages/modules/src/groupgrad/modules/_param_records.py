@@ -9,8 +9,9 @@ groups, each with a GEMM of its own:
   :func:`record_written` recorded the GEMMs that ran); a distributed weight's
   implementer delivers each GEMM's gradient itself, so a second one is refused
   (:func:`refuse_distributed_rewrite`);
-* ``get_main_grad()``: called once per backward; its later GEMMs write the
-  buffer the first plan took (:func:`fetched_for`, :func:`record_fetched`);
+* ``get_main_grad()``: called once per backward; that backward's later GEMMs
+  into the parameter write the buffer the first plan took (:func:`fetched_for`,
+  :func:`record_fetched`);
 * ``delay_wgrad_compute``: a parameter's post-accumulate-grad hooks run after
   the last of one backward's deferred GEMMs into it, whichever module's
   ``backward_dw()`` runs that one (:func:`queue_deferred`,
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from groupgrad.modules._tasks import backward_of
-from groupgrad.protocol import WeightGradPlan, overwrites_main_grad
+from groupgrad.protocol import WeightGradPlan, is_fsdp_param, overwrites_main_grad
 
 __all__ = [
     "fetched_for",
@@ -115,23 +116,27 @@ _FETCHED: dict[int, dict[int, Tensor]] = {}
 
 def fetched_for(params: Sequence[Tensor], task: int) -> dict[int, Tensor]:
     """The ``main_grad`` buffers earlier plans of backward ``task`` took, by index in ``params``."""
-    taken = _FETCHED.get(backward_of(task), {})
+    taken = _FETCHED.get(backward_of(task)) if _FETCHED else None
+    if not taken:
+        return {}
     return {i: taken[id(p)] for i, p in enumerate(params) if id(p) in taken}
 
 
 def record_fetched(plan: WeightGradPlan, task: int) -> None:
-    """Remember the ``main_grad`` buffers ``plan`` took for backward ``task`` (see
-    :data:`_FETCHED`); inside that backward, until it ends."""
+    """Remember the ``main_grad`` buffers ``plan`` took from ``get_main_grad()`` (parameters
+    marked ``__fsdp_param__``; a ``main_grad`` attribute is read at each plan) for backward
+    ``task`` (see :data:`_FETCHED`); inside that backward, until it ends."""
+    members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
+    fetched = [(param, buffer) for param, buffer, keep in members if keep and is_fsdp_param(param)]
+    if not fetched:
+        return
     key = backward_of(task)
     if key not in _FETCHED:
         _FETCHED.clear()  # backwards do not overlap, and one that raised never ran its callback
         _FETCHED[key] = {}
         if torch._C._current_graph_task_id() >= 0:  # inside a backward: forget them as it ends
             Variable._execution_engine.queue_callback(lambda: forget_fetched(key))
-    taken = _FETCHED[key]
-    for param, buffer, keep in zip(plan.weights, plan.buffers, plan.trainable, strict=True):
-        if keep:
-            taken[id(param)] = buffer
+    _FETCHED[key].update((id(param), buffer) for param, buffer in fetched)
 
 
 def forget_fetched(task: int) -> None:

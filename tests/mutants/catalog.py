@@ -1746,7 +1746,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the main_grad buffers a backward took are never forgotten: the next backward writes "
         "the previous one's buffers instead of calling get_main_grad()",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "            Variable._execution_engine.queue_callback(lambda: forget_fetched(key))",
+        "            Variable._execution_engine.queue_callback(lambda: forget_fetched(running))",
         "            pass",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
@@ -1764,8 +1764,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "the main_grad buffers a backward took before it raised are kept for good (no callback "
         "runs for a backward that raised), one set per failed backward",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "        _FETCHED.clear()  # backwards do not overlap",
-        "        pass  # backwards do not overlap",
+        "        for key in [key for key in _FETCHED if key not in mine]:",
+        "        for key in []:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "nested-task-forgets-backward-fetched",
+        "a reentrant checkpoint region's nested graph task forgets, as it ends, the main_grad "
+        "buffers its backward took: a GEMM outside the region calls get_main_grad() again",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "        if running >= 0 and backward_of(running) == running:",
+        "        if running >= 0:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "fetched-looked-up-by-task-not-backward",
+        "a nested task's plan looks for the buffers its own task took, not its backward's: a "
+        "GEMM in a reentrant checkpoint region calls get_main_grad() again",
+        "packages/modules/src/groupgrad/modules/_param_records.py",
+        "    return [key for key in _FETCHED if backward_of(key) == mine]",
+        "    return [key for key in _FETCHED if key == task]",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(

@@ -734,13 +734,9 @@ def test_a_backward_dw_that_raises_gives_every_held_hook_back_to_autograd(
     assert calls == {name: 1 for name, _ in module.named_parameters()}
 
 
-@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
-def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay: bool) -> None:
-    # Catches: a layer used twice in one backward calling get_main_grad() for each GEMM; an
-    # owner that hands out a fresh (uninitialised) buffer per call, as DESIGN allows, got the
-    # second use's gradient added into garbage and lost the first's.
-    layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True,
-                          delay_wgrad_compute=delay)  # fmt: skip
+def _fresh_buffer_owner(layer: GroupedLinear) -> dict[str, list[torch.Tensor]]:
+    """Make ``layer``'s weights hand out a fresh NaN buffer per ``get_main_grad()`` call, as
+    DESIGN allows; return the buffers handed out, per name."""
     handed: dict[str, list[torch.Tensor]] = {}
     for name, param in layer.named_parameters():
         param.__fsdp_param__ = True  # type: ignore[attr-defined]
@@ -752,6 +748,17 @@ def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay:
             return handed[name][-1]
 
         param.get_main_grad = fresh  # type: ignore[attr-defined]
+    return handed
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay: bool) -> None:
+    # Catches: a layer used twice in one backward calling get_main_grad() for each GEMM; an
+    # owner that hands out a fresh (uninitialised) buffer per call, as DESIGN allows, got the
+    # second use's gradient added into garbage and lost the first's.
+    layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True,
+                          delay_wgrad_compute=delay)  # fmt: skip
+    handed = _fresh_buffer_owner(layer)
     weights = [w.detach().double().requires_grad_() for w in layer.parameters()]
     for step in (1, 2):  # the second backward calls the getter again
         x, dy = _randn(sum(SPLITS), K, seed=60 + step), _randn(sum(SPLITS), K, seed=70 + step)
@@ -764,6 +771,34 @@ def test_get_main_grad_is_called_once_per_backward_for_a_layer_used_twice(delay:
             assert len(handed[name]) == step, (name, step)
             _close(handed[name][-1], want[e])
         assert not _FETCHED, "the buffers a backward took outlive it"
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+@pytest.mark.parametrize("region", ["second", "first"])
+def test_get_main_grad_is_called_once_per_backward_across_a_reentrant_checkpoint(
+    delay: bool, region: str
+) -> None:
+    # Catches: the buffers a reentrant checkpoint region's GEMM took forgotten as the region's
+    # nested graph task ended (the callback ran on that task, not on the backward): the use
+    # outside the region, whose GEMM runs later in the same backward ("second": the region
+    # is used second in forward, so runs first in backward), called get_main_grad() again.
+    layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True,
+                          delay_wgrad_compute=delay)  # fmt: skip
+    handed = _fresh_buffer_owner(layer)
+    weights = [w.detach().double().requires_grad_() for w in layer.parameters()]
+    x, dy = _randn(sum(SPLITS), K, seed=90), _randn(sum(SPLITS), K, seed=91)
+    in_region = lambda t: checkpoint(layer, t, SPLITS, use_reentrant=True)  # noqa: E731
+    outside = lambda t: layer(t, SPLITS)  # noqa: E731
+    first, second = (in_region, outside) if region == "first" else (outside, in_region)
+    second(torch.tanh(first(x.requires_grad_()))).backward(dy)
+    if delay:
+        layer.backward_dw()
+    twice = _linear_fp64(torch.tanh(_linear_fp64(x.detach(), weights, SPLITS)), weights, SPLITS)
+    want = torch.autograd.grad((twice * dy.double()).sum(), weights)
+    for e in range(E):
+        assert len(handed[f"weight{e}"]) == 1, e
+        _close(handed[f"weight{e}"][0], want[e])
+    assert not _FETCHED, "the buffers a backward took outlive it"
 
 
 def test_main_grads_a_failed_backward_took_go_at_the_next_backward() -> None:

@@ -106,19 +106,28 @@ def record_written(plan: WeightGradPlan, task: int) -> None:
             _WRITTEN_FOR[id(param)] = task
 
 
-#: Per backward (``_tasks.backward_of``), per parameter (its id): the ``main_grad`` buffer a
-#: plan of that backward took, so its later GEMMs into the parameter write the same buffer:
+#: Per graph task that planned, per parameter (its id): the ``main_grad`` buffer a plan of
+#: that task took, so the backward's later GEMMs into the parameter (in it or in a task of the
+#: same backward: ``_tasks.backward_of``, resolved when asked) write the same buffer:
 #: ``get_main_grad()`` is called once per backward (it may hand out a fresh buffer each call).
-#: A backward's entries go when it ends (a callback queued on autograd's engine), a deferred
-#: job's when it has run (:func:`forget_fetched`), any left over when another backward plans.
+#: A backward's entries go when its outermost task ends (a callback queued on autograd's
+#: engine; a reentrant checkpoint's nested task ends before the backward does), a deferred
+#: job's when it has run (:func:`forget_fetched`), any left over (a backward that raised, or
+#: one whose plans all ran in nested tasks) when another backward plans.
 _FETCHED: dict[int, dict[int, Tensor]] = {}
+
+
+def _tasks_of(task: int) -> list[int]:
+    """The keys of :data:`_FETCHED` that belong to ``task``'s backward."""
+    mine = backward_of(task)
+    return [key for key in _FETCHED if backward_of(key) == mine]
 
 
 def fetched_for(params: Sequence[Tensor], task: int) -> dict[int, Tensor]:
     """The ``main_grad`` buffers earlier plans of backward ``task`` took, by index in ``params``."""
-    taken = _FETCHED.get(backward_of(task)) if _FETCHED else None
-    if not taken:
-        return {}
+    taken: dict[int, Tensor] = {}
+    for key in _tasks_of(task) if _FETCHED else ():
+        taken.update(_FETCHED[key])
     return {i: taken[id(p)] for i, p in enumerate(params) if id(p) in taken}
 
 
@@ -130,18 +139,22 @@ def record_fetched(plan: WeightGradPlan, task: int) -> None:
     fetched = [(param, buffer) for param, buffer, keep in members if keep and is_fsdp_param(param)]
     if not fetched:
         return
-    key = backward_of(task)
-    if key not in _FETCHED:
-        _FETCHED.clear()  # backwards do not overlap, and one that raised never ran its callback
-        _FETCHED[key] = {}
-        if torch._C._current_graph_task_id() >= 0:  # inside a backward: forget them as it ends
-            Variable._execution_engine.queue_callback(lambda: forget_fetched(key))
-    _FETCHED[key].update((id(param), buffer) for param, buffer in fetched)
+    if task not in _FETCHED:
+        mine = _tasks_of(task)  # backwards do not overlap, and one that raised ran no callback
+        for key in [key for key in _FETCHED if key not in mine]:
+            del _FETCHED[key]
+        _FETCHED[task] = {}
+        running = torch._C._current_graph_task_id()
+        if running >= 0 and backward_of(running) == running:  # forget them as the backward ends
+            Variable._execution_engine.queue_callback(lambda: forget_fetched(running))
+    _FETCHED[task].update((id(param), buffer) for param, buffer in fetched)
 
 
 def forget_fetched(task: int) -> None:
-    """Drop what :func:`record_fetched` kept for backward ``task`` (its deferred job ran)."""
-    _FETCHED.pop(backward_of(task), None)
+    """Drop what :func:`record_fetched` kept for ``task``'s backward (it ended, or its deferred
+    job ran)."""
+    for key in _tasks_of(task):
+        del _FETCHED[key]
 
 
 #: Per parameter (its id): the backwards (graph tasks) of its deferred GEMMs queued and not yet

@@ -1769,6 +1769,31 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "fp8-linear-x-tokens-form-always",
+        "an FP8 linear forward writes x's (128, 1) form where no wgrad will read it (grad off, "
+        "every weight frozen): a needless quantization",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "                x_gemm, x_saved = fp8.quantize_input(x_TK, splits, tokens=wgrad)",
+        "                x_gemm, x_saved = fp8.quantize_input(x_TK, splits, tokens=True)",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
+        "fp8-mlp-x-tokens-form-under-no-grad",
+        "an FP8 MLP forward with grad off writes x's (128, 1) form for a wgrad that never runs",
+        "packages/modules/src/groupgrad/modules/_mlp_fn.py",
+        "            wgrad = backward_follows(ctx) and any(w.requires_grad for w in w1)",
+        "            wgrad = any(w.requires_grad for w in w1)",
+        (f"{MODULES}/test_fp8_mlp.py",),
+    ),
+    Mutant(
+        "fp8-x-tokens-form-never",
+        "an FP8 linear forward never writes x's (128, 1) form: the wgrad gets bf16 x with FP8 dy",
+        "packages/modules/src/groupgrad/modules/_linear_fn.py",
+        "                wgrad = backward_follows(ctx) and any(w.requires_grad for w in weights)",
+        "                wgrad = False",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
         "nested-task-forgets-backward-fetched",
         "a reentrant checkpoint region's nested graph task forgets, as it ends, the main_grad "
         "buffers its backward took: a GEMM outside the region calls get_main_grad() again",

@@ -34,6 +34,7 @@ from torch import Tensor
 from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules._fp8_cache import Fp8WeightCache
 from groupgrad.modules._group import Splits, checks_weight_versions
+from groupgrad.modules._operands import Operand
 from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
 __all__ = [
@@ -111,8 +112,13 @@ class Fp8Blockwise:
     refresh: bool = False
     held: dict[int, Fp8WeightCache] | None = None
 
-    def quantize_input(self, x_TK: Tensor, splits: Splits) -> tuple[Fp8Blocks, Fp8Blocks]:
-        """``x``'s ``(1, 128)`` form (fprop) and ``(128, 1)`` form (wgrad), each from ``x``."""
+    def quantize_input(
+        self, x_TK: Tensor, splits: Splits, *, tokens: bool
+    ) -> tuple[Fp8Blocks, Operand]:
+        """``x``'s ``(1, 128)`` form (fprop) and, where a wgrad will read it (``tokens``), its
+        ``(128, 1)`` form, each from ``x``; else ``x`` itself, as the bf16 path keeps it."""
+        if not tokens:
+            return self.quantize_rows(x_TK, "x"), x_TK
         both = _quantized(x_TK, "x", block=(ROWS, TOKENS), splits=splits)
         return cast(tuple[Fp8Blocks, Fp8Blocks], both)
 

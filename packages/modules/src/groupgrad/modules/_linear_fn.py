@@ -52,7 +52,7 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._no_grad import forward_without_backward
+from groupgrad.modules._no_grad import backward_follows, forward_without_backward
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -230,8 +230,9 @@ class GroupedLinearFunction(torch.autograd.Function):
         with no_autocast(x_TK.device):
             x_gemm: Tensor | Fp8Blocks = x_TK
             x_saved: Operand = x_TK
-            if fp8 is not None:  # both forms from x; only the wgrad's is saved
-                x_gemm, x_saved = fp8.quantize_input(x_TK, splits)
+            if fp8 is not None:  # x's forms from x; the wgrad's is saved, where it runs
+                wgrad = backward_follows(ctx) and any(w.requires_grad for w in weights)
+                x_gemm, x_saved = fp8.quantize_input(x_TK, splits, tokens=wgrad)
             y_TN, ctx.target, num_groups = layer_fprop(
                 x_gemm, splits, spec, weights, cast_dtype, fp8=fp8
             )

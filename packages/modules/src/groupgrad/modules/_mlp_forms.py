@@ -94,11 +94,14 @@ class MLPForms:
     fc1: Fp8Blockwise | None = None
     fc2: Fp8Blockwise | None = None
 
-    def input(self, x_TH: Tensor, splits: Splits) -> tuple[Tensor | Fp8Blocks, Operand]:
-        """``x`` for fc1's fprop and ``x`` as backward keeps it (fc1's wgrad operand)."""
+    def input(
+        self, x_TH: Tensor, splits: Splits, *, wgrad: bool
+    ) -> tuple[Tensor | Fp8Blocks, Operand]:
+        """``x`` for fc1's fprop and ``x`` as backward keeps it (fc1's wgrad operand, FP8's
+        ``(128, 1)`` form where fc1's ``wgrad`` will run)."""
         if self.fc1 is None:
             return x_TH, x_TH
-        return self.fc1.quantize_input(x_TH, splits)
+        return self.fc1.quantize_input(x_TH, splits, tokens=wgrad)
 
     def swiglu(self, h_T2F: Tensor, probs_T: Tensor | None) -> tuple[Tensor | Fp8Blocks, Operand]:
         """``a`` for fc2's fprop and ``h`` as backward keeps it (FP8: one fused pass)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["forward_without_backward"]
+__all__ = ["backward_follows", "forward_without_backward"]
 
 
 class _NoBackward:
@@ -26,6 +26,12 @@ class _NoBackward:
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         pass
+
+
+def backward_follows(ctx: Any) -> bool:
+    """Whether a backward may read what a grouped Function's forward saves on ``ctx`` (not
+    where :func:`forward_without_backward` runs it)."""
+    return not isinstance(ctx, _NoBackward)
 
 
 def forward_without_backward(function: type[torch.autograd.Function], *args: Any) -> Any:

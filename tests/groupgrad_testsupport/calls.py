@@ -35,27 +35,21 @@ def record_calls(
     return calls
 
 
-def quantized_blocks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Record the ``block`` argument of each ``quantize_fp8`` call the modules' FP8 recipe
-    makes (``(1, 128)``, ``(128, 1)``, both as a pair, or ``(128, 128)``) in the returned list."""
-    from groupgrad.modules import _fp8_recipe  # the modules import only where a test asks
-
-    blocks: list[object] = []
-    real = _fp8_recipe.quantize_fp8
-
-    def recording(t: Any, **how: Any) -> Any:
-        blocks.append(how["block"])
-        return real(t, **how)
-
-    monkeypatch.setattr(_fp8_recipe, "quantize_fp8", recording)
-    return blocks
-
-
 def weight_quantizations(run: Callable[[], object]) -> int:
     """How many ``(128, 128)`` weight quantizations ``run()`` ran, as the profiler counts them
     (the quantizer runs in a range named after its op even when it skips the op)."""
+    return _profiled_calls(run, "groupgrad::quantize_fp8_weights")
+
+
+def token_quantizations(run: Callable[[], object]) -> int:
+    """How many ``(128, 1)`` quantizations (alone, or beside the ``(1, 128)`` form in one pass)
+    ``run()`` ran, counted as :func:`weight_quantizations` counts."""
+    return _profiled_calls(run, "groupgrad::quantize_fp8_segments")
+
+
+def _profiled_calls(run: Callable[[], object], name: str) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as profile:
         run()
     events = profile.key_averages()
-    return sum(e.count for e in events if e.key == "groupgrad::quantize_fp8_weights")
+    return sum(e.count for e in events if e.key == name)

@@ -626,7 +626,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a layer used twice in one backward with overwrite_main_grad: the second use's GEMM "
         "overwrites the first's in main_grad",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "return id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == backward",
+        "return id(param) in pending or backward_of(getattr(param, _WRITTEN_FOR, -1)) == backward",
         "return id(param) in pending",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
@@ -1461,13 +1461,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{PROTOCOL}/test_plan.py", f"{MODULES}/test_linear_matrix.py"),
     ),
     Mutant(
-        "overwrite-record-table-cleared",
-        "the record of which backward overwrote a layer's main_grad kept in a table cleared at "
-        "4096 layers: cleared between a layer's two GEMMs of one backward, the second GEMM "
-        "overwrites the first's gradient",
+        "overwrite-record-weakly-kept",
+        "the record of which backward overwrote a parameter's main_grad kept through a weak "
+        "reference to the parameter: torch.utils.swap_tensors (module.to() with torch's swap "
+        "on) refuses it after a step",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)\n",
-        "                if len(_WRITTEN_FOR) >= 4096:\n                    _WRITTEN_FOR.clear()\n",
+        "            setattr(param, _WRITTEN_FOR, task)\n",
+        "            setattr(param, _WRITTEN_FOR, task)\n"
+        "            __import__('weakref').finalize(param, int)\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1495,8 +1496,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shared by two delayed layers runs them after each layer's backward_dw(), the first "
         "time on part of the gradient",
         "packages/modules/src/groupgrad/modules/_param_records.py",
-        "        _QUEUED[id(param)].append(task)\n",
-        "        _QUEUED[id(param)].append(task) if param.dim() > 99 else None\n",
+        "        tasks.append(task)\n",
+        "        tasks.append(task) if param.dim() > 99 else None\n",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
@@ -1792,6 +1793,79 @@ MUTANTS: tuple[Mutant, ...] = (
         "                wgrad = backward_follows(ctx) and any(w.requires_grad for w in weights)",
         "                wgrad = False",
         (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
+        "delayed-derived-weight-accepted",
+        "a weight a parametrization computes is accepted with delay_wgrad_compute: "
+        "backward_dw() adds its gradient into the throw-away tensor's .grad, the parameter "
+        "never gets one",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "        for param in delayed:",
+        "        for param in ():",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "derived-weight-main-grad-hint-lost",
+        "a parametrized weight under accumulate_into_main_grad is named as lacking a main_grad, "
+        "without saying it is computed from the parameter that has one",
+        "packages/protocol/src/groupgrad/protocol/_attrs.py",
+        "            if param.is_leaf",
+        "            if True",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "dummy-alias-kept-at-hand-out",
+        "a .grad that is an alias of the shared dummy is kept when dummies are handed out: a "
+        "penalty's gradient on one weight is added into every same-shaped weight's .grad",
+        _PLAN,
+        "    drop_dummy_grads(p for p in members if p.requires_grad)",
+        "    pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "dummy-alias-kept-on-autograd-route",
+        "the plain route hands autograd its gradients while .grad is still an alias of the "
+        "shared dummy (main_grad switched off): every expert's .grad gets the sum",
+        _PLAN,
+        "            drop_dummy_grads(p for p, keep in zip(self.weights, self.trainable, strict=True) if keep)",
+        "            pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "dummy-alias-added-into-by-deferred-job",
+        "a deferred job adds its gradient into a .grad that is an alias of the shared dummy: "
+        "every same-shaped weight gets it",
+        "packages/protocol/src/groupgrad/protocol/_hooks.py",
+        "    drop_dummy_grads(p for p, g, _ in live if g is not None)  # never add into a shared dummy",
+        "    pass",
+        (f"{PROTOCOL}/test_plan.py",),
+    ),
+    Mutant(
+        "compiled-autograd-undone-grad-accepted",
+        "under Compiled Autograd a layer writes .grad (no main_grad, or a bias), which the "
+        "graph then sets back to None: every such gradient lost without a word",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "    if _compiled_autograd_running():",
+        "    if False:",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "compiled-autograd-delay-accepted",
+        "a delayed layer under Compiled Autograd: its hooks run at backward on a gradient not "
+        "computed yet, and again in backward_dw()",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "    if queued:\n        raise RuntimeError(\n",
+        "    if False:\n        raise RuntimeError(\n",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "zero-out-dummy-shared-with-the-others",
+        "parameters with and without zero_out_wgrad share one dummy buffer: an unversioned "
+        "write into the former's reaches the latter's next hand-out",
+        "packages/protocol/src/groupgrad/protocol/_attrs.py",
+        "    key = (tuple(param.shape), grad_dtype_of(param), param.device, zero_out)",
+        "    key = (tuple(param.shape), grad_dtype_of(param), param.device, False)",
+        (f"{PROTOCOL}/test_plan.py",),
     ),
     Mutant(
         "nested-task-forgets-backward-fetched",

@@ -517,3 +517,56 @@ def test_fp8_layers_compile_with_dynamic_shapes(kind: str) -> None:
     for eager, compiled in zip(*grads, strict=True):
         assert compiled.dtype == torch.float32
         torch.testing.assert_close(compiled, eager)
+
+
+def _compiled_autograd_backward(loss: Tensor) -> None:
+    """``loss.backward()`` under Compiled Autograd (its graph compiled by Dynamo's eager
+    backend, as ``torch._dynamo.config.compiled_autograd`` would with the default)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss.backward()
+
+
+@pytest.mark.parametrize("case", ["grad", "bias", "delayed"])
+def test_compiled_autograd_refuses_what_it_would_undo_before_writing(case: str) -> None:
+    # Catches: under Compiled Autograd the .grad the op wrote set back to what the graph
+    # captured (None: every weight and bias gradient lost without a word), and a delayed
+    # layer's hooks run at backward on a gradient not computed yet, then again.
+    torch._dynamo.reset()
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=case == "bias",
+                          accumulate_into_main_grad=case != "grad",
+                          delay_wgrad_compute=case == "delayed")  # fmt: skip
+    for param in layer.parameters():
+        param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
+    loss = layer(torch.randn(T, H, dtype=BF16), [5, 0, 11, 8]).float().square().sum()
+    message = "delay_wgrad_compute=True under Compiled" if case == "delayed" else "goes to .grad"
+    with pytest.raises(RuntimeError, match=message):
+        _compiled_autograd_backward(loss)
+    for param in layer.parameters():
+        assert param.grad is None
+        assert not param.main_grad.any()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per-expert", "packed"])
+def test_compiled_autograd_writes_main_grad_as_eager(packed: bool) -> None:
+    # Catches: the refusal above firing where Compiled Autograd keeps what the op writes
+    # (main_grad at backward, the flag and the dummy autograd receives).
+    torch._dynamo.reset()
+    got = []
+    for compiled in (False, True):
+        torch.manual_seed(5)
+        mlp = GroupedMLP(E, H, F, dtype=BF16, single_grouped_weight=packed,
+                         accumulate_into_main_grad=True)  # fmt: skip
+        for param in mlp.parameters():
+            param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        x = torch.randn(T, H, dtype=BF16, generator=torch.Generator().manual_seed(6))
+        for _ in range(2):
+            loss = mlp(x, [5, 0, 11, 8]).float().square().sum()
+            _compiled_autograd_backward(loss) if compiled else loss.backward()
+        got.append([p.main_grad for p in mlp.parameters()])  # type: ignore[attr-defined]
+        assert all(p.grad_added_to_main_grad for p in mlp.parameters())  # type: ignore[attr-defined]
+    assert any(eager.any() for eager in got[0])
+    for eager, compiled_grad in zip(*got, strict=True):
+        assert torch.equal(eager, compiled_grad)

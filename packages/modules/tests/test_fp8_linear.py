@@ -23,7 +23,7 @@ from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules import GroupedLinear, grouped_linear
 from groupgrad.modules._fp8_recipe import keeps_weights_for_backward
 from groupgrad.protocol.testing import make_fake_group
-from groupgrad_testsupport.calls import quantized_blocks, weight_quantizations
+from groupgrad_testsupport.calls import token_quantizations, weight_quantizations
 from groupgrad_testsupport.compiled import assert_keeps_fp32, bf16_exact_share
 
 E, K, N = 4, 256, 128
@@ -508,32 +508,32 @@ def test_frozen_weights_take_no_wgrad_and_trainable_biases_still_learn() -> None
         _assert_bf16_close(getattr(layer, f"bias{e}").grad, rows.sum(0))  # a bf16 bias
 
 
-TOKENS = (128, 1)
-
-
 @pytest.mark.parametrize("case", ["no_grad", "frozen"])
-def test_x_is_quantized_for_a_wgrad_only_where_one_runs(
-    case: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_x_is_quantized_for_a_wgrad_only_where_one_runs(case: str) -> None:
     # Catches: the forward writing x's (128, 1) form, and backward keeping it, where no wgrad
     # will read it (an evaluation step; every weight frozen): the outputs must not change.
-    blocks = quantized_blocks(monkeypatch)
     layer, x, dy = _layer(bias=False), _randn(T, K, seed=1).requires_grad_(), _randn(T, N, seed=5)
-    want_y = layer(x, SPLITS)
-    want_y.backward(dy)
-    both = ((1, 128), TOKENS)
-    assert both in blocks  # the premise: a training step writes both of x's forms
+    want: dict[str, Tensor] = {}
+
+    def train() -> None:
+        want["y"] = layer(x, SPLITS)
+        want["y"].backward(dy)
+
+    assert token_quantizations(train) == 2  # the premise: x's and dy's (128, 1) forms
     want_dx, x.grad = x.grad, None
-    blocks.clear()
-    if case == "no_grad":
-        with torch.no_grad():
-            got_y = layer(x, SPLITS)
-    else:
+    got: dict[str, Tensor] = {}
+
+    def run() -> None:
+        if case == "no_grad":
+            with torch.no_grad():
+                got["y"] = layer(x, SPLITS)
+            return
         for name in layer.weight_names:
             getattr(layer, name).requires_grad_(False)
-        got_y = layer(x, SPLITS)
-        got_y.backward(dy)
+        got["y"] = layer(x, SPLITS)
+        got["y"].backward(dy)
+
+    assert token_quantizations(run) == 0
+    assert torch.equal(got["y"], want["y"])
+    if case == "frozen":
         assert torch.equal(x.grad, want_dx)
-    assert torch.equal(got_y, want_y)
-    assert (1, 128) in blocks
-    assert not any(b in (TOKENS, both) for b in blocks), blocks

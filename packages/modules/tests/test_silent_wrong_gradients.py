@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from groupgrad.kernels import grouped_wgrad
@@ -1356,3 +1358,128 @@ def test_a_job_queued_before_delay_was_switched_off_still_runs() -> None:
     layer(x, SPLITS).square().sum().backward()  # not delayed: autograd runs the hook itself
     assert runs == [1, 1]
     layer.backward_dw()  # type: ignore[operator]  # nothing queued, not delayed: a no-op
+
+
+class _Double(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2.0 * w
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_a_parametrized_weight_learns_or_is_refused_with_delayed_wgrads(
+    kind: str, delay: bool
+) -> None:
+    # Catches: backward_dw() adding a deferred gradient into .grad of the weight a
+    # parametrization computed at forward (a throw-away tensor): the parameter it came from
+    # never got one. Without delay autograd carries it back.
+    module: nn.Module = (
+        GroupedLinear(E, K, N, bias=False, delay_wgrad_compute=delay)
+        if kind == "linear"
+        else GroupedMLP(E, K, 6, delay_wgrad_compute=delay)
+    )
+    owner = module if kind == "linear" else module.fc2
+    before = owner.weight0.detach().double()
+    parametrize.register_parametrization(owner, "weight0", _Double())
+    x = _randn(sum(SPLITS), K, seed=95)
+    if delay:
+        with pytest.raises(
+            RuntimeError, match=r"computed from another tensor .*delay_wgrad_compute"
+        ):
+            module(x, SPLITS)
+        return
+    module(x, SPLITS).sum().backward()
+    original = owner.parametrizations.weight0.original
+    twin = GroupedLinear(E, K, N, bias=False) if kind == "linear" else GroupedMLP(E, K, 6)
+    twin.load_state_dict({k.replace("parametrizations.weight0.original", "weight0"): v
+                          for k, v in module.state_dict().items()})  # fmt: skip
+    twin_owner = twin if kind == "linear" else twin.fc2
+    with torch.no_grad():
+        twin_owner.weight0.copy_(2 * before)
+    twin(x, SPLITS).sum().backward()
+    assert original.grad is not None
+    torch.testing.assert_close(original.grad, 2 * twin_owner.weight0.grad)
+
+
+def test_a_parametrized_weight_with_main_grad_names_the_cause() -> None:
+    # Catches: "parameter 'weight0' has no main_grad" alone, where weight0 is a tensor a
+    # parametrization computed (the user's main_grad is on the parameter it came from).
+    layer = GroupedLinear(E, K, N, bias=False, accumulate_into_main_grad=True)
+    parametrize.register_parametrization(layer, "weight0", _Double())
+    original = layer.parametrizations.weight0.original
+    original.main_grad = torch.zeros(original.shape)  # type: ignore[attr-defined]
+    layer.weight1.main_grad = torch.zeros(layer.weight1.shape)  # type: ignore[attr-defined]
+    out = layer(_randn(sum(SPLITS), K, seed=96), SPLITS).sum()
+    with pytest.raises(RuntimeError, match=r"'weight0' has no main_grad.*computed from another"):
+        out.backward()
+    assert not original.main_grad.any()
+
+
+def _flagged_main_grad_layer(**options: object) -> GroupedLinear:
+    layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True, **options)
+    for param in layer.parameters():
+        param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    return layer
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+@pytest.mark.parametrize("case", ["route_switched_off", "penalty"])
+def test_a_dummy_kept_as_grad_takes_no_other_parameters_gradient(case: str, delay: bool) -> None:
+    # Catches: a later real gradient added in place into a .grad that is an alias of the
+    # shared zero dummy (every weight of that shape had one): it landed in every expert's
+    # .grad. "route_switched_off": accumulate_into_main_grad turned off after a step, .grad
+    # kept by zero_grad(set_to_none=False); "penalty": a term on weight0 in a later
+    # micro-batch, beside a second layer of the same shape.
+    layer, other = _flagged_main_grad_layer(delay_wgrad_compute=delay), _flagged_main_grad_layer()
+    weights = [w.detach().double().requires_grad_() for w in layer.parameters()]
+    x, dy = _randn(sum(SPLITS), K, seed=97), _randn(sum(SPLITS), K, seed=98)
+    layer(x, SPLITS).backward(dy)
+    other(x, SPLITS).backward(dy)
+    if delay:
+        layer.backward_dw()
+    assert layer.weight1.grad is not None, "the premise: autograd kept the dummy as .grad"
+    assert layer.weight1.grad.untyped_storage().data_ptr() == (
+        other.weight2.grad.untyped_storage().data_ptr()
+    ), "the premise: one storage for every dummy of that shape"
+    if case == "route_switched_off":
+        torch.optim.SGD(layer.parameters(), lr=0.0).zero_grad(set_to_none=False)
+        layer.accumulate_into_main_grad = False
+        layer(x, SPLITS).backward(dy)
+        if delay:
+            layer.backward_dw()
+        want = torch.autograd.grad((_linear_fp64(x, weights, SPLITS) * dy.double()).sum(), weights)
+        for e in range(E):
+            _close(getattr(layer, f"weight{e}").grad, want[e])
+    else:
+        (layer(x, SPLITS) * dy).sum().add(0.5 * layer.weight0.square().sum()).backward()
+        if delay:
+            layer.backward_dw()
+        torch.testing.assert_close(layer.weight0.grad, layer.weight0.detach())
+        for grad in (layer.weight1.grad, layer.weight2.grad, other.weight2.grad):
+            assert grad is not None
+            assert not grad.any()
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "delayed"])
+def test_parameters_swap_after_a_step(delay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Catches: the per-parameter records (which backward overwrote main_grad, which deferred
+    # GEMMs are queued) kept through weak references: torch.utils.swap_tensors refuses a
+    # tensor with one, so module.to() and load_state_dict with torch's swap on failed after
+    # a step ("Couldn't swap GroupedLinear.weight0").
+    layer = _flagged_main_grad_layer(delay_wgrad_compute=delay)
+    for param in layer.parameters():
+        param.overwrite_main_grad = True  # type: ignore[attr-defined]
+    x, dy = _randn(sum(SPLITS), K, seed=99), _randn(sum(SPLITS), K, seed=100)
+    layer(x, SPLITS).backward(dy)
+    if delay:
+        layer.backward_dw()
+    assert layer.weight0.main_grad.any()  # the premise: a GEMM wrote (and was recorded)
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    weight0 = layer.weight0
+    layer.to(torch.float64)
+    assert layer.weight0 is weight0  # swapped in place, as torch's swap does
+    assert layer.weight0.dtype == torch.float64
+    state = {k: v.float() for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state)
+    assert layer.weight0.dtype == torch.float64

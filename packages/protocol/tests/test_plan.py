@@ -9,6 +9,7 @@ from groupgrad.protocol import (
     WgradRoute,
     accumulate_grads_like_autograd,
     defer_weight_grads,
+    dummy_wgrad,
     hold_post_accumulate_grad_hooks,
     plan_weight_grads,
     weight_grad_buffers,
@@ -280,8 +281,32 @@ def test_zero_out_wgrad_rezeroes_even_writes_the_version_counter_cannot_see() ->
     params[0].zero_out_wgrad = True
     again = _plan(params, shape=(5, 9)).finish()[0]
     assert again is not None
-    assert again.data_ptr() == first.data_ptr()
     assert not again.any()
+    # its own buffer: writes the version counter cannot see never reach the others' dummy
+    assert again.data_ptr() != first.data_ptr()
+    again.data.add_(3.0)
+    last = _plan(params, shape=(5, 9)).finish()[0]
+    assert last is not None
+    assert last.data_ptr() == again.data_ptr()
+    assert not last.any()
+
+
+def test_a_zero_out_dummy_shares_no_storage_with_the_others() -> None:
+    # Catches: one buffer for parameters with and without zero_out_wgrad: a framework's
+    # unversioned write into the former's dummy reached the latter's next hand-out. (A shape
+    # of its own: the tests before leave the shared (5, 9) dummy written, as documented.)
+    keep = _params(count=1, shape=(7, 11), main_grad=torch.float32, grad_added_to_main_grad=False)
+    zero_out = _params(
+        count=1, shape=(7, 11), main_grad=torch.float32, grad_added_to_main_grad=False
+    )
+    zero_out[0].zero_out_wgrad = True
+    for step in range(2):
+        written = _plan(zero_out, shape=(7, 11)).finish()[0]
+        assert written is not None
+        written.data.add_(1.0)  # unversioned, as a fused kernel writes
+        handed = _plan(keep, shape=(7, 11)).finish()[0]
+        assert handed is not None
+        assert not handed.any(), step
 
 
 def test_finish_twice_is_an_error() -> None:
@@ -499,3 +524,17 @@ def test_a_follower_whose_main_grad_the_group_would_round_is_refused() -> None:
     group[0].main_grad = torch.zeros(4, 3)  # fp32, never written (frozen): the scratch follows
     plan = _plan(group)
     assert [b.dtype for b in plan.gemm_out] == [torch.float32] * 3
+
+
+def test_adding_like_autograd_never_writes_into_a_dummy_kept_as_grad() -> None:
+    # Catches: accumulate_grads_like_autograd adding into a .grad that is an alias of the
+    # shared dummy autograd kept: the gradient landed in every parameter handed that dummy.
+    params = _params(2, dtype=torch.float32)
+    for param in params:
+        param.grad = dummy_wgrad(param)  # as AccumulateGrad keeps a handed-out dummy
+    assert params[0].grad.data_ptr() == params[1].grad.data_ptr()  # the premise: one storage
+    grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
+    accumulate_grads_like_autograd(params[:1], [grad])
+    assert torch.equal(params[0].grad, grad)
+    assert not params[1].grad.any()
+    assert not dummy_wgrad(params[1]).any()

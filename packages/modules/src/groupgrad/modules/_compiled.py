@@ -37,6 +37,7 @@ and the queue's registry number (:meth:`WgradQueue.number`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -173,8 +174,47 @@ def _check_before_writing(
     live = [
         (p, n) for p, n, r in zip(params, names, returned, strict=True) if r and p.requires_grad
     ]
+    if _compiled_autograd_running():
+        _refuse_under_compiled_autograd([n for _, n in live], queued)
     accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
     return {id(p) for (p, _), takes in zip(live, accumulates, strict=True) if takes}
+
+
+def _compiled_autograd_running() -> bool:
+    """Whether this op runs inside a graph of Compiled Autograd
+    (``torch._dynamo.config.compiled_autograd``, ``compiled_autograd._enable``)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False))
+
+
+def _refuse_under_compiled_autograd(into_grad: Sequence[str], queued: bool) -> None:
+    """Refuse, before anything is written, what Compiled Autograd would silently undo.
+
+    Its graph accumulates each parameter's gradient from what it captured before this op
+    ran: a ``.grad`` the op wrote (``into_grad``: biases, weights on the autograd route)
+    is set back (to ``None`` after ``zero_grad()``); and it runs the post-accumulate-grad
+    hooks it captured, so a ``queued`` (delayed) layer's hooks would run at backward on a
+    stale gradient and again in ``backward_dw()``. ``main_grad`` written at backward is
+    kept, exactly as eager.
+
+    Raises:
+        RuntimeError: naming the first such parameter, or the delay.
+    """
+    if queued:
+        raise RuntimeError(
+            "delay_wgrad_compute=True under Compiled Autograd (torch._dynamo.config."
+            "compiled_autograd): its graph runs the parameters' post-accumulate-grad hooks at "
+            "backward, on a gradient not yet computed, and backward_dw() would run them again. "
+            "Set delay_wgrad_compute=False, or run backward without Compiled Autograd"
+        )
+    if into_grad:
+        raise RuntimeError(
+            f"the gradient of {into_grad[0]} goes to .grad, which Compiled Autograd "
+            "(torch._dynamo.config.compiled_autograd) sets back after this layer writes it (to "
+            "None after zero_grad()): it would be lost. Write the weights' gradients into "
+            "main_grad (accumulate_into_main_grad=True, no bias), or run backward without "
+            "Compiled Autograd"
+        )
 
 
 def _deliver(
@@ -342,25 +382,45 @@ def hand_over(
     return [torch.zeros_like(p) if d else None for p, d in zip(params, dummies, strict=True)]
 
 
-def refuse_derived_parameters(params: Sequence[Tensor], leader: str) -> None:
-    """Under ``torch.compile``, refuse a weight or bias computed from another tensor.
+def refuse_derived_parameters(
+    params: Sequence[Tensor], leader: str, *, delayed: Sequence[Tensor] = ()
+) -> None:
+    """Refuse a weight or bias computed from another tensor where groupgrad, not autograd,
+    delivers its gradient into ``.grad``: under ``torch.compile``, and a weight whose
+    gradient ``delay_wgrad_compute`` defers to ``backward_dw()``.
 
     Compiled, the layer's backward delivers parameter gradients into ``.grad``
     at run time (module docstring), and the traced backward hands autograd
-    ``None`` for them: a tensor computed from a parameter (``p * 2``,
-    ``p.t().contiguous()``, a ``DTensor``'s ``to_local()``) has no ``.grad``
-    that reaches that parameter, so its gradient would be lost without a word.
-    Eager code takes such tensors (autograd carries their gradient back).
+    ``None`` for them; ``backward_dw()`` adds the deferred gradients into
+    ``.grad`` after autograd's backward. A tensor computed from a parameter
+    (``p * 2``, ``p.t().contiguous()``, a ``DTensor``'s ``to_local()``, a
+    ``torch.nn.utils.parametrize`` weight) has no ``.grad`` that reaches that
+    parameter, so its gradient would be lost without a word. Eager code without
+    delay takes such tensors (autograd carries their gradient back).
 
     Args:
         params: The layer's weights and biases, as the autograd Function gets them.
         leader: The name of the layer's first weight, for the message.
+        delayed: The weights among ``params`` whose gradient is deferred.
 
     Raises:
         RuntimeError: One of ``params`` requires grad and is not a leaf, while
-            grad mode is on under ``torch.compile``.
+            grad mode is on under ``torch.compile``, or one of ``delayed`` does
+            while grad mode is on.
     """
-    if not torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
+        return
+    if not torch.compiler.is_compiling():
+        for param in delayed:
+            if param.requires_grad and not param.is_leaf:
+                raise RuntimeError(
+                    f"a weight of the groupgrad layer led by {leader!r} is computed from "
+                    "another tensor (not a leaf: a parametrization, weight_norm, p * 2) and the "
+                    "layer has delay_wgrad_compute=True: backward_dw() adds its gradient into "
+                    ".grad after autograd's backward, where it would not reach the tensor it "
+                    "came from. Set delay_wgrad_compute=False for this layer, or pass the "
+                    "parameter itself"
+                )
         return
     for index, param in enumerate(params):
         if param.requires_grad and not param.is_leaf:

@@ -299,7 +299,8 @@ def apply_grouped_linear(
     fp8: Fp8Blockwise | None = None,
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
-    refuse_derived_parameters(params, spec.names[0])
+    delayed = () if queue is None else params[: len(params) - num_biases]
+    refuse_derived_parameters(params, spec.names[0], delayed=delayed)
     x_TK, cast_dtype = autocast_input(x_TK)
     splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
     args = (x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *params)

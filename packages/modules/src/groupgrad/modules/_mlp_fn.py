@@ -227,7 +227,9 @@ def apply_grouped_mlp(
 
     ``forms``: the FP8 operand forms (``None``: bf16, ``MLPForms()``).
     """
-    refuse_derived_parameters(params, layout.fc1.names[0])
+    w1, _, w2, _ = layout.split(params)
+    delayed = () if queue is None else (*w1, *w2)
+    refuse_derived_parameters(params, layout.fc1.names[0], delayed=delayed)
     x_TH, cast_dtype = autocast_input(x_TH)
     splits = snapshot_splits(splits, layout.fc1.num_groups(params[: layout.num_weights]))
     forms = MLPForms() if forms is None else forms

@@ -18,12 +18,14 @@ groups, each with a GEMM of its own:
   :func:`unqueue_deferred`), as autograd runs them once per backward.
 
 Backwards are told apart by their graph tasks (``_tasks.backward_of``). The
-records are keyed by the parameter's id and live as long as the parameter.
+records of the first and third rules are attributes of the parameter, so they live
+as long as it does; not weak references, which make ``torch.utils.swap_tensors``
+(``module.to()`` and ``load_state_dict`` with ``torch.__future__``'s swap on)
+refuse the parameter.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -45,11 +47,11 @@ __all__ = [
     "unqueue_deferred",
 ]
 
-#: Per parameter (its id) whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``): the
-#: backward (a graph task, compared by ``_tasks.backward_of``) whose gradient it holds. An
-#: entry lives as long as its parameter (no size limit: dropping the entry of a backward still
-#: running would let its next GEMM into that parameter overwrite the sum again).
-_WRITTEN_FOR: dict[int, int] = {}
+#: The attribute of a parameter whose ``main_grad`` a GEMM overwrote (``overwrite_main_grad``):
+#: the backward (a graph task, compared by ``_tasks.backward_of``) whose gradient it holds. It
+#: lives as long as its parameter (dropping the record of a backward still running would let
+#: its next GEMM into that parameter overwrite the sum again).
+_WRITTEN_FOR = "_groupgrad_main_grad_written_for"
 
 
 def overwrites_of(
@@ -93,7 +95,7 @@ def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: Abstrac
 def _written_for(param: Tensor, backward: int, pending: AbstractSet[int]) -> bool:
     """Whether a GEMM of ``backward`` (``_tasks.backward_of``) wrote ``param``'s ``main_grad``
     or is ``pending`` to write it."""
-    return id(param) in pending or backward_of(_WRITTEN_FOR.get(id(param), -1)) == backward
+    return id(param) in pending or backward_of(getattr(param, _WRITTEN_FOR, -1)) == backward
 
 
 def record_written(plan: WeightGradPlan, task: int) -> None:
@@ -101,9 +103,7 @@ def record_written(plan: WeightGradPlan, task: int) -> None:
     gradient (see :data:`_WRITTEN_FOR`)."""
     for param, keep in zip(plan.weights, plan.trainable, strict=True):
         if keep:
-            if id(param) not in _WRITTEN_FOR:
-                weakref.finalize(param, _WRITTEN_FOR.pop, id(param), None)
-            _WRITTEN_FOR[id(param)] = task
+            setattr(param, _WRITTEN_FOR, task)
 
 
 #: Per graph task that planned, per parameter (its id): the ``main_grad`` buffer a plan of
@@ -157,18 +157,19 @@ def forget_fetched(task: int) -> None:
         del _FETCHED[key]
 
 
-#: Per parameter (its id): the backwards (graph tasks) of its deferred GEMMs queued and not yet
-#: run, in any module's queue (a weight shared by two layers is in both).
-_QUEUED: dict[int, list[int]] = {}
+#: The attribute of a parameter listing the backwards (graph tasks) of its deferred GEMMs
+#: queued and not yet run, in any module's queue (a weight shared by two layers is in both).
+_QUEUED = "_groupgrad_deferred_tasks"
 
 
 def queue_deferred(params: Iterable[Tensor], task: int) -> None:
     """Record a deferred GEMM of backward ``task`` into each of ``params``."""
     for param in params:
-        if id(param) not in _QUEUED:
-            _QUEUED[id(param)] = []
-            weakref.finalize(param, _QUEUED.pop, id(param), None)
-        _QUEUED[id(param)].append(task)
+        tasks = getattr(param, _QUEUED, None)
+        if tasks is None:
+            tasks = []
+            setattr(param, _QUEUED, tasks)
+        tasks.append(task)
 
 
 def unqueue_deferred(params: Sequence[Tensor], trainable: Sequence[bool], task: int) -> list[bool]:
@@ -178,7 +179,7 @@ def unqueue_deferred(params: Sequence[Tensor], trainable: Sequence[bool], task: 
     mine = backward_of(task)
     last = []
     for param, keep in zip(params, trainable, strict=True):
-        tasks = _QUEUED.get(id(param), []) if keep else []
+        tasks = getattr(param, _QUEUED, []) if keep else []
         if task in tasks:
             tasks.remove(task)
         last.append(all(backward_of(other) != mine for other in tasks))

@@ -20,11 +20,14 @@ attribute                    meaning
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 __all__ = [
     "MAIN_GRAD_DTYPES",
     "deliver_to_main_grad",
+    "drop_dummy_grads",
     "dummy_wgrad",
     "fetch_main_grad",
     "grad_dtype_of",
@@ -51,7 +54,7 @@ class _CachedDummy:
         self.version = buffer._version
 
 
-_DummyKey = tuple[tuple[int, ...], torch.dtype, torch.device]
+_DummyKey = tuple[tuple[int, ...], torch.dtype, torch.device, bool]
 _dummy_cache: dict[_DummyKey, _CachedDummy] = {}
 
 
@@ -119,10 +122,17 @@ def fetch_main_grad(param: torch.Tensor, name: str) -> torch.Tensor:
                 "a torch.Tensor buffer to write its weight gradient into "
                 "(accumulate_into_main_grad=True)"
             )
+        derived = (
+            ""
+            if param.is_leaf
+            else " (it is computed from another tensor, not a leaf: a parametrization or "
+            "weight_norm computes it at each forward; its main_grad would not reach the "
+            "parameter it came from, so pass the parameter itself or turn the option off)"
+        )
         raise RuntimeError(
             f"parameter {name!r} has no main_grad, but the layer was asked to write its weight "
             "gradient into main_grad (accumulate_into_main_grad=True); give the parameter a "
-            "main_grad buffer or turn the option off"
+            f"main_grad buffer or turn the option off{derived}"
         )
     return buffer
 
@@ -201,21 +211,42 @@ def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
 
     The dummy has the parameter's shape, device and grad dtype
     (:func:`grad_dtype_of`, so autograd never casts it) and is a ``.detach()``
-    alias of one cached buffer per (shape, dtype, device), so autograd's
-    AccumulateGrad takes it without a copy: parameters handed a dummy share
-    ``.grad`` storage (frameworks that honour ``grad_added_to_main_grad``
-    ignore ``.grad``). The buffer is allocated zeroed, and zeroed again before
+    alias of one cached buffer per (shape, dtype, device, truthy ``zero_out_wgrad``),
+    so autograd's AccumulateGrad takes it without a copy: parameters handed a dummy
+    share ``.grad`` storage (frameworks that honour ``grad_added_to_main_grad``
+    ignore ``.grad``); those with ``zero_out_wgrad`` share none with those without,
+    whose dummy a write the version counter cannot see would otherwise reach. The buffer is allocated zeroed, and zeroed again before
     this hand-out when anything wrote into it since the last one (its version
     counter moved, e.g. a hook or weight decay added into a ``.grad`` alias)
     or when the parameter has a truthy ``zero_out_wgrad``: a dummy is all
     zeros when it is handed out.
     """
-    key = (tuple(param.shape), grad_dtype_of(param), param.device)
+    zero_out = rezeroes_dummy(param)
+    key = (tuple(param.shape), grad_dtype_of(param), param.device, zero_out)
     cached = _dummy_cache.get(key)
     if cached is None:
         cached = _CachedDummy(torch.zeros(key[0], dtype=key[1], device=key[2]))
         _dummy_cache[key] = cached
-    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:
+    elif zero_out or cached.buffer._version != cached.version:
         cached.buffer.zero_()
         cached.version = cached.buffer._version
     return cached.buffer.detach()
+
+
+def drop_dummy_grads(params: Iterable[torch.Tensor]) -> None:
+    """Set ``.grad = None`` where it is an alias of a dummy (:func:`dummy_wgrad`) autograd
+    kept, before a gradient is handed to autograd (or added like autograd) for ``params``.
+
+    Such a ``.grad`` shares its storage with every parameter of its shape handed the
+    dummy: autograd's ``AccumulateGrad`` adds a later gradient into it in place, so a real
+    gradient (the plain route after ``accumulate_into_main_grad`` was switched off, a
+    penalty on the weight) would land in all of them. A dummy holds zeros, so dropping it
+    changes no sum.
+    """
+    if not _dummy_cache:
+        return
+    shared = {c.buffer.data_ptr() for c in _dummy_cache.values()} - {0}
+    for param in params:
+        grad = param.grad
+        if grad is not None and grad.data_ptr() in shared:
+            param.grad = None

@@ -23,12 +23,14 @@ import torch
 
 from groupgrad.protocol._attrs import (
     MAIN_GRAD_DTYPES,
+    drop_dummy_grads,
     dummy_wgrad,
     fetch_main_grad,
     grad_dtype_of,
     main_grad_or_none,
     mark_grad_added,
     overwrites_main_grad,
+    rezeroes_dummy,
     takes_grad_added_flag,
 )
 from groupgrad.protocol._buffers import member_grad_buffers, packed_grad_buffer
@@ -127,6 +129,9 @@ class WeightGradPlan:
         answers: list[torch.Tensor | None]
         if self.route is WgradRoute.AUTOGRAD:
             answers = list(self.buffers)
+            drop_dummy_grads(
+                p for p, keep in zip(self.weights, self.trainable, strict=True) if keep
+            )
         elif self.route is WgradRoute.DISTRIBUTED:
             answers = finalize_members(self.weights, self.buffers)
         elif self.deferred:
@@ -213,15 +218,24 @@ def autograd_dummies(weights: WeightGroup) -> list[torch.Tensor | None]:
     member that carries ``grad_added_to_main_grad``, ``None`` elsewhere. Members
     of one shape and grad dtype share one cached buffer: it is fetched (and
     re-zeroed where needed) once and each member gets its own ``.detach()``
-    alias. Sets no flag.
+    alias. Sets no flag. A trainable member's ``.grad`` that is an alias of a dummy is
+    dropped first (:func:`~groupgrad.protocol._attrs.drop_dummy_grads`).
     """
+    members = as_weight_list(weights)
+    drop_dummy_grads(p for p in members if p.requires_grad)
     handed: list[torch.Tensor | None] = []
     dummy: torch.Tensor | None = None
-    for param in as_weight_list(weights):
+    zero_out = False
+    for param in members:
         if not _gets_dummy(param):
             handed.append(None)
-        elif dummy is None or dummy.shape != param.shape or dummy.dtype != grad_dtype_of(param):
-            dummy = dummy_wgrad(param)
+        elif (
+            dummy is None
+            or dummy.shape != param.shape
+            or dummy.dtype != grad_dtype_of(param)
+            or zero_out != rezeroes_dummy(param)
+        ):
+            dummy, zero_out = dummy_wgrad(param), rezeroes_dummy(param)
             handed.append(dummy)
         else:
             handed.append(dummy.detach())

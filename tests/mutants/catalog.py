@@ -172,15 +172,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "dummy-not-rezeroed",
         "the shared dummy handed out again after something wrote into it",
         _ATTRS,
-        "    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:",
-        "    elif rezeroes_dummy(param):",
+        "    elif zero_out or cached.buffer._version != cached.version:",
+        "    elif zero_out:",
         (MODULES, PROTOCOL),
     ),
     Mutant(
         "zero-out-wgrad-ignored",
         "zero_out_wgrad ignored: an unversioned write into the dummy survives",
         _ATTRS,
-        "    elif rezeroes_dummy(param) or cached.buffer._version != cached.version:",
+        "    elif zero_out or cached.buffer._version != cached.version:",
         "    elif cached.buffer._version != cached.version:",
         (MODULES, PROTOCOL),
     ),
@@ -188,8 +188,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "dummy-in-param-dtype",
         "the dummy in the parameter's dtype instead of its grad_dtype",
         _ATTRS,
-        "    key = (tuple(param.shape), grad_dtype_of(param), param.device)",
-        "    key = (tuple(param.shape), param.dtype, param.device)",
+        "    key = (tuple(param.shape), grad_dtype_of(param), param.device, zero_out)",
+        "    key = (tuple(param.shape), param.dtype, param.device, zero_out)",
         (MODULES,),
     ),
     Mutant(
@@ -877,8 +877,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "under torch.compile a weight computed from a parameter enters the opaque gradient op, "
         "whose .grad never reaches the parameter",
         "packages/modules/src/groupgrad/modules/_compiled.py",
-        "        if param.requires_grad and not param.is_leaf:",
-        "        if False:",
+        "        if param.requires_grad and not param.is_leaf:\n            raise RuntimeError(\n"
+        '                f"tensor {index}',
+        '        if False:\n            raise RuntimeError(\n                f"tensor {index}',
         (f"{MODULES}/test_compile.py",),
     ),
     # --- fp8_recipe="blockwise" in GroupedLinear
@@ -1827,7 +1828,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the plain route hands autograd its gradients while .grad is still an alias of the "
         "shared dummy (main_grad switched off): every expert's .grad gets the sum",
         _PLAN,
-        "            drop_dummy_grads(p for p, keep in zip(self.weights, self.trainable, strict=True) if keep)",
+        "            drop_dummy_grads(\n"
+        "                p for p, keep in zip(self.weights, self.trainable, strict=True) if keep\n"
+        "            )",
         "            pass",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
@@ -1836,7 +1839,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a deferred job adds its gradient into a .grad that is an alias of the shared dummy: "
         "every same-shaped weight gets it",
         "packages/protocol/src/groupgrad/protocol/_hooks.py",
-        "    drop_dummy_grads(p for p, g, _ in live if g is not None)  # never add into a shared dummy",
+        "    own_dummy_grads(p for p, g, _ in live if g is not None)  # never add into a shared dummy",
         "    pass",
         (f"{PROTOCOL}/test_plan.py",),
     ),
@@ -1845,8 +1848,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "under Compiled Autograd a layer writes .grad (no main_grad, or a bias), which the "
         "graph then sets back to None: every such gradient lost without a word",
         "packages/modules/src/groupgrad/modules/_compiled.py",
-        "    if _compiled_autograd_running():",
-        "    if False:",
+        "        into_grad = [n for (_, n), takes in zip(live, accumulates, strict=True) if takes]",
+        "        into_grad = []",
         (f"{MODULES}/test_compile.py",),
     ),
     Mutant(
@@ -1866,6 +1869,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "    key = (tuple(param.shape), grad_dtype_of(param), param.device, zero_out)",
         "    key = (tuple(param.shape), grad_dtype_of(param), param.device, False)",
         (f"{PROTOCOL}/test_plan.py",),
+    ),
+    Mutant(
+        "compiled-autograd-refuses-a-dgrad-only-backward",
+        "under Compiled Autograd backward(inputs=[x]) is refused for a biased layer although "
+        "nothing is written into .grad",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "        into_grad = [n for (_, n), takes in zip(live, accumulates, strict=True) if takes]",
+        "        into_grad = [n for (_, n), takes in zip(live, accumulates, strict=True)]",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "compiled-autograd-delay-accepted-without-dynamo",
+        "a delayed layer under a Compiled Autograd compiler that is not Dynamo: its hooks run at "
+        "backward on an unwritten main_grad, then again in backward_dw()",
+        "packages/modules/src/groupgrad/modules/_compiled.py",
+        "        if queue is not None and _compiled_autograd_running():",
+        "        if False:",
+        (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "deferred-hand-out-keeps-dummy-alias",
+        "a delayed layer on the plain route keeps a .grad aliasing the shared dummy at backward: "
+        "a penalty on one weight lands in every same-shaped weight's .grad",
+        _PLAN,
+        "    drop_dummy_grads(p for p in members if p.requires_grad)  # before autograd adds into one",
+        "    pass",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "megatron-hooks-of-frozen-weights-run",
+        "backward_dw() runs Megatron DDP's hook of a weight frozen after the DDP was built: "
+        "its bare `assert param.requires_grad` is all the user sees",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_hooks.py",
+        "        if len(self._hooks) > trainable:",
+        "        if False:",
+        ("integrations/megatron_core/tests/test_specs_and_config.py",),
     ),
     Mutant(
         "nested-task-forgets-backward-fetched",

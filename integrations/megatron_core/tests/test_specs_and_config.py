@@ -244,7 +244,7 @@ def test_wgrad_hooks_run_in_order_and_refuse_non_callables() -> None:
     hooks, order = WgradHooks(), []
     hooks.register(lambda: order.append("a"))
     hooks.register(lambda: order.append("b"))
-    hooks.fire("layer", [torch.zeros(2)])
+    hooks.fire("layer", [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)])
     assert order == ["a", "b"]
     with pytest.raises(TypeError, match="hook is a int, expected a callable"):
         hooks.register(3)  # type: ignore[arg-type]
@@ -258,6 +258,22 @@ def test_wgrad_hooks_refuse_main_grad_without_a_hook() -> None:
         RuntimeError, match=r"layer\.backward_dw\(\): .*no wgrad hook was registered"
     ):
         WgradHooks().fire("layer", [weight])
+
+
+def test_wgrad_hooks_refuse_a_weight_frozen_after_they_were_registered() -> None:
+    # Catches: backward_dw() running Megatron DDP's hook of a weight frozen after the DDP was
+    # built: the hook's bare `assert param.requires_grad` was all the user saw.
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    hooks, calls = WgradHooks(), []
+    for index in range(2):
+        hooks.register(lambda index=index: calls.append(index))
+    weights[1].requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"2 wgrad hooks .* only 1 weights require grad "
+                       r"\(weight 1 among the frozen ones\)"):  # fmt: skip
+        hooks.fire("layer", weights)
+    assert calls == []
+    hooks.fire("layer", [weights[0], torch.nn.Parameter(torch.zeros(2))])  # one per hook: run
+    assert calls == [0, 1]
 
 
 # ---------------------------------------------------------------- the CPU shim

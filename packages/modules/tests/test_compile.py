@@ -570,3 +570,38 @@ def test_compiled_autograd_writes_main_grad_as_eager(packed: bool) -> None:
     assert any(eager.any() for eager in got[0])
     for eager, compiled_grad in zip(*got, strict=True):
         assert torch.equal(eager, compiled_grad)
+
+
+def test_compiled_autograd_allows_a_backward_that_writes_no_grad() -> None:
+    # Catches: the refusal firing for a layer whose parameters this backward does not
+    # accumulate into (backward(inputs=[x]), a pipeline schedule's dgrad-only backward).
+    torch._dynamo.reset()
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=True)
+    x = torch.randn(T, H, dtype=BF16, requires_grad=True)
+    want = torch.autograd.grad(layer(x, [5, 0, 11, 8]).float().square().sum(), [x])[0]
+    loss = layer(x, [5, 0, 11, 8]).float().square().sum()
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss.backward(inputs=[x])
+    assert torch.equal(x.grad, want)
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_compiled_autograd_without_dynamo_refuses_a_delayed_layer() -> None:
+    # Catches: the delay refused only where Dynamo traces the layer's backward: a Compiled
+    # Autograd compiler of its own (here one that runs the captured graph as it is) ran the
+    # hooks at backward, on a main_grad not yet written, then again in backward_dw().
+    layer = GroupedLinear(E, H, H, dtype=BF16, bias=False, accumulate_into_main_grad=True,
+                          delay_wgrad_compute=True)  # fmt: skip
+    for param in layer.parameters():
+        param.main_grad = torch.zeros(param.shape)  # type: ignore[attr-defined]
+    loss = layer(torch.randn(T, H, dtype=BF16), [5, 0, 11, 8]).float().square().sum()
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    with (
+        pytest.raises(RuntimeError, match="delay_wgrad_compute=True under Compiled"),
+        compiled_autograd._enable(lambda graph: graph),
+    ):
+        loss.backward()
+    assert not any(p.main_grad.any() for p in layer.parameters())  # type: ignore[attr-defined]

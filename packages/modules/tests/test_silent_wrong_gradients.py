@@ -1442,13 +1442,14 @@ def test_a_dummy_kept_as_grad_takes_no_other_parameters_gradient(case: str, dela
     assert layer.weight1.grad.untyped_storage().data_ptr() == (
         other.weight2.grad.untyped_storage().data_ptr()
     ), "the premise: one storage for every dummy of that shape"
-    if case == "route_switched_off":
+    if case == "route_switched_off":  # with a penalty on weight0, beside the layer's gradient
         torch.optim.SGD(layer.parameters(), lr=0.0).zero_grad(set_to_none=False)
         layer.accumulate_into_main_grad = False
-        layer(x, SPLITS).backward(dy)
+        (layer(x, SPLITS) * dy).sum().add(0.5 * layer.weight0.square().sum()).backward()
         if delay:
             layer.backward_dw()
-        want = torch.autograd.grad((_linear_fp64(x, weights, SPLITS) * dy.double()).sum(), weights)
+        loss = (_linear_fp64(x, weights, SPLITS) * dy.double()).sum()
+        want = torch.autograd.grad(loss + 0.5 * weights[0].square().sum(), weights)
         for e in range(E):
             _close(getattr(layer, f"weight{e}").grad, want[e])
     else:

@@ -174,9 +174,10 @@ def _check_before_writing(
     live = [
         (p, n) for p, n, r in zip(params, names, returned, strict=True) if r and p.requires_grad
     ]
-    if _compiled_autograd_running():
-        _refuse_under_compiled_autograd([n for _, n in live], queued)
     accumulates = _engine_accumulates([p for p, _ in live], [n for _, n in live])
+    if _compiled_autograd_running():
+        into_grad = [n for (_, n), takes in zip(live, accumulates, strict=True) if takes]
+        _refuse_under_compiled_autograd(into_grad, queued)
     return {id(p) for (p, _), takes in zip(live, accumulates, strict=True) if takes}
 
 
@@ -345,6 +346,8 @@ def hand_over(
     as its tensors and is rebuilt there.
     """
     if not torch.compiler.is_compiling():
+        if queue is not None and _compiled_autograd_running():  # its compiler traced no Dynamo
+            _refuse_under_compiled_autograd((), queued=True)
         return parameter_grads(layers, dys, xs, splits, queue, bias_dys=bias_dys)
     tensors: list[Tensor] = []
     layouts = []

@@ -21,6 +21,7 @@ attribute                    meaning
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -35,6 +36,7 @@ __all__ = [
     "main_grad_or_none",
     "mark_grad_added",
     "overwrites_main_grad",
+    "own_dummy_grads",
     "rezeroes_dummy",
     "set_overwrite_main_grad",
     "takes_grad_added_flag",
@@ -235,18 +237,34 @@ def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
 
 def drop_dummy_grads(params: Iterable[torch.Tensor]) -> None:
     """Set ``.grad = None`` where it is an alias of a dummy (:func:`dummy_wgrad`) autograd
-    kept, before a gradient is handed to autograd (or added like autograd) for ``params``.
+    kept, before this package hands autograd a gradient (or a dummy) for ``params``.
 
     Such a ``.grad`` shares its storage with every parameter of its shape handed the
     dummy: autograd's ``AccumulateGrad`` adds a later gradient into it in place, so a real
     gradient (the plain route after ``accumulate_into_main_grad`` was switched off, a
-    penalty on the weight) would land in all of them. A dummy holds zeros, so dropping it
-    changes no sum.
+    penalty on the weight) would land in all of them. Called before autograd accumulates
+    anything of this backward: the dummy it drops held the zeros handed out.
     """
+    for param in _dummy_aliased(params):
+        param.grad = None
+
+
+def own_dummy_grads(params: Iterable[torch.Tensor]) -> None:
+    """Give each of ``params`` whose ``.grad`` is an alias of a dummy a copy of its own
+    (the same values), before a gradient is added into it outside autograd."""
+    for param in _dummy_aliased(params):
+        param.grad = cast(torch.Tensor, param.grad).clone()
+
+
+def _dummy_aliased(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` whose ``.grad`` is an alias of a cached dummy buffer (a plain
+    tensor: a dummy is one; a wrapper subclass has no data pointer to compare)."""
     if not _dummy_cache:
-        return
+        return []
     shared = {c.buffer.data_ptr() for c in _dummy_cache.values()} - {0}
+    found = []
     for param in params:
         grad = param.grad
-        if grad is not None and grad.data_ptr() in shared:
-            param.grad = None
+        if type(grad) is torch.Tensor and grad.data_ptr() in shared:
+            found.append(param)
+    return found

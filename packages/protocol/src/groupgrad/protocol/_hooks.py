@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from groupgrad.protocol._attrs import drop_dummy_grads, grad_dtype_of
+from groupgrad.protocol._attrs import grad_dtype_of, own_dummy_grads
 from groupgrad.protocol._distributed import WeightGroup, as_weight_list
 
 __all__ = [
@@ -149,7 +149,7 @@ def accumulate_grads_like_autograd(
     live = [
         (p, g, hooks) for p, g, hooks in zip(members, grads, flags, strict=True) if p.requires_grad
     ]
-    drop_dummy_grads(p for p, g, _ in live if g is not None)  # never add into a shared dummy
+    own_dummy_grads(p for p, g, _ in live if g is not None)  # never add into a shared dummy
     released = 0
     try:
         with torch.no_grad():

@@ -397,6 +397,7 @@ def defer_weight_grads(
     hold_post_accumulate_grad_hooks(p for p in members if p.requires_grad)
     if route is WgradRoute.MAIN_GRAD:
         return _hand_over_main_grad(members)
+    drop_dummy_grads(p for p in members if p.requires_grad)  # before autograd adds into one
     return [None] * len(members)
 
 

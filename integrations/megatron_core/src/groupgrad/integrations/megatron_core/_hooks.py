@@ -50,7 +50,9 @@ class WgradHooks:
         Raises:
             RuntimeError: No hook was registered although the weights have
                 ``main_grad`` buffers (a Megatron DDP built without
-                ``delay_wgrad_compute=True`` in its ``DistributedDataParallelConfig``).
+                ``delay_wgrad_compute=True`` in its ``DistributedDataParallelConfig``);
+                or more hooks than weights that still require grad (a weight frozen
+                after the DDP registered its hook, which asserts ``requires_grad``).
         """
         if not self._hooks and any(main_grad_or_none(w) is not None for w in weights):
             raise RuntimeError(
@@ -59,6 +61,16 @@ class WgradHooks:
                 "deferred gradients would never reach Megatron's gradient buffers; wrap the model "
                 "in DistributedDataParallel with "
                 "DistributedDataParallelConfig(delay_wgrad_compute=True)"
+            )
+        trainable = sum(bool(w.requires_grad) for w in weights)
+        if len(self._hooks) > trainable:
+            frozen = next(i for i, w in enumerate(weights) if not w.requires_grad)
+            raise RuntimeError(
+                f"{owner}.backward_dw(): {len(self._hooks)} wgrad hooks were registered but only "
+                f"{trainable} weights require grad (weight {frozen} among the frozen ones): a "
+                "weight frozen after Megatron's DistributedDataParallel registered its hook, "
+                "which asserts requires_grad. Freeze the experts before wrapping the model in "
+                "DistributedDataParallel"
             )
         for hook in self._hooks:
             hook()

@@ -87,8 +87,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "under torch.compile the backward traces the eager wgrad step: bf16 parameters' fp32 "
         "wgrads are rounded to bf16 by the graph",
         _COMPILED,
-        "    if not torch.compiler.is_compiling():\n        return parameter_grads(",
-        "    if True:\n        return parameter_grads(",
+        "    if not torch.compiler.is_compiling():\n        if queue is not None",
+        "    if True:\n        if queue is not None",
         (_COMPILE_TESTS,),
     ),
     Mutant(
@@ -1819,8 +1819,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a .grad that is an alias of the shared dummy is kept when dummies are handed out: a "
         "penalty's gradient on one weight is added into every same-shaped weight's .grad",
         _PLAN,
-        "    drop_dummy_grads(p for p in members if p.requires_grad)",
-        "    pass",
+        "    drop_dummy_grads(p for p in members if p.requires_grad)\n    handed:",
+        "    pass\n    handed:",
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(

@@ -52,7 +52,7 @@ from groupgrad.modules._group import (
     no_autocast,
     snapshot_splits,
 )
-from groupgrad.modules._no_grad import backward_follows, forward_without_backward
+from groupgrad.modules._no_grad import forward_without_backward, wgrad_follows
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -231,8 +231,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             x_gemm: Tensor | Fp8Blocks = x_TK
             x_saved: Operand = x_TK
             if fp8 is not None:  # x's forms from x; the wgrad's is saved, where it runs
-                wgrad = backward_follows(ctx) and any(w.requires_grad for w in weights)
-                x_gemm, x_saved = fp8.quantize_input(x_TK, splits, tokens=wgrad)
+                tokens = wgrad_follows(ctx, weights)
+                x_gemm, x_saved = fp8.quantize_input(x_TK, splits, tokens=tokens)
             y_TN, ctx.target, num_groups = layer_fprop(
                 x_gemm, splits, spec, weights, cast_dtype, fp8=fp8
             )
@@ -299,10 +299,10 @@ def apply_grouped_linear(
     fp8: Fp8Blockwise | None = None,
 ) -> Tensor:
     """Run :class:`GroupedLinearFunction`, in autocast's dtype where autocast is on."""
-    delayed = () if queue is None else params[: len(params) - num_biases]
-    refuse_derived_parameters(params, spec.names[0], delayed=delayed)
+    weights = params[: len(params) - num_biases]
+    refuse_derived_parameters(params, spec.names[0], delayed=() if queue is None else weights)
     x_TK, cast_dtype = autocast_input(x_TK)
-    splits = snapshot_splits(splits, spec.num_groups(params[: len(params) - num_biases]))
+    splits = snapshot_splits(splits, spec.num_groups(weights))
     args = (x_TK, splits, spec, queue, cast_dtype, fp8, num_biases, *params)
     if not torch.is_grad_enabled():  # no backward follows: see _no_grad
         return forward_without_backward(GroupedLinearFunction, *args)

@@ -84,7 +84,7 @@ from groupgrad.modules._mlp_args import (  # the argument helpers, re-exported f
     mlp_arguments,
 )
 from groupgrad.modules._mlp_forms import MLPForms
-from groupgrad.modules._no_grad import backward_follows, forward_without_backward
+from groupgrad.modules._no_grad import forward_without_backward, wgrad_follows
 from groupgrad.modules._once import differentiable_once
 from groupgrad.modules._operands import Operand, put_together, take_apart
 from groupgrad.modules._tasks import enter_backward, forward_task
@@ -127,8 +127,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         w1, b1, w2, b2 = layout.split(params)
         T = x_TH.shape[0]
         with no_autocast(x_TH.device):
-            wgrad = backward_follows(ctx) and any(w.requires_grad for w in w1)
-            x_gemm, x_kept = forms.input(x_TH, splits, wgrad=wgrad)
+            x_gemm, x_kept = forms.input(x_TH, splits, wgrad=wgrad_follows(ctx, w1))
             h_T2F, ctx.fc1, num_groups = layer_fprop(
                 x_gemm, splits, layout.fc1, w1, cast_dtype, fp8=forms.fc1
             )

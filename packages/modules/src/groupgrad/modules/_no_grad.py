@@ -13,11 +13,12 @@ type(s) for @: 'int' and 'FakeTensor'", "'str' object has no attribute
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["backward_follows", "forward_without_backward"]
+__all__ = ["forward_without_backward", "wgrad_follows"]
 
 
 class _NoBackward:
@@ -28,10 +29,11 @@ class _NoBackward:
         pass
 
 
-def backward_follows(ctx: Any) -> bool:
-    """Whether a backward may read what a grouped Function's forward saves on ``ctx`` (not
-    where :func:`forward_without_backward` runs it)."""
-    return not isinstance(ctx, _NoBackward)
+def wgrad_follows(ctx: Any, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a backward will compute a weight gradient of ``weights`` from what a grouped
+    Function's forward saves on ``ctx``: one of them requires grad, and a backward follows
+    (not where :func:`forward_without_backward` runs the forward)."""
+    return not isinstance(ctx, _NoBackward) and any(w.requires_grad for w in weights)
 
 
 def forward_without_backward(function: type[torch.autograd.Function], *args: Any) -> Any:

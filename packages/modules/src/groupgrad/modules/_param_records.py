@@ -119,6 +119,8 @@ _FETCHED: dict[int, dict[int, Tensor]] = {}
 
 def _tasks_of(task: int) -> list[int]:
     """The keys of :data:`_FETCHED` that belong to ``task``'s backward."""
+    if not _FETCHED:
+        return []
     mine = backward_of(task)
     return [key for key in _FETCHED if backward_of(key) == mine]
 
@@ -126,7 +128,7 @@ def _tasks_of(task: int) -> list[int]:
 def fetched_for(params: Sequence[Tensor], task: int) -> dict[int, Tensor]:
     """The ``main_grad`` buffers earlier plans of backward ``task`` took, by index in ``params``."""
     taken: dict[int, Tensor] = {}
-    for key in _tasks_of(task) if _FETCHED else ():
+    for key in _tasks_of(task):
         taken.update(_FETCHED[key])
     return {i: taken[id(p)] for i, p in enumerate(params) if id(p) in taken}
 

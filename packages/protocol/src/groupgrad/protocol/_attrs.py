@@ -217,8 +217,9 @@ def dummy_wgrad(param: torch.Tensor) -> torch.Tensor:
     so autograd's AccumulateGrad takes it without a copy: parameters handed a dummy
     share ``.grad`` storage (frameworks that honour ``grad_added_to_main_grad``
     ignore ``.grad``); those with ``zero_out_wgrad`` share none with those without,
-    whose dummy a write the version counter cannot see would otherwise reach. The buffer is allocated zeroed, and zeroed again before
-    this hand-out when anything wrote into it since the last one (its version
+    whose dummy a write the version counter cannot see would otherwise reach. The
+    buffer is allocated zeroed, and zeroed again before this hand-out when
+    anything wrote into it since the last one (its version
     counter moved, e.g. a hook or weight decay added into a ``.grad`` alias)
     or when the parameter has a truthy ``zero_out_wgrad``: a dummy is all
     zeros when it is handed out.

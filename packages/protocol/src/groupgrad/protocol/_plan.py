@@ -225,17 +225,14 @@ def autograd_dummies(weights: WeightGroup) -> list[torch.Tensor | None]:
     drop_dummy_grads(p for p in members if p.requires_grad)
     handed: list[torch.Tensor | None] = []
     dummy: torch.Tensor | None = None
-    zero_out = False
+    kind = None  # what picks the dummy's cached buffer, besides the device
     for param in members:
         if not _gets_dummy(param):
             handed.append(None)
-        elif (
-            dummy is None
-            or dummy.shape != param.shape
-            or dummy.dtype != grad_dtype_of(param)
-            or zero_out != rezeroes_dummy(param)
-        ):
-            dummy, zero_out = dummy_wgrad(param), rezeroes_dummy(param)
+            continue
+        wanted = (param.shape, grad_dtype_of(param), rezeroes_dummy(param))
+        if dummy is None or wanted != kind:
+            dummy, kind = dummy_wgrad(param), wanted
             handed.append(dummy)
         else:
             handed.append(dummy.detach())

@@ -576,12 +576,18 @@ def test_one_block_of_channels() -> None:
 def test_fp8_operands_autograd_would_record_are_refused(
     operands: dict[str, Fp8Blocks], ref: bool
 ) -> None:
-    """Quantized from a tensor that requires grad (grad mode on), an operand carries autograd's
-    record; the GEMMs are not differentiable, so they refuse it instead of returning an
-    output through which that tensor would silently get no gradient."""
+    """An operand whose tensors autograd records (grad mode on): the GEMMs are not
+    differentiable, so they refuse it instead of returning an output through which that
+    tensor would silently get no gradient. The quantizers refuse such a tensor first."""
     fprop, wgrad = (grouped_fprop_ref, grouped_wgrad_ref) if ref else (grouped_fprop, grouped_wgrad)
+    quantize = quantize_fp8_ref if ref else quantize_fp8
     x = _randn(T, K, seed=1).requires_grad_()
-    x_rows, x_segments = quantize_fp8(x, block=(ROWS, SEGMENTS), splits=SPLITS)
+    with pytest.raises(ValueError, match=r"^t requires grad, but quantize_fp8 is not"):
+        quantize(x, block=(ROWS, SEGMENTS), splits=SPLITS)
+    with torch.no_grad():
+        x_rows, x_segments = quantize(x, block=(ROWS, SEGMENTS), splits=SPLITS)
+    x_rows.scales.requires_grad_()  # what a hand-built form of recorded tensors carries
+    x_segments.scales.requires_grad_()
     y = torch.full((T, N), 7.0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^x requires grad, but grouped_fprop is not"):
         fprop(x_rows, operands["w"], SPLITS, out=y)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from groupgrad.kernels import Fp8Blocks, _fp8_ops, quantize_fp8, quantize_fp8_ref
+from groupgrad_testsupport.allocations import AllocationRecorder
 from groupgrad_testsupport.calls import record_calls
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -519,9 +520,13 @@ def test_plain_eager_calls_skip_the_op_machinery_and_others_do_not(monkeypatch) 
         assert torch.equal(g.data.view(torch.uint8), r.data.view(torch.uint8))
         assert torch.equal(g.scales, r.scales)
     assert calls == []  # plain eager: the kernels ran directly
-    quantize_fp8(x.requires_grad_(), block=(1, 128))  # autograd would record it: the op
+    recorded = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"^t requires grad, but quantize_fp8 is not"):
+        quantize_fp8(recorded, block=(1, 128))  # autograd would record it: refused
+    with AllocationRecorder(numel=1):  # a dispatch mode: the op
+        quantize_fp8(x, block=(1, 128))
     with torch.no_grad():
-        quantize_fp8(x, block=(1, 128))  # grad mode off: directly again
+        quantize_fp8(recorded, block=(1, 128))  # grad mode off: directly again
     with FakeTensorMode() as mode:  # a dispatch mode, and fake tensors: the op
         quantize_fp8(mode.from_tensor(w), block=(128, 128))
     assert calls == ["rows_op", "weights_op"]

@@ -24,6 +24,7 @@ from groupgrad.kernels import (
     swiglu_probs_ref,
 )
 from groupgrad.kernels._swiglu_tiles import block_f, tile
+from groupgrad_testsupport.allocations import AllocationRecorder
 from groupgrad_testsupport.calls import record_calls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -172,9 +173,13 @@ def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypa
     assert torch.equal(swiglu_probs(h, probs), swiglu_probs_ref(h, probs))
     swiglu_probs_backward(da, h, probs)
     assert calls == []  # plain eager: the kernels ran directly
-    swiglu_probs(h.requires_grad_(), probs)  # autograd would record it: through the op
+    recorded = h.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"^h requires grad, but swiglu_probs is not"):
+        swiglu_probs(recorded, probs)  # autograd would record it: refused, not differentiable
+    with AllocationRecorder(numel=1):  # a dispatch mode: through the op
+        swiglu_probs(h, probs)
     with torch.no_grad():
-        swiglu_probs_backward(da, h, probs)  # grad mode off: directly again
+        swiglu_probs_backward(da, recorded, probs)  # grad mode off: directly again
     assert calls == ["swiglu_probs_op"]
 
 
@@ -239,5 +244,6 @@ def test_cpu_calls_never_load_the_triton_kernels(monkeypatch) -> None:
     h, da, probs = _inputs(5, 8, torch.bfloat16, torch.float32)
     swiglu_probs(h, probs)  # plain eager: the CPU kernel directly
     swiglu_probs_backward(da, h, probs)
-    swiglu_probs(h.clone().requires_grad_(), probs)  # through the op's CPU kernel
-    swiglu_probs_backward(da, h.clone().requires_grad_(), probs)
+    with AllocationRecorder(numel=1):  # a dispatch mode: through the op's CPU kernel
+        swiglu_probs(h, probs)
+        swiglu_probs_backward(da, h, probs)

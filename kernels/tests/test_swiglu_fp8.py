@@ -24,6 +24,7 @@ from groupgrad.kernels import (
     swiglu_probs_fp8_ref,
     swiglu_probs_ref,
 )
+from groupgrad_testsupport.allocations import AllocationRecorder
 from groupgrad_testsupport.calls import record_calls
 
 ROWS, TOKENS = (1, 128), (128, 1)
@@ -251,9 +252,13 @@ def test_plain_eager_calls_skip_the_op_machinery_and_traced_ones_do_not(monkeypa
             _same(g, w)
         else:
             assert torch.equal(g, w)
-    swiglu_probs_fp8(h, probs.requires_grad_())  # autograd would record it: the op
+    recorded = probs.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"^probs requires grad, but swiglu_probs_fp8 is not"):
+        swiglu_probs_fp8(h, recorded)  # autograd would record it: refused
+    with AllocationRecorder(numel=1):  # a dispatch mode: the op
+        swiglu_probs_fp8(h, probs)
     with torch.no_grad():
-        swiglu_probs_fp8(h, probs)  # grad mode off: directly again
+        swiglu_probs_fp8(h, recorded)  # grad mode off: directly again
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda da, h_rows: swiglu_probs_backward_fp8(da, h_rows, splits=SPLITS)[0].data,

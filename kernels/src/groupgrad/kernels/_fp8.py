@@ -10,6 +10,7 @@ CUDA) lives in ``_fp8_ops``.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -237,6 +238,8 @@ def _blocks_of(block: object) -> tuple[list[Block], bool]:
 def _check_tensor(t: object, name: str) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} is a {type(t).__name__}, expected a tensor")
+    _rules.tensor_arg(name, t)  # dense
+    _rules.check_unrecorded("quantize_fp8", [(name, t)], None)
     if t.dtype not in INPUT_DTYPES:
         raise TypeError(
             f"{name} has dtype {t.dtype}, expected torch.bfloat16, torch.float16 or torch.float32"
@@ -248,8 +251,11 @@ def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") 
     """``splits`` checked by the GEMMs' rule (``_rules.splits_arg``: a device tensor's values
     are never read): a tensor as given, any other form as a list of ints. ``rows``: the
     argument whose ``T`` rows ``splits`` counts, for messages."""
-    checked = _rules.splits_arg(splits, rows, T, device, experts=None)
-    return splits if isinstance(splits, Tensor) else checked.tolist()
+    _rules.splits_arg(splits, rows, T, device, experts=None)
+    if isinstance(splits, Tensor):
+        return splits
+    # the ints as given, not read back from a tensor (data-dependent under torch.compile)
+    return [operator.index(s) for s in cast("Sequence[Any]", splits)]
 
 
 def segment_offsets(
@@ -312,8 +318,9 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
             f"{name} has shape {tuple(first.shape)}, expected N and K multiples of 128"
         )
     if not listed:
-        group = [first.contiguous().view(-1, N, K)]
-    elif listed_facts(members, first).alike:  # one pass, not 128 members checked one by one
+        group = [(first if first.dim() == 3 else first[None]).contiguous()]
+    elif (facts := listed_facts(members, first)).alike:  # one pass, not one by one
+        _rules.check_unrecorded("quantize_fp8", [("t", members)], facts)
         group = cast("list[Tensor]", members)
     else:
         group = [_member(w, i, first).contiguous() for i, w in enumerate(members)]

@@ -295,7 +295,7 @@ def rows(
     args = (a.data, a.scales, w.data, cast(Tensor, w.data_t), w.scales, splits, out)
     if reference:
         rows_ref(op, *args)
-    elif not _ops.direct_call_ok([a.data, out, splits]):
+    elif not _ops.direct_call_ok([a.data, out, splits], writes=f"grouped_{op}"):
         (fp8_fprop_op if op == "fprop" else fp8_dgrad_op)(*args)
     else:
         name = f"groupgrad::fp8_grouped_{op}"
@@ -326,7 +326,7 @@ def wgrad(
     )  # fmt: skip  # validated: the offsets are tensors
     if reference:
         wgrad_ref(*args)
-    elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):
+    elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed, writes="grouped_wgrad"):
         fp8_wgrad_op(*args)
     else:
         name = "groupgrad::fp8_grouped_wgrad"

@@ -117,7 +117,7 @@ def weights_ref(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``(128, 128)`` blocks of a group in op form (``[w_ENK]``, or ``E`` contiguous ``(N, K)``
     matrices), stacked: ``data``, ``data_t``, ``scales``."""
     N, K = weights[0].shape[-2:]
-    x = torch.cat([w.float().view(-1, N, K) for w in weights])
+    x = torch.cat([(w if w.dim() == 3 else w[None]).float() for w in weights])
     E = x.shape[0]
     blocks = x.reshape(E, N // 128, 128, K // 128, 128)
     scale, inverse, finite = scale_rule(_abs_bits(blocks).amax(dim=(2, 4)))

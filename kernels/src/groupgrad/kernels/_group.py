@@ -106,6 +106,11 @@ class ListedFacts:
     starts: tuple[int, ...] = ()
 
 
+def dense(t: Tensor) -> bool:
+    """Not sparse, mkldnn or nested (traced, not asked: Dynamo refuses ``layout`` there)."""
+    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)
+
+
 def use_native_reader(reader: NativeReader) -> None:
     """Read plain CUDA groups with ``reader`` from now on (``_cutlass`` calls it on load)."""
     _native[:] = [reader]
@@ -128,7 +133,8 @@ def listed_facts(members: Sequence[object], first: Tensor) -> ListedFacts:
             alike, requires_grad, addresses = read
             return ListedFacts(alike, requires_grad, plain, tuple(addresses))
     alike = (
-        set(map(_SHAPE, tensors)) == {first.shape}
+        all(map(dense, tensors))
+        and set(map(_SHAPE, tensors)) == {first.shape}
         and set(map(_DTYPE, tensors)) == {first.dtype}
         and set(map(_DEVICE, tensors)) == {first.device}
         and all(map(Tensor.is_contiguous, tensors))
@@ -144,6 +150,7 @@ def listed_facts(members: Sequence[object], first: Tensor) -> ListedFacts:
 def _alike_one(t: object, first: Tensor) -> bool:
     return (
         isinstance(t, Tensor)
+        and dense(t)
         and t.shape == first.shape
         and t.dtype == first.dtype
         and t.device == first.device

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import _group
-from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, listed_facts
+from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, dense, listed_facts
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -50,6 +50,7 @@ def row_out(
     if (  # the common out: plain, contiguous, like a, apart from a and packed weights
         type(out) in PLAIN_TYPES
         and not torch.compiler.is_compiling()
+        and dense(out_TX)
         and out_TX.dtype == dtype
         and out_TX.device == a.device
         and out_TX.shape == shape
@@ -174,11 +175,6 @@ def ordered_collection(value: object) -> TypeGuard[Iterable[Any]]:
     return isinstance(value, Iterable) and not isinstance(value, unordered)
 
 
-def dense(t: Tensor) -> bool:
-    """Not sparse, mkldnn or nested (traced, not asked: Dynamo refuses ``layout`` there)."""
-    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)
-
-
 def tensor_arg(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -232,7 +228,7 @@ def weights_arg(
     expected = "an (E, N, K) tensor or a sequence of E (N, K) tensors"
     if isinstance(weights, Tensor):
         name = label(None)
-        if weights.dim() != 3:
+        if tensor_arg(name, weights).dim() != 3:
             raise ValueError(
                 f"{name} must be {expected}, got a tensor of shape {tuple(weights.shape)}"
             )
@@ -313,6 +309,7 @@ def _packed_wgrad_out(
     if (  # the common out: plain, contiguous (so its experts are apart), apart from the inputs
         type(out) in PLAIN_TYPES
         and not torch.compiler.is_compiling()
+        and dense(out)
         and out.shape == shape
         and out.dtype in WGRAD_OUT_DTYPES
         and (out_dtype is None or out.dtype == out_dtype)
@@ -432,7 +429,7 @@ def check_unrecorded(
             recorded = _group.any_requires_grad(value)
         if recorded:
             raise ValueError(
-                f"{name} requires grad, but grouped_{op} is not differentiable: autograd would "
+                f"{name} requires grad, but {op} is not differentiable: autograd would "
                 f"give {name} no gradient through it; expected tensors that do not require grad "
                 "(call it under torch.no_grad() or on detached tensors), or the autograd-aware "
                 "layers of groupgrad.modules (grouped_linear, grouped_mlp)"

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels._ops import direct_call_ok, run_directly
-from groupgrad.kernels._rules import INPUT_DTYPES
+from groupgrad.kernels._rules import INPUT_DTYPES, check_unrecorded, tensor_arg
 
 __all__ = [
     "swiglu_probs",
@@ -231,10 +231,12 @@ def _swiglu_probs_backward_cuda(
 # ---------------------------------------------------------------- public entry points
 
 
-def check_swiglu_args(h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = False) -> None:
+def check_swiglu_args(
+    h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = False, op: str = "swiglu_probs"
+) -> None:
     """The public ops' arguments: ``h`` a ``(T, 2F)`` bf16/fp16/fp32 tensor (fp64 too for
     the ``*_ref`` twins, the test oracles: ``oracle``), ``probs`` ``(T,)`` floating on
-    ``h``'s device."""
+    ``h``'s device; neither recorded by autograd (``op``, not differentiable, names itself)."""
     dtypes = (*INPUT_DTYPES, torch.float64) if oracle else INPUT_DTYPES
     if not isinstance(h_T2F, Tensor) or h_T2F.dtype not in dtypes:
         what = h_T2F.dtype if isinstance(h_T2F, Tensor) else type(h_T2F).__name__
@@ -242,6 +244,7 @@ def check_swiglu_args(h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = F
         raise TypeError(
             f"h has dtype {what}, expected torch.bfloat16, torch.float16 or torch.float32{also}"
         )
+    check_elementwise_tensors(op, h=h_T2F, probs=probs_T)
     if h_T2F.dim() != 2 or h_T2F.shape[1] % 2:
         raise ValueError(
             f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F): gate and up halves side by side"
@@ -253,15 +256,23 @@ def check_swiglu_backward_args(
     da_TF: Tensor, h_T2F: Tensor, probs_T: Tensor | None, *, oracle: bool = False
 ) -> None:
     """:func:`check_swiglu_args`, and ``da`` a floating ``(T, F)`` tensor on ``h``'s device."""
-    check_swiglu_args(h_T2F, probs_T, oracle=oracle)
+    check_swiglu_args(h_T2F, probs_T, oracle=oracle, op="swiglu_probs_backward")
     expected = (h_T2F.shape[0], h_T2F.shape[1] // 2)
     if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
         what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
         raise TypeError(f"da has dtype {what}, expected a floating-point tensor")
+    check_elementwise_tensors("swiglu_probs_backward", da=da_TF)
     if da_TF.device != h_T2F.device:
         raise ValueError(f"da is on {da_TF.device}, expected h's device {h_T2F.device}")
     if tuple(da_TF.shape) != expected:
         raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F) = {expected}")
+
+
+def check_elementwise_tensors(op: str, **tensors: object) -> None:
+    """The elementwise ops' tensor arguments (a non-tensor is left to the caller's checks):
+    dense, and not recorded by autograd, for the ops and their ``*_ref`` twins alike."""
+    given = [(name, tensor_arg(name, t)) for name, t in tensors.items() if isinstance(t, Tensor)]
+    check_unrecorded(op, given, None)
 
 
 def check_probs(probs_T: Tensor | None, T: int, device: torch.device) -> None:

@@ -57,6 +57,7 @@ from groupgrad.kernels._fp8_ops import (
     triton_for,
 )
 from groupgrad.kernels._swiglu import (
+    check_elementwise_tensors,
     check_probs,
     check_swiglu_args,
     swiglu_backward_math,
@@ -227,7 +228,7 @@ def _backward_call(da: Tensor, *args: Any) -> list[Tensor]:
 
 
 def _forward(h_T2F: Tensor, probs_T: Tensor | None, run: Any) -> tuple[Fp8Blocks, Fp8Blocks]:
-    check_swiglu_args(h_T2F, probs_T)
+    check_swiglu_args(h_T2F, probs_T, op="swiglu_probs_fp8")
     if h_T2F.shape[1] % 256:
         raise ValueError(
             f"h has shape {tuple(h_T2F.shape)}, expected (T, 2F) with F a multiple of 128 "
@@ -316,6 +317,7 @@ def _backward(
     if not isinstance(da_TF, Tensor) or not da_TF.dtype.is_floating_point:
         what = da_TF.dtype if isinstance(da_TF, Tensor) else type(da_TF).__name__
         raise TypeError(f"da is {what}, expected a floating-point (T, F) tensor")
+    check_elementwise_tensors("swiglu_probs_backward_fp8", da=da_TF, probs=probs_T)
     if da_TF.dim() != 2:
         raise ValueError(f"da has shape {tuple(da_TF.shape)}, expected (T, F)")
     T, F = da_TF.shape

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -107,7 +107,7 @@ def grouped_call(
     a_TX = _rules.input_matrix(a_name, a)
     label = _group.labeler("weights", names)
     w_group, (E, N, K), listed = _rules.weights_arg(weights, a_name, a_TX, label)
-    _rules.check_unrecorded(op, [(a_name, a_TX), (label(None), w_group)], listed)
+    _rules.check_unrecorded(f"grouped_{op}", [(a_name, a_TX), (label(None), w_group)], listed)
     T = a_TX.shape[0]
     _rules.check_inner(op, a_name, a_TX.shape[1], (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a_TX.device, experts=E)
@@ -134,7 +134,7 @@ def wgrad_call(
     if x_TK.dtype != dy_TN.dtype:
         raise TypeError(f"x has dtype {x_TK.dtype}, expected {dy_TN.dtype} like dy")
     _rules.check_device("x", x_TK, "dy", dy_TN)
-    _rules.check_unrecorded("wgrad", [("dy", dy_TN), ("x", x_TK)], None)
+    _rules.check_unrecorded("grouped_wgrad", [("dy", dy_TN), ("x", x_TK)], None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x_TK.shape[0], dy_TN.shape[0], x_TK.device, accumulate
     )
@@ -199,15 +199,15 @@ def fp8_rows_call(
     w8 = fp8_operand(w_name, weights, WEIGHTS)
     _rules.check_device(w_name, w8.data, a_name, a8.data)
     read = [(a_name, a8.data), (a_name, a8.scales), (w_name, w8.data), (w_name, w8.scales)]
-    _rules.check_unrecorded(op, read, None)
+    _rules.check_unrecorded(f"grouped_{op}", read, None)
     (T, cols), (E, N, K) = a8.shape, w8.shape
     _rules.check_inner(op, a_name, cols, (E, N, K))
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
     dtype = _rules.fp8_row_out_dtype(out, op, a_name, a8.dtype)
-    w_read = cast(Tensor, w8.data if op == "fprop" else w8.data_t)  # what the kernel reads
-    scales = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales)]
-    out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, scales)
+    w_read, w_other = (w8.data, w8.data_t) if op == "fprop" else (w8.data_t, w8.data)
+    also = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales), (w_name, w_other)]
+    out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, also)
     return Fp8RowsCall(a8, w8, splits_E, out_TX)
 
 
@@ -225,7 +225,7 @@ def fp8_wgrad_call(
     x8 = fp8_operand("x", x, SEGMENTS)
     _rules.check_device("x", x8.data, "dy", dy8.data)
     read = [("dy", dy8.data), ("dy", dy8.scales), ("x", x8.data), ("x", x8.scales)]
-    _rules.check_unrecorded("wgrad", read, None)
+    _rules.check_unrecorded("grouped_wgrad", read, None)
     splits_E, accumulate = _rules.wgrad_splits(
         splits, x8.shape[0], dy8.shape[0], x8.data.device, accumulate
     )

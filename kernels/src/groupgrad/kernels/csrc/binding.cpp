@@ -306,12 +306,13 @@ void wgrad(const at::Tensor& dy_TN, const at::Tensor& x_TK, const at::Tensor& sp
 }
 
 // What the Python checks of a listed group read from its members (see
-// groupgrad/kernels/_listed.py), in one pass: None when a member is not
+// groupgrad/kernels/_group.py: listed_facts), in one pass: None when a member is not
 // exactly a torch.Tensor or nn.Parameter (Python then reads them itself), else
-// (alike, requires_grad, starts). alike: every member is contiguous, with
-// storage, and has the first member's sizes, dtype and device; requires_grad:
-// some member requires grad; starts: the members' data addresses in ascending
-// order (empty unless alike). Must answer exactly what the Python reader does.
+// (alike, requires_grad, starts). alike: every member is dense (strided, not
+// nested), contiguous, with storage, and has the first member's sizes, dtype
+// and device; requires_grad: some member requires grad; starts: the members'
+// data addresses in ascending order (empty unless alike). Must answer exactly
+// what the Python reader does.
 py::object listed_group_facts(const py::list& members) {
   const Py_ssize_t count = PyList_GET_SIZE(members.ptr());
   for (Py_ssize_t i = 0; i < count; ++i) {
@@ -326,8 +327,9 @@ py::object listed_group_facts(const py::list& members) {
   for (Py_ssize_t i = 0; i < count && alike; ++i) {
     const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(members.ptr(), i));
     const at::Tensor& first = THPVariable_Unpack(PyList_GET_ITEM(members.ptr(), 0));
-    alike = t.sizes() == first.sizes() && t.scalar_type() == first.scalar_type() &&
-            t.device() == first.device() && t.is_contiguous() && t.has_storage();
+    alike = t.layout() == at::kStrided && !t.is_nested() && t.sizes() == first.sizes() &&
+            t.scalar_type() == first.scalar_type() && t.device() == first.device() &&
+            t.is_contiguous() && t.has_storage();
     requires_grad = requires_grad || t.requires_grad();
     if (alike) {
       starts.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));

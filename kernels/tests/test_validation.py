@@ -143,6 +143,22 @@ CASES = [
          TypeError, r"^weights is a torch\.sparse_coo tensor, expected a dense"),
     Case("splits-sparse", "fprop", lambda a: a.update(splits=torch.tensor(SPLITS).to_sparse()),
          TypeError, r"^splits is a torch\.sparse_coo tensor, expected a dense"),
+    Case("out-mkldnn", "fprop", lambda a: a.update(out=a["out"].float().to_mkldnn()), TypeError,
+         r"^out is a torch\._mkldnn tensor, expected a dense"),
+    Case("weights-member-mkldnn", "fprop",
+         lambda a: weights_list(a, 1, rand(N, K, dtype=FP32).to_mkldnn()), TypeError,
+         r"^weights\[1\] is a torch\._mkldnn tensor, expected a dense"),
+    Case("weights-nested", "fprop",
+         lambda a: a.update(weights=torch.nested.nested_tensor(list(a["weights"]))), TypeError,
+         r"^weights is a nested tensor, expected a dense"),
+    Case("out-member-mkldnn", "wgrad",
+         lambda a: out_member(a, 1, full(N, K, dtype=FP32).to_mkldnn()), TypeError,
+         r"^out\[1\] is a torch\._mkldnn tensor, expected a dense"),
+    Case("out-member-sparse-csr", "wgrad",
+         lambda a: out_member(a, 1, full(N, K, dtype=FP32).to_sparse_csr()), TypeError,
+         r"^out\[1\] is a torch\.sparse_csr tensor, expected a dense"),
+    Case("out-nested", "wgrad", lambda a: a.update(out=torch.nested.nested_tensor(a["out"])),
+         TypeError, r"^out is a nested tensor, expected a dense"),
     Case("x-K", "fprop", lambda a: a.update(x=rand(T, K + 1)), ValueError,
          r"x has 17 columns, expected K = 16 like weights of shape \(E, N, K\) = \(4, 8, 16\)"),
     # fprop: weights
@@ -347,7 +363,8 @@ def snapshot(out: object) -> list[Tensor]:
     if isinstance(out, Tensor):
         out = [out]
     if isinstance(out, list | tuple):
-        return [t.clone() for t in out if isinstance(t, Tensor) and t.device.type != "meta"]
+        dense = [t for t in out if isinstance(t, Tensor) and t.layout == torch.strided]
+        return [t.clone() for t in dense if t.device.type != "meta" and not t.is_nested]
     return []
 
 

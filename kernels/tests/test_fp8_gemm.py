@@ -297,6 +297,19 @@ def test_out_may_not_overlap_what_the_fp8_kernels_read(operands: dict[str, Fp8Bl
         grouped_dgrad(
             operands["dy"], w_t, SPLITS, out=shared[: T * K * 2].view(torch.bfloat16).view(T, K)
         )
+    # Catches: an out over the orientation the op does not read (the other op reads it: one
+    # quantized weight serves fprop and dgrad), which was accepted and overwritten.
+    with pytest.raises(ValueError, match=r"^out overlaps weights in memory"):
+        grouped_fprop(x, w_t, SPLITS, out=shared[: T * N * 2].view(torch.bfloat16).view(T, N))
+    w_d = copy.copy(w)
+    held = torch.zeros(E * N * K, dtype=torch.uint8)
+    w_d.data = held.view(torch.float8_e4m3fn).view(E, N, K).copy_(w.data)
+    held_before = held.clone()
+    with pytest.raises(ValueError, match=r"^out overlaps weights in memory"):
+        grouped_dgrad(
+            operands["dy"], w_d, SPLITS, out=held[: T * K * 2].view(torch.bfloat16).view(T, K)
+        )
+    assert torch.equal(held, held_before)
     y = torch.zeros(T, N, dtype=torch.bfloat16)  # x's (T, 3) scales in its first bytes
     x_s = copy.copy(x)
     x_s.scales = y.view(-1).view(torch.float32)[: T * 3].view(3, T).t().copy_(x.scales)

@@ -462,6 +462,55 @@ def test_bad_tensors_are_named() -> None:
         quantize_fp8([good, "w"], block=(128, 128))
 
 
+@pytest.mark.parametrize(
+    ("block", "t"),
+    [
+        ((1, 128), lambda: torch.zeros(4, 128).to_sparse()),
+        ((1, 128), lambda: torch.zeros(4, 128).to_mkldnn()),
+        ((128, 1), lambda: torch.nested.nested_tensor([torch.zeros(4, 128)] * 2)),
+        ((128, 128), lambda: [torch.zeros(128, 128), torch.zeros(128, 128).to_sparse()]),
+        ((128, 128), lambda: [torch.zeros(128, 128), torch.zeros(128, 128).to_mkldnn()]),
+    ],
+    ids=["sparse", "mkldnn", "nested", "member-sparse", "member-mkldnn"],
+)
+def test_tensors_that_are_not_dense_are_named(block: tuple[int, int], t) -> None:
+    # Catches: a sparse, mkldnn or nested tensor reaching torch's internals unnamed.
+    splits = {"splits": [4]} if block == (128, 1) else {}
+    for quantize in (quantize_fp8, quantize_fp8_ref):
+        with pytest.raises(TypeError, match=r"^t(\[1\])? is a \S+ tensor, expected a dense"):
+            quantize(t(), block=block, **splits)
+
+
+EMPTY_WEIGHTS = [(2, 128, 0), (2, 0, 128), (0, 128, 128), (128, 0)]
+
+
+@pytest.mark.parametrize(
+    ("shape", "listed"),
+    [(shape, False) for shape in EMPTY_WEIGHTS] + [(s, True) for s in EMPTY_WEIGHTS if s[0]],
+)
+def test_empty_weights_quantize_to_empty_forms(shape: tuple[int, ...], listed: bool) -> None:
+    # Catches: a weight of no rows or columns failing in a reshape instead of giving empty forms.
+    w = torch.zeros(shape, dtype=torch.bfloat16)
+    if listed and w.dim() == 3:
+        w = list(w.unbind(0))
+    if listed and isinstance(w, torch.Tensor):
+        w = [w, w.clone()]
+    for quantize in (quantize_fp8, quantize_fp8_ref):
+        form = quantize(w, block=(128, 128))
+        N, K = shape[-2:]
+        E = len(w) if isinstance(w, list) else (shape[0] if len(shape) == 3 else None)
+        lead = () if E is None else (E,)
+        assert form.data.shape == (*lead, N, K)
+        assert form.data_t.shape == (*lead, K, N)
+        assert form.scales.shape == (*lead, N // 128, K // 128)
+        back = form.dequantize()
+        assert (
+            [t.shape for t in back] == [(N, K)] * E
+            if isinstance(w, list)
+            else back.shape == w.shape
+        )
+
+
 # ---------------------------------------------------------------- ops, compile, fallback
 
 

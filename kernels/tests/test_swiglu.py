@@ -145,6 +145,20 @@ BAD_DTYPES = [
      r"da has dtype torch\.int64, expected a floating-point tensor"),
     ("probs-meta", lambda h, da, p: (h, da, p.to("meta")), ValueError,
      r"probs is on meta, expected h's device cpu"),
+    # Catches: a sparse operand reaching torch's internals unnamed; an input autograd records
+    # given an output the op cannot differentiate (its twin could: the two differed).
+    ("h-sparse", lambda h, da, p: (h.to_sparse(), da, p), TypeError,
+     r"^h is a torch\.sparse_coo tensor, expected a dense"),
+    ("probs-sparse", lambda h, da, p: (h, da, p.to_sparse()), TypeError,
+     r"^probs is a torch\.sparse_coo tensor, expected a dense"),
+    ("da-sparse", lambda h, da, p: (h, da.to_sparse(), p), TypeError,
+     r"^da is a torch\.sparse_coo tensor, expected a dense"),
+    ("h-requires-grad", lambda h, da, p: (h.requires_grad_(), da, p), ValueError,
+     r"^h requires grad, but swiglu_probs(_backward)? is not differentiable"),
+    ("probs-requires-grad", lambda h, da, p: (h, da, p.requires_grad_()), ValueError,
+     r"^probs requires grad, but swiglu_probs(_backward)? is not differentiable"),
+    ("da-requires-grad", lambda h, da, p: (h, da.requires_grad_(), p), ValueError,
+     r"^da requires grad, but swiglu_probs_backward is not differentiable"),
 ]  # fmt: skip
 
 

@@ -438,7 +438,7 @@ class _Chain(nn.Module):
             for p in getattr(self, name).parameters():
                 p.grad_dtype = torch.float32
 
-    def forward(self, x: Tensor, splits: Tensor) -> Tensor:
+    def forward(self, x: Tensor, splits: Tensor | list[int]) -> Tensor:
         return self.delay(self.ow(self.gd(self.acc(x, splits), splits), splits), splits)
 
     def fp32_grads(self) -> dict[str, Tensor]:
@@ -448,13 +448,21 @@ class _Chain(nn.Module):
         }
 
 
-def test_compiled_fp8_layers_deliver_the_eager_fp32_wgrads() -> None:
+@pytest.mark.parametrize("splits_form", ["tensor", "list"])
+def test_compiled_fp8_layers_deliver_the_eager_fp32_wgrads(splits_form: str) -> None:
+    # Catches (list): the token-block quantizer reading a list's counts back from a tensor,
+    # data-dependent under Dynamo (fullgraph failed inside Dynamo, naming nothing). A list is
+    # specialised into the graph, and a recompile with fp32 .grad on bf16 weights is refused by
+    # Dynamo (README): the list keeps its counts.
     eager, compiled = _Chain(), _Chain()
     torch._dynamo.reset()
     step = torch.compile(compiled, fullgraph=True)
     for model, forward in ((eager, eager), (compiled, step)):
         for micro_batch in range(2):
-            splits = torch.tensor([[90, 0, 60, 50], [10, 100, 0, 90]][micro_batch])
+            counts = [[90, 0, 60, 50], [10, 100, 0, 90]][
+                micro_batch if splits_form == "tensor" else 0
+            ]
+            splits = torch.tensor(counts) if splits_form == "tensor" else counts
             x = _randn(200, N, seed=50 + micro_batch).requires_grad_()
             forward(x, splits).backward(_randn(200, N, seed=60 + micro_batch))
             model.delay.backward_dw()

@@ -10,6 +10,7 @@ CUDA) lives in ``_fp8_ops``.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -182,8 +183,9 @@ class Fp8Blocks:
             return blocks.view(T, C)
         if self.block == WEIGHTS:
             *_, N, K = self.shape
-            data, scales = self.data.float().reshape(-1, N // 128, 128, K // 128, 128), self.scales
-            out = (data * scales.reshape(-1, N // 128, 1, K // 128, 1)).reshape(-1, N, K)
+            E = math.prod(self.data.shape[:-2])  # 1 for an (N, K) weight
+            data, scales = self.data.float().reshape(E, N // 128, 128, K // 128, 128), self.scales
+            out = (data * scales.reshape(E, N // 128, 1, K // 128, 1)).reshape(E, N, K)
             return list(out.unbind(0)) if self.listed else out.reshape(self.shape)
         offsets = (self.row_offsets, self.seg_offsets, self.block_offsets)
         if not all(isinstance(o, Tensor) for o in offsets):

@@ -243,6 +243,29 @@ def test_the_no_expert_slot_computes_nothing_whatever_its_weight(name: str) -> N
     assert not actual["d_weights"][::3, 1].any()
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "swiglu_bias"])
+def test_no_expert_rows_never_reach_the_last_experts_gemms(name: str) -> None:
+    # Catches: a "no expert" row run through the last expert's GEMMs with its token's values
+    # and zeroed only after: an fp16 overflow there turned into NaN (Inf x 0) in the output,
+    # the input gradient and the last expert's weight gradient.
+    _, ours = _pair(name, seed=20, dtype=torch.float16)
+    with torch.no_grad():
+        for param in ours.parameters():
+            if param.dim() == 3:
+                param[-1].mul_(1e3)  # the last expert overflows on any token of size
+    hidden, index, weights, dy = _inputs(name, torch.float16, seed=21)
+    index = index % (tiny.EXPERTS - 1)  # no real choice of the last expert
+    index[::3] = tiny.EXPERTS  # every choice of these tokens is the "no expert" slot
+    hidden = hidden.clone()
+    hidden[::3] = 1e3
+    actual = run_experts(ours, hidden, index, weights, dy)
+    for key, value in actual.items():
+        if isinstance(value, Tensor):
+            assert torch.isfinite(value).all(), key
+    assert not actual["out"][::3].any()
+    assert not actual["d_hidden"][::3].any()
+
+
 def test_an_id_past_the_no_expert_slot_raises_naming_it() -> None:
     _, ours = _pair("qwen3_moe", seed=16, dtype=torch.float32)
     hidden, index, weights, _ = _inputs("qwen3_moe", torch.float32, seed=17)

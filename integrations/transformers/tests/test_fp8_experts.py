@@ -88,6 +88,33 @@ def test_fp8_experts_within_fp8_error_with_fp32_wgrads(name: str) -> None:
             assert bf16_exact_share(got[key]) < 0.1, key
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_no_expert_rows_leave_the_last_experts_fp8_blocks_unchanged(name: str) -> None:
+    # Catches: "no expert" rows (sorted after the last expert's) quantized with their token's
+    # values into that expert's 128-token wgrad blocks: its gradient changed with them.
+    ours = tiny.use_implementation(_experts(name).to(torch.bfloat16), "groupgrad_fp8")
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(T, H, generator=generator).bfloat16()
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
+    dy = torch.randn(T, H, generator=generator).bfloat16()
+    extra = 20  # tokens whose every choice is the "no expert" slot, of a large size
+    _, alone = run_experts(ours, hidden, index, weights, dy)
+    ours.zero_grad()
+    _, beside = run_experts(
+        ours,
+        torch.cat([hidden, torch.full((extra, H), 1e3).bfloat16()]),
+        torch.cat([index, torch.full((extra, K), E)]),
+        torch.cat([weights, torch.full((extra, K), 0.5).bfloat16()]),
+        torch.cat([dy, torch.ones(extra, H).bfloat16()]),
+    )
+    for key, value in alone.items():
+        if key.startswith("d_") and key.endswith("proj"):
+            assert torch.equal(beside[key], value), key
+    assert torch.equal(beside["out"][:T], alone["out"])
+    assert not beside["out"][T:].any()
+
+
 def test_sizes_not_multiples_of_128_are_named() -> None:
     experts = tiny.use_implementation(tiny.EXPERTS_MODULES["qwen3_moe"](0), "groupgrad_fp8")
     index, weights = tiny.routing(8, seed=2)

@@ -189,9 +189,9 @@ def _experts_forward(
     route = experts_route(self)
     num_experts = int(cast(int, self.num_experts))
     _check_ids(top_k_index, num_experts)
-    # id num_experts is the "no expert" slot (an expert-parallel sentinel): its rows sort last,
-    # ride along with the last expert's GEMMs and are zeroed before the sum, so they
-    # contribute nothing and receive no gradient, whatever their router weight
+    # id num_experts is the "no expert" slot (an expert-parallel sentinel): its rows sort last
+    # and ride along with the last expert's GEMMs as zero rows (zero in FP8's blocks, finite in
+    # fp16), zeroed again before the sum: they contribute nothing and receive no gradient
     sorted_ids_S, perm_S = torch.sort(top_k_index.reshape(-1), stable=True)
     splits_E = tokens_per_expert(sorted_ids_S.clamp(max=num_experts - 1), num_experts)
     has_gate = bool(getattr(self, "has_gate", True))
@@ -200,7 +200,8 @@ def _experts_forward(
     up, down = _tensor(self, up_name), _tensor(self, "down_proj")
     up_bias = _tensor(self, f"{up_name}_bias") if has_bias else None
     down_bias = _tensor(self, "down_proj_bias") if has_bias else None
-    if getattr(self, "_is_expert_parallel", False):  # local shards of DTensor parameters
+    expert_parallel = bool(getattr(self, "_is_expert_parallel", False))
+    if expert_parallel:  # local shards of DTensor parameters
         check_expert_parallel_support()
         check_expert_parallel_layout(self)
         up, down = local_expert_weight(up), local_expert_weight(down)
@@ -214,12 +215,13 @@ def _experts_forward(
         )
     if fp8_recipe is not None:
         _check_fp8_sizes(self, hidden_states.shape[-1], down.shape[-2 if route.transposed else -1])
-    if route.probs_in_mlp and fp8_recipe is None:  # gather, MLP, combine in one op: least memory
-        # a "no expert" choice rides along with the last expert at router weight 0
+    if route.probs_in_mlp and fp8_recipe is None and not expert_parallel:  # one op: least memory
+        # no router gives the "no expert" id outside expert parallelism; one given rides along
+        # with the last expert at router weight 0 (its rows computed, not zeroed: README)
         weights_Tk = top_k_weights.masked_fill(top_k_index >= num_experts, 0)
         out_TH = routed_grouped_mlp(hidden_states, up, down, perm_S, splits_E, weights_Tk)
         return out_TH.to(hidden_states.dtype)
-    x_SH = hidden_states[perm_S // top_k]
+    x_SH = hidden_states[perm_S // top_k].masked_fill((sorted_ids_S == num_experts)[:, None], 0)
     probs_S = top_k_weights.reshape(-1)[perm_S]
 
     if route.probs_in_mlp:  # FP8: the router weight scales the SwiGLU output inside the MLP

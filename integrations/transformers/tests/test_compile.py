@@ -64,3 +64,27 @@ def test_compiled_causal_lm_keeps_fp32_expert_wgrads_in_bf16(device: str) -> Non
     for name, grad in got.items():
         assert_within_scale(grad, want[name], rel=0.5, atol=0.0, what=name)
         assert_keeps_fp32(grad, want[name], name)
+
+
+def test_transposed_experts_under_a_full_graph_are_named_and_run_eagerly_at_a_break() -> None:
+    # Catches: GPT-OSS's transposed weights refused deep in the layers, naming groupgrad's own
+    # 'weight' and advising to "pass the parameter itself", which a model user cannot do.
+    experts = tiny.use_implementation(tiny.EXPERTS_MODULES["gpt_oss"](30), "groupgrad")
+    index, weights = tiny.routing(12, seed=31)
+    hidden = torch.randn(12, tiny.HIDDEN, generator=torch.Generator().manual_seed(32))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"GptOssExperts\.gate_up_proj and \.down_proj are stored"):
+        torch.compile(experts, fullgraph=True)(hidden, index, weights)
+    eager = [g.clone() for g in _step(experts, hidden, index, weights)]
+    torch._dynamo.reset()
+    compiled = _step(torch.compile(experts), hidden, index, weights)  # a graph break: eager
+    assert len(compiled) == len(eager) == 4  # gate_up_proj, its bias, down_proj, its bias
+    for got, want in zip(compiled, eager, strict=True):  # the router math compiles: rounding
+        assert_within_scale(got, want, rel=1e-5, atol=0.0)
+
+
+def _step(experts, hidden, index, weights) -> list[torch.Tensor]:
+    for param in experts.parameters():
+        param.grad = None
+    experts(hidden, index, weights).square().sum().backward()
+    return [param.grad for param in experts.parameters()]

@@ -231,6 +231,8 @@ def _experts_forward(
             x_SH, up, down, splits_E, fc1_bias=up_bias, fc2_bias=down_bias, fp8_recipe=fp8_recipe
         )
     else:
+        if route.transposed:
+            _refuse_transposed_under_compile(self, up_name, up, down)
         up_w, down_w = _as_out_in(up, route.transposed), _as_out_in(down, route.transposed)
         h_SN = grouped_linear(x_SH, up_w, splits_E, up_bias, fp8_recipe=fp8_recipe)
         gate = cast(Callable[[Tensor], Tensor], self._apply_gate if has_gate else self.act_fn)
@@ -245,6 +247,22 @@ def _experts_forward(
     unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)
     out_TH = unsorted_SH.view(tokens, top_k, y_SH.shape[-1]).sum(dim=1, dtype=torch.float32)
     return out_TH.to(hidden_states.dtype)
+
+
+def _refuse_transposed_under_compile(module: nn.Module, up_name: str, *weights: Tensor) -> None:
+    """Name the module where torch.compile traces transposed weights that get a gradient: the
+    layers multiply a contiguous copy, and compiled, groupgrad hands gradients to ``.grad``
+    itself, which a copy's gradient would never reach (the layers refuse it, by their names)."""
+    if not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        return
+    if any(w.requires_grad for w in weights):
+        raise RuntimeError(
+            f"{type(module).__name__}.{up_name} and .down_proj are stored transposed "
+            "((E, in, out)): groupgrad's experts multiply a contiguous copy of them, whose "
+            "gradient torch.compile cannot hand to the parameters. Compile without "
+            "fullgraph=True (the experts then run eagerly at a graph break, exactly), or use "
+            "the 'grouped_mm' experts implementation for this model"
+        )
 
 
 def _check_fp8_sizes(module: nn.Module, hidden: int, width: int) -> None:

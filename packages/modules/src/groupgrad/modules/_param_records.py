@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Variable
 
-from groupgrad.modules._tasks import backward_of
+from groupgrad.modules._tasks import backward_of, record_overwrites
 from groupgrad.protocol import WeightGradPlan, is_fsdp_param, overwrites_main_grad
 
 __all__ = [
@@ -61,13 +61,15 @@ def overwrites_of(
     that ``overwrite_main_grad`` says to overwrite: it overwrites where no earlier GEMM of
     that backward wrote (or is ``pending`` to write) any of its trainable parameters, adds
     where one wrote them all, and where one wrote some, adds after zeroing the others'."""
-    members = zip(plan.weights, plan.buffers, plan.trainable, strict=True)
-    live = [(param, buffer) for param, buffer, keep in members if keep]
+    members = zip(plan.weights, plan.buffers, plan.trainable, plan.names, strict=True)
+    live = [(param, buffer, name) for param, buffer, keep, name in members if keep]
     mine = backward_of(task)
-    written = [_written_for(param, mine, pending) for param, _ in live]
+    written = [_written_for(param, mine, pending) for param, _, _ in live]
+    first = {id(p): name for (p, _, name), done in zip(live, written, strict=True) if not done}
+    record_overwrites(task, first)
     if not any(written):
         return False, ()
-    return True, tuple(b for (_, b), done in zip(live, written, strict=True) if not done)
+    return True, tuple(b for (_, b, _), done in zip(live, written, strict=True) if not done)
 
 
 def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: AbstractSet[int]) -> None:

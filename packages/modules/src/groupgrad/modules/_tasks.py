@@ -18,11 +18,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["backward_of", "enter_backward", "forward_task", "running_task", "same_backward"]
+__all__ = [
+    "backward_of",
+    "enter_backward",
+    "forward_task",
+    "record_overwrites",
+    "running_task",
+    "same_backward",
+]
 
 #: A nested backward's graph task -> the graph task it runs in (insertion order: oldest first).
 _OUTER_TASK: dict[int, int] = {}
 _KEPT = 4096  # graph task ids only grow: the oldest entries belong to backwards long over
+
+#: Per backward (as known when its GEMMs ran), the parameters whose ``main_grad`` a GEMM of it
+#: overwrote (``overwrite_main_grad``), by id, with their names: a nesting learned after a
+#: nested region's GEMM overwrote a parameter that its outer backward had overwritten already
+#: joins two overwrites of one backward (:func:`enter_backward` raises).
+_OVERWRITTEN: dict[int, dict[int, str]] = {}
+_KEPT_OVERWRITTEN = 64  # a backward's nested tasks join it as its regions' layers run
 
 
 def forward_task() -> int:
@@ -40,10 +54,34 @@ def enter_backward(outer: int) -> None:
     if outer < 0 or torch.compiler.is_compiling():
         return
     task = torch._C._current_graph_task_id()
-    if task >= 0 and task != outer:
-        _OUTER_TASK[task] = outer
-        while len(_OUTER_TASK) > _KEPT:
-            del _OUTER_TASK[next(iter(_OUTER_TASK))]
+    if task < 0 or task == outer or _OUTER_TASK.get(task) == outer:
+        return
+    mine = _OVERWRITTEN.pop(backward_of(task), None)  # what it overwrote as a backward of its own
+    _OUTER_TASK[task] = outer
+    while len(_OUTER_TASK) > _KEPT:
+        del _OUTER_TASK[next(iter(_OUTER_TASK))]
+    if mine:
+        theirs = _OVERWRITTEN.setdefault(backward_of(outer), {})
+        twice = [name for key, name in mine.items() if key in theirs]
+        theirs.update(mine)
+        if twice:
+            raise RuntimeError(
+                f"main_grad of {', '.join(twice)} was overwritten twice in one backward "
+                "(overwrite_main_grad): a reentrant checkpoint region nested in another ran "
+                "its weight-gradient GEMM before the enclosing region's groupgrad layer (whose "
+                "backward runs after the nested region's) told which backward it belongs to, "
+                "so it overwrote this backward's earlier gradient; this step's main_grad is "
+                "wrong. Use use_reentrant=False for the nested region, or "
+                "delay_wgrad_compute=True (backward_dw() runs once the nesting is known)"
+            )
+
+
+def record_overwrites(task: int, params: dict[int, str]) -> None:
+    """Record that a GEMM of graph task ``task`` overwrote the ``main_grad`` of ``params`` (id
+    -> name), for :func:`enter_backward`'s check."""
+    _OVERWRITTEN.setdefault(backward_of(task), {}).update(params)
+    while len(_OVERWRITTEN) > _KEPT_OVERWRITTEN:
+        del _OVERWRITTEN[next(iter(_OVERWRITTEN))]
 
 
 def running_task() -> int:

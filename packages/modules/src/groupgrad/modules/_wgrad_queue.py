@@ -125,6 +125,9 @@ class WgradQueue:
                 "gradient; call it once after each backward"
             )
         job = self._jobs.popleft()
+        # jobs one backward pushed before a reentrant region's nesting was known: one job
+        while self._jobs and same_backward(job[0].task, self._jobs[0][0].task):
+            job.extend(self._jobs.popleft())
         try:
             for entry in job:
                 entry.check_unchanged(owner)

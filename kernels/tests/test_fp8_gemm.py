@@ -326,6 +326,24 @@ def test_out_may_not_overlap_what_the_fp8_kernels_read(operands: dict[str, Fp8Bl
     assert torch.equal(dw, dw_before)
 
 
+def test_a_hand_built_form_of_a_shape_no_gemm_takes_is_named(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    # Catches: "the activation" or "an Fp8Blocks" in the message instead of the argument.
+    x = operands["x_seg"]
+
+    def declared(shape: tuple[int, ...]) -> Fp8Blocks:
+        form = copy.copy(x)
+        form.shape = shape
+        return form
+
+    dy = operands["dy_seg"]
+    with pytest.raises(ValueError, match=rf"^x has shape \({T}, 100\), expected K and N multiples"):
+        grouped_wgrad(dy, declared((T, 100)), SPLITS)
+    with pytest.raises(ValueError, match=r"^x is a \(128, 1\) Fp8Blocks of shape \(1, "):
+        grouped_wgrad(dy, declared((1, T, K)), SPLITS)
+
+
 def test_hand_built_layout_is_refused(operands: dict[str, Fp8Blocks]) -> None:
     x = operands["x"]
     row_major = Fp8Blocks(x.data, x.scales.contiguous(), block=ROWS, dtype=x.dtype, shape=x.shape)

@@ -339,7 +339,7 @@ CASES = [
     Case("accumulate-without-out", "wgrad", lambda a: a.update(out=None, accumulate=True),
          ValueError, r"accumulate=True needs out: there is nothing to accumulate into"),
     Case("accumulate-not-bool", "wgrad", lambda a: a.update(accumulate="yes"), TypeError,
-         r"accumulate must be a bool, got str"),
+         r"accumulate must be a bool, got 'yes' \(str\)"),
     # inputs autograd would record: the kernels are not differentiable (grad mode is on)
     Case("x-requires-grad", "fprop", lambda a: a["x"].requires_grad_(), ValueError,
          r"^x requires grad, but grouped_fprop is not differentiable: autograd would give x no "

@@ -107,7 +107,9 @@ def wgrad_splits(
     if x_rows != dy_rows:
         raise ValueError(f"x has {x_rows} rows but dy has {dy_rows} rows")
     if type(accumulate) is not bool:
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        raise TypeError(
+            f"accumulate must be a bool, got {accumulate!r} ({type(accumulate).__name__})"
+        )
     splits_E = splits_arg(splits, "x", x_rows, device, experts=None)
     if splits_E.shape[0] == 0:
         raise ValueError("splits has no entries, expected one token count per expert")

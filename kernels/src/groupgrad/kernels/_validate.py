@@ -295,7 +295,7 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         return value
     if not isinstance(value.shape, tuple):
         raise TypeError(f"{name}.shape is {value.shape!r}, expected a tuple (its source's shape)")
-    layout = _layout(block, value.shape, _experts(name, value))
+    layout = _layout(name, block, value.shape, _experts(name, value))
     if seal:
         seal[1] = True
         return value
@@ -357,46 +357,46 @@ _E4M3, _F32, _I64 = torch.float8_e4m3fn, torch.float32, torch.int64
 _LAYOUTS: dict[tuple[Block, tuple[int, ...], int], _Layout] = {}
 
 
-def _layout(block: Block, shape: tuple[int, ...], E: int) -> _Layout:
+def _layout(name: str, block: Block, shape: tuple[int, ...], E: int) -> _Layout:
     """:func:`_fp8_layout`, remembered for the last few hundred (block, shape, E) seen."""
     if torch.compiler.is_compiling():  # symbolic sizes: computed each time, never kept
-        return _fp8_layout(block, shape, E)
+        return _fp8_layout(name, block, shape, E)
     key = (block, shape, E)
     layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = _fp8_layout(*key)
+        layout = _fp8_layout(name, *key)
         if len(_LAYOUTS) >= 256:
             _LAYOUTS.clear()
         _LAYOUTS[key] = layout
     return layout
 
 
-def _fp8_layout(block: Block, shape: tuple[int, ...], E: int) -> _Layout:
+def _fp8_layout(name: str, block: Block, shape: tuple[int, ...], E: int) -> _Layout:
     """``(part, shape, strides or None, dtype)`` of each tensor of an ``Fp8Blocks`` of
     ``block`` and ``shape`` (see :class:`Fp8Blocks`; ``E``: a ``(128, 1)`` form's experts);
     the offsets are what the wgrad's setup kernel reads. Raises for a shape no FP8 GEMM
-    takes."""
+    takes (naming the argument ``name``)."""
     if block == WEIGHTS:
         if len(shape) != 3:
             raise ValueError(
-                f"weights is an Fp8Blocks of shape {shape}, expected (E, N, K): quantize an "
+                f"{name} is an Fp8Blocks of shape {shape}, expected (E, N, K): quantize an "
                 "(E, N, K) tensor or a list of E (N, K) weights"
             )
         E, N, K = shape
         if E == 0:
             raise ValueError(
-                f"weights is an Fp8Blocks of shape {shape}, expected at least one expert"
+                f"{name} is an Fp8Blocks of shape {shape}, expected at least one expert"
             )
-        _fp8_multiples("weights", shape, (N, K))
+        _fp8_multiples(name, shape, (N, K))
         return (
             ("data", (E, N, K), (N * K, K, 1), _E4M3),
             ("data_t", (E, K, N), (N * K, N, 1), _E4M3),
             ("scales", (E, N // 128, K // 128), (N * K // 16384, K // 128, 1), _F32),
         )
     if len(shape) != 2:
-        raise ValueError(f"an Fp8Blocks of block {block} has shape {shape}, expected (T, C)")
+        raise ValueError(f"{name} is a {block} Fp8Blocks of shape {shape}, expected (T, C)")
     T, C = shape
-    _fp8_multiples("the activation", shape, (C,))
+    _fp8_multiples(name, shape, (C,))
     if block == ROWS:
         return ("data", (T, C), (C, 1), _E4M3), ("scales", (T, C // 128), (1, T), _F32)
     padded = -(-(T + (SEGMENT_ALIGN - 1) * E) // SEGMENT_ALIGN) * SEGMENT_ALIGN

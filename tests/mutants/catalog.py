@@ -394,8 +394,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "lean-test-ignores-shape",
         "the lean test of a listed group does not compare shapes",
         _KERNEL_GROUP,
-        "        set(map(_SHAPE, tensors)) == {first.shape}\n        and ",
-        "        ",
+        "        and set(map(_SHAPE, tensors)) == {first.shape}\n",
+        "",
         (f"{KERNELS}/test_validation.py",),
     ),
     Mutant(
@@ -420,8 +420,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a list of weights goes to the quantizer unchecked: a member of another shape, dtype "
         "or type fails inside the kernel instead of being named",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        "    elif listed_facts(members, first).alike:",
-        "    elif True:",
+        "    elif (facts := listed_facts(members, first)).alike:",
+        "    elif facts := listed_facts(members, first):",
         (f"{KERNELS}/test_fp8_quant.py",),
     ),
     Mutant(
@@ -1179,16 +1179,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "an FP8 dgrad's out may share memory with the transposed weights its kernel reads (the "
         "forward orientation is compared instead)",
         "kernels/src/groupgrad/kernels/_validate.py",
-        'w8.data if op == "fprop" else w8.data_t',
-        "w8.data",
+        '(w8.data, w8.data_t) if op == "fprop" else (w8.data_t, w8.data)',
+        "(w8.data, w8.data)",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
         "fp8-row-out-over-scales",
         "an FP8 fprop/dgrad's out may share memory with its operands' scales",
         "kernels/src/groupgrad/kernels/_validate.py",
-        '    scales = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales)]\n',
-        "    scales = []\n",
+        '(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales), (w_name',
+        "(w_name",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
     Mutant(
@@ -1596,7 +1596,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "non-strided-operand-unnamed",
         "a sparse, mkldnn or nested operand reaches torch's internals or the reference kernel "
         "(an error about data pointers) instead of a TypeError naming it",
-        _RULES,
+        _KERNEL_GROUP,
         "    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)",
         "    return True",
         (f"{KERNELS}/test_validation.py",),
@@ -1605,7 +1605,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "layout-read-while-tracing",
         "the operand check reads Tensor.layout while Dynamo traces a backward: every layer "
         "whose input requires grad fails to compile with fullgraph=True",
-        _RULES,
+        _KERNEL_GROUP,
         "    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)",
         "    return t.layout == torch.strided and not t.is_nested",
         (f"{MODULES}/test_compile.py",),
@@ -1951,5 +1951,98 @@ MUTANTS: tuple[Mutant, ...] = (
         '        str(operand.dtype).removeprefix("torch."),\n',
         '        str(operand.dtype).removeprefix("torch.") + str(operand.shape[1] * 0)[:0],\n',
         (f"{MODULES}/test_compile.py",),
+    ),
+    Mutant(
+        "fp8-out-over-other-orientation-accepted",
+        "an FP8 fprop/dgrad out over the weights' orientation the op does not read is "
+        "accepted and overwritten: the other op reads garbage",
+        "kernels/src/groupgrad/kernels/_validate.py",
+        ", (w_name, w_other)]",
+        "]",
+        (f"{KERNELS}/test_fp8_gemm.py",),
+    ),
+    Mutant(
+        "gemms-replayed-by-selective-checkpoint",
+        "the GEMMs go through selective activation checkpointing's modes, which replay their "
+        "empty return: the recomputed activations are garbage",
+        _OPS,
+        "    return bool(modes) and all(isinstance(mode, _CHECKPOINT_MODES) for mode in modes)",
+        "    return False",
+        (f"{MODULES}/test_selective_checkpoint.py",),
+    ),
+    Mutant(
+        "listed-members-not-checked-dense",
+        "a listed member that is sparse or mkldnn reaches torch's internals (data pointers, "
+        "strides) unnamed",
+        _KERNEL_GROUP,
+        "        all(map(dense, tensors))\n        and ",
+        "        ",
+        (f"{KERNELS}/test_validation.py",),
+    ),
+    Mutant(
+        "quantizer-takes-recorded-inputs",
+        "quantize_fp8 takes an input autograd records: its FP8 data requires grad, a gradient "
+        "that never arrives",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        '    _rules.check_unrecorded("quantize_fp8", [(name, t)], None)\n',
+        "",
+        (f"{KERNELS}/test_fp8_gemm.py", f"{KERNELS}/test_fp8_quant.py"),
+    ),
+    Mutant(
+        "swiglu-takes-recorded-inputs",
+        "the SwiGLU ops take inputs autograd records: the op's output cannot be differentiated, "
+        "its twin's can",
+        "kernels/src/groupgrad/kernels/_swiglu.py",
+        "    check_unrecorded(op, given, None)",
+        "    del op",
+        (f"{KERNELS}/test_swiglu.py", f"{KERNELS}/test_swiglu_fp8.py"),
+    ),
+    Mutant(
+        "fp8-list-splits-read-back-from-a-tensor",
+        "the FP8 quantizer reads a list's counts back from a tensor: fullgraph compile fails "
+        "inside Dynamo",
+        "kernels/src/groupgrad/kernels/_fp8.py",
+        '    return [operator.index(s) for s in cast("Sequence[Any]", splits)]',
+        "    return _rules.splits_arg(splits, rows, T, device, experts=None).tolist()",
+        (f"{MODULES}/test_fp8_linear.py",),
+    ),
+    Mutant(
+        "nested-delayed-jobs-not-merged",
+        "a backward's delayed uses pushed before a reentrant region's nesting was known stay "
+        "two backward_dw() jobs: one lands in the next step",
+        "packages/modules/src/groupgrad/modules/_wgrad_queue.py",
+        "        while self._jobs and same_backward(job[0].task, self._jobs[0][0].task):",
+        "        while False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "nested-double-overwrite-unreported",
+        "a nested region's overwrite_main_grad GEMM into a main_grad its backward overwrote "
+        "already is not reported: a use lost without a word",
+        "packages/modules/src/groupgrad/modules/_tasks.py",
+        "        if twice:",
+        "        if False:",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
+        "hf-no-expert-rows-not-zeroed",
+        "a \"no expert\" row rides along in the last expert's GEMMs with its token's values: an "
+        "fp16 overflow is NaN, FP8 blocks change",
+        "integrations/transformers/src/groupgrad/integrations/transformers/_forward.py",
+        "    x_SH = hidden_states[perm_S // top_k].masked_fill((sorted_ids_S == num_experts)[:, None], 0)",
+        "    x_SH = hidden_states[perm_S // top_k]",
+        (
+            "integrations/transformers/tests/test_experts.py",
+            "integrations/transformers/tests/test_fp8_experts.py",
+        ),
+    ),
+    Mutant(
+        "hf-transposed-compile-refusal-unnamed",
+        "transposed experts under a full-graph compile are refused deep in the layers, naming "
+        "groupgrad's own weight and advice a model user cannot follow",
+        "integrations/transformers/src/groupgrad/integrations/transformers/_forward.py",
+        "            _refuse_transposed_under_compile(self, up_name, up, down)\n",
+        "            pass\n",
+        ("integrations/transformers/tests/test_compile.py",),
     ),
 )

@@ -1124,6 +1124,7 @@ def test_a_layer_used_twice_in_one_forward_gets_the_sum_of_both_uses(
 
     ((use(x1, SPLITS) * dy1).sum() + (use(x2, SPLITS) * dy2).sum()).backward()
     if delay:
+        assert len(layer._wgrad_queue) == 1  # queued as one job, not merged when run
         layer.backward_dw()
         with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
             layer.backward_dw()  # one job for the one backward

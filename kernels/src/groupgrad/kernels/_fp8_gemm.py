@@ -254,6 +254,7 @@ def fp8_wgrad_op(
 fp8_fprop_op.register_kernel("cuda")(fprop_on_device)
 fp8_dgrad_op.register_kernel("cuda")(dgrad_on_device)
 fp8_wgrad_op.register_kernel("cuda")(wgrad_on_device)
+_ops.recomputed_under_selective_checkpoint(fp8_fprop_op, fp8_dgrad_op, fp8_wgrad_op)
 
 
 @fp8_fprop_op.register_fake
@@ -295,7 +296,7 @@ def rows(
     args = (a.data, a.scales, w.data, cast(Tensor, w.data_t), w.scales, splits, out)
     if reference:
         rows_ref(op, *args)
-    elif not _ops.direct_call_ok([a.data, out, splits], writes=f"grouped_{op}"):
+    elif not _ops.direct_call_ok([a.data, out, splits]):
         (fp8_fprop_op if op == "fprop" else fp8_dgrad_op)(*args)
     else:
         name = f"groupgrad::fp8_grouped_{op}"
@@ -326,7 +327,7 @@ def wgrad(
     )  # fmt: skip  # validated: the offsets are tensors
     if reference:
         wgrad_ref(*args)
-    elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed, writes="grouped_wgrad"):
+    elif not _ops.direct_call_ok([dy.data, x.data, splits], out, listed):
         fp8_wgrad_op(*args)
     else:
         name = "groupgrad::fp8_grouped_wgrad"

@@ -108,7 +108,12 @@ class ListedFacts:
 
 def dense(t: Tensor) -> bool:
     """Not sparse, mkldnn or nested (traced, not asked: Dynamo refuses ``layout`` there)."""
-    return torch.compiler.is_compiling() or (t.layout == torch.strided and not t.is_nested)
+    return torch.compiler.is_compiling() or _strided(t)
+
+
+def _strided(t: Tensor) -> bool:
+    """:func:`dense` in eager code."""
+    return t.layout == torch.strided and not t.is_nested
 
 
 def use_native_reader(reader: NativeReader) -> None:
@@ -133,7 +138,7 @@ def listed_facts(members: Sequence[object], first: Tensor) -> ListedFacts:
             alike, requires_grad, addresses = read
             return ListedFacts(alike, requires_grad, plain, tuple(addresses))
     alike = (
-        all(map(dense, tensors))
+        all(map(_strided, tensors))  # eager here: not compiling
         and set(map(_SHAPE, tensors)) == {first.shape}
         and set(map(_DTYPE, tensors)) == {first.dtype}
         and set(map(_DEVICE, tensors)) == {first.device}

@@ -270,15 +270,24 @@ def _grouped_wgrad_fake(
     return None
 
 
+def recomputed_under_selective_checkpoint(*ops: Callable[..., object]) -> None:
+    """Have selective activation checkpointing always run ``ops`` (custom ops that write
+    into ``out`` and return nothing): its modes save and replay what an op returns, so a
+    policy saving one would replay nothing, leaving ``out`` unwritten in the recomputation.
+    Run, they recompute whatever the policy says, with any other mode stacked."""
+    ignored = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None)
+    if ignored is not None:
+        ignored.update(op._opoverload for op in ops)  # type: ignore[attr-defined]
+
+
+recomputed_under_selective_checkpoint(grouped_fprop_op, grouped_dgrad_op, grouped_wgrad_op)
+
+
 # --------------------------------------------------------------------------- calls
 
 
 def direct_call_ok(
-    tensors: list[Tensor],
-    group: Sequence[Tensor] = (),
-    listed: ListedFacts | None = None,
-    *,
-    writes: str | None = None,
+    tensors: list[Tensor], group: Sequence[Tensor] = (), listed: ListedFacts | None = None
 ) -> bool:
     """Whether a call on these tensors may run the device kernel without the op machinery.
 
@@ -288,50 +297,19 @@ def direct_call_ok(
     dispatch or function mode active, and no input that autograd would record
     (grad mode off, or nothing requiring grad).
 
-    Selective activation checkpointing's dispatch modes are the exception for
-    an op that writes into its output (``writes``: its name): they replay what
-    an op returns, and such an op returns nothing, so under them it runs
-    directly, in the forward and again in the recomputation (never saved), or
-    is refused with a ``RuntimeError`` where its call cannot run directly.
-
     Args:
         tensors: the call's tensors, the first one's device deciding.
         group: the members of a group of matrices, checked like ``tensors``.
         listed: what one pass over ``group`` found (``_group``); when its
             members are alike, their types and ``requires_grad`` are read
             from it instead of from each member.
-        writes: the op's name, for an op that writes into its output.
     """
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+    ):
         return False
-    if not torch._C._len_torch_dispatch_stack():
-        return _plain_call(tensors, group, listed)
-    if writes is None or not _checkpoint_modes_only():
-        return False
-    if not _plain_call(tensors, group, listed):
-        raise RuntimeError(
-            f"{writes} under selective activation checkpointing needs plain tensors on the CPU "
-            "or a CUDA device that autograd does not record: it writes into its output, which "
-            "checkpointing cannot save and replay, so it runs outside the checkpoint's modes"
-        )
-    return True
-
-
-def _checkpoint_modes_only() -> bool:
-    """Whether every active dispatch mode is selective activation checkpointing's."""
-    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
-    return bool(modes) and all(isinstance(mode, _CHECKPOINT_MODES) for mode in modes)
-
-
-_CHECKPOINT_MODES = tuple(
-    getattr(torch.utils.checkpoint, name)
-    for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
-    if hasattr(torch.utils.checkpoint, name)
-)
-
-
-def _plain_call(tensors: list[Tensor], group: Sequence[Tensor], listed: ListedFacts | None) -> bool:
-    """:func:`direct_call_ok`'s test of the tensors."""
     if tensors[0].device.type not in _DIRECT_DEVICES:
         return False
     grad_mode = torch.is_grad_enabled()
@@ -366,7 +344,7 @@ def fprop(
     read by the direct-call test and the CUDA kernel's support check instead
     of the members.
     """
-    if not direct_call_ok([x, out, splits], weights, listed, writes="grouped_fprop"):
+    if not direct_call_ok([x, out, splits], weights, listed):
         grouped_fprop_op(x, weights, splits, out)
         return
     kernels = (fprop_on_device, _reference.fprop)
@@ -382,7 +360,7 @@ def dgrad(
     listed: ListedFacts | None = None,
 ) -> None:
     """``groupgrad::grouped_dgrad`` on validated arguments (directly in plain eager code)."""
-    if not direct_call_ok([dy, out, splits], weights, listed, writes="grouped_dgrad"):
+    if not direct_call_ok([dy, out, splits], weights, listed):
         grouped_dgrad_op(dy, weights, splits, out)
         return
     kernels = (dgrad_on_device, _reference.dgrad)
@@ -399,7 +377,7 @@ def wgrad(
     listed: ListedFacts | None = None,
 ) -> None:
     """``groupgrad::grouped_wgrad`` on validated arguments (directly in plain eager code)."""
-    if not direct_call_ok([dy, x, splits], out, listed, writes="grouped_wgrad"):
+    if not direct_call_ok([dy, x, splits], out, listed):
         grouped_wgrad_op(dy, x, splits, out, accumulate)
         return
     kernels = (wgrad_on_device, _reference.wgrad)

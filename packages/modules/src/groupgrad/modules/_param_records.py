@@ -60,7 +60,8 @@ def overwrites_of(
     """``(accumulate, zero_first)`` for a GEMM of backward ``task`` into ``main_grad``s
     that ``overwrite_main_grad`` says to overwrite: it overwrites where no earlier GEMM of
     that backward wrote (or is ``pending`` to write) any of its trainable parameters, adds
-    where one wrote them all, and where one wrote some, adds after zeroing the others'."""
+    where one wrote them all, and where one wrote some, adds after zeroing the others'.
+    Records the parameters it overwrites or zeroes (``_tasks.record_overwrites``)."""
     members = zip(plan.weights, plan.buffers, plan.trainable, plan.names, strict=True)
     live = [(param, buffer, name) for param, buffer, keep, name in members if keep]
     mine = backward_of(task)

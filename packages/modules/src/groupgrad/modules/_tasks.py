@@ -61,7 +61,7 @@ def enter_backward(outer: int) -> None:
     while len(_OUTER_TASK) > _KEPT:
         del _OUTER_TASK[next(iter(_OUTER_TASK))]
     if mine:
-        theirs = _OVERWRITTEN.setdefault(backward_of(outer), {})
+        theirs = _freshest(backward_of(outer))
         twice = [name for key, name in mine.items() if key in theirs]
         theirs.update(mine)
         if twice:
@@ -77,11 +77,18 @@ def enter_backward(outer: int) -> None:
 
 
 def record_overwrites(task: int, params: dict[int, str]) -> None:
-    """Record that a GEMM of graph task ``task`` overwrote the ``main_grad`` of ``params`` (id
-    -> name), for :func:`enter_backward`'s check."""
-    _OVERWRITTEN.setdefault(backward_of(task), {}).update(params)
+    """Record that a GEMM of graph task ``task``, planned now, overwrites the ``main_grad`` of
+    ``params`` (id -> name), for :func:`enter_backward`'s check."""
+    _freshest(backward_of(task)).update(params)
+
+
+def _freshest(backward: int) -> dict[int, str]:
+    """``backward``'s entry of :data:`_OVERWRITTEN`, made the newest (the oldest go first)."""
+    entry = _OVERWRITTEN.pop(backward, {})
+    _OVERWRITTEN[backward] = entry
     while len(_OVERWRITTEN) > _KEPT_OVERWRITTEN:
         del _OVERWRITTEN[next(iter(_OVERWRITTEN))]
+    return entry
 
 
 def running_task() -> int:

@@ -443,7 +443,7 @@ def test_bad_tensors_are_named() -> None:
         quantize_fp8(torch.zeros(2, 4, 128), block=(1, 128))
     with pytest.raises(TypeError, match=r"t has dtype torch\.float64, expected torch\.bfloat16"):
         quantize_fp8(torch.zeros(4, 128, dtype=torch.float64), block=(1, 128))
-    with pytest.raises(TypeError, match="t is a list, expected a tensor"):
+    with pytest.raises(TypeError, match=r"t must be a torch\.Tensor, got list"):
         quantize_fp8([torch.zeros(4, 128)], block=(1, 128))
     with pytest.raises(
         ValueError, match=r"t has shape \(1, 128, 200\), expected N and K multiples"
@@ -458,7 +458,7 @@ def test_bad_tensors_are_named() -> None:
         quantize_fp8([good, good, torch.zeros(256, 128)], block=(128, 128))
     with pytest.raises(ValueError, match=r"t\[0\] has shape \(1, 128, 128\), expected \(N, K\)"):
         quantize_fp8([good[None]], block=(128, 128))
-    with pytest.raises(TypeError, match=r"t\[1\] is a str"):
+    with pytest.raises(TypeError, match=r"t\[1\] must be a torch\.Tensor, got str"):
         quantize_fp8([good, "w"], block=(128, 128))
 
 

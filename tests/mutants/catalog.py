@@ -1179,7 +1179,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "an FP8 dgrad's out may share memory with the transposed weights its kernel reads (the "
         "forward orientation is compared instead)",
         "kernels/src/groupgrad/kernels/_validate.py",
-        '(w8.data, w8.data_t) if op == "fprop" else (w8.data_t, w8.data)',
+        '(w8.data, data_t) if op == "fprop" else (data_t, w8.data)',
         "(w8.data, w8.data)",
         (f"{KERNELS}/test_fp8_gemm.py",),
     ),
@@ -1984,7 +1984,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "quantize_fp8 takes an input autograd records: its FP8 data requires grad, a gradient "
         "that never arrives",
         "kernels/src/groupgrad/kernels/_fp8.py",
-        '    _rules.check_unrecorded("quantize_fp8", [(name, t)], None)\n',
+        '    _rules.check_unrecorded("quantize_fp8", [(name, x)], None)\n',
         "",
         (f"{KERNELS}/test_fp8_gemm.py", f"{KERNELS}/test_fp8_quant.py"),
     ),

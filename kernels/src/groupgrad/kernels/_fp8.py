@@ -10,7 +10,6 @@ CUDA) lives in ``_fp8_ops``.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -183,7 +182,7 @@ class Fp8Blocks:
             return blocks.view(T, C)
         if self.block == WEIGHTS:
             *_, N, K = self.shape
-            E = math.prod(self.data.shape[:-2])  # 1 for an (N, K) weight
+            E = self.data.shape[0] if self.data.dim() == 3 else 1
             data, scales = self.data.float().reshape(E, N // 128, 128, K // 128, 128), self.scales
             out = (data * scales.reshape(E, N // 128, 1, K // 128, 1)).reshape(E, N, K)
             return list(out.unbind(0)) if self.listed else out.reshape(self.shape)
@@ -238,25 +237,20 @@ def _blocks_of(block: object) -> tuple[list[Block], bool]:
 
 
 def _check_tensor(t: object, name: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} is a {type(t).__name__}, expected a tensor")
-    _rules.tensor_arg(name, t)  # dense
-    _rules.check_unrecorded("quantize_fp8", [(name, t)], None)
-    if t.dtype not in INPUT_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {t.dtype}, expected torch.bfloat16, torch.float16 or torch.float32"
-        )
-    return t
+    x = _rules.tensor_arg(name, t)  # a dense tensor
+    _rules.check_unrecorded("quantize_fp8", [(name, x)], None)
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}, expected {_rules.DTYPE_CHOICES}")
+    return x
 
 
 def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") -> Splits:
     """``splits`` checked by the GEMMs' rule (``_rules.splits_arg``: a device tensor's values
-    are never read): a tensor as given, any other form as a list of ints. ``rows``: the
-    argument whose ``T`` rows ``splits`` counts, for messages."""
+    are never read): a tensor as given, any other form as its ints (not read back from a
+    tensor: data-dependent under torch.compile). ``rows``: the argument it counts rows of."""
     _rules.splits_arg(splits, rows, T, device, experts=None)
     if isinstance(splits, Tensor):
         return splits
-    # the ints as given, not read back from a tensor (data-dependent under torch.compile)
     return [operator.index(s) for s in cast("Sequence[Any]", splits)]
 
 
@@ -322,8 +316,8 @@ def _weights(t: object, impl: _Impl) -> Fp8Blocks:
     if not listed:
         group = [(first if first.dim() == 3 else first[None]).contiguous()]
     elif (facts := listed_facts(members, first)).alike:  # one pass, not one by one
-        _rules.check_unrecorded("quantize_fp8", [("t", members)], facts)
         group = cast("list[Tensor]", members)
+        _rules.check_unrecorded("quantize_fp8", [("t", group)], facts)
     else:
         group = [_member(w, i, first).contiguous() for i, w in enumerate(members)]
     data, data_t, scales = impl.weights(group)

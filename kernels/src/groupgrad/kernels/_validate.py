@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -192,8 +192,7 @@ def fp8_rows_call(
     names: object = None,
 ) -> Fp8RowsCall:
     """Check an FP8 fprop/dgrad call (``names`` as in :func:`grouped_call`)."""
-    a_name = "x" if op == "fprop" else "dy"
-    label = _group.labeler("weights", names)
+    a_name, label = ("x" if op == "fprop" else "dy"), _group.labeler("weights", names)
     w_name = label(None)
     a8 = fp8_operand(a_name, a, ROWS)
     w8 = fp8_operand(w_name, weights, WEIGHTS)
@@ -205,7 +204,8 @@ def fp8_rows_call(
     splits_E = _rules.splits_arg(splits, a_name, T, a8.data.device, experts=E)
     out_shape = (T, N) if op == "fprop" else (T, K)
     dtype = _rules.fp8_row_out_dtype(out, op, a_name, a8.dtype)
-    w_read, w_other = (w8.data, w8.data_t) if op == "fprop" else (w8.data_t, w8.data)
+    data_t = cast(Tensor, w8.data_t)  # a weights form holds both orientations
+    w_read, w_other = (w8.data, data_t) if op == "fprop" else (data_t, w8.data)
     also = [(f"{a_name}.scales", a8.scales), (f"{w_name}.scales", w8.scales), (w_name, w_other)]
     out_TX = _rules.row_out(out, out_shape, dtype, a_name, a8.data, [w_read], None, label, also)
     return Fp8RowsCall(a8, w8, splits_E, out_TX)

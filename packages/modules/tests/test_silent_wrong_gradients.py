@@ -1298,41 +1298,19 @@ def test_a_layer_in_nested_reentrant_regions_gets_one_backwards_gradient(delay: 
     # nested in the backward) recorded before the outer region's own use tells which backward
     # the outer region's task belongs to, and never compared again: a second backward_dw()
     # job, or the outer use overwriting the inner use's main_grad.
-    def run(nested: bool) -> list[torch.Tensor]:
-        torch.manual_seed(70)
-        layer = GroupedLinear(
-            E, K, K, bias=False, accumulate_into_main_grad=True, delay_wgrad_compute=delay
-        )
-        weights = list(layer.parameters())
-        _attach_main_grad(weights, value=float("nan"))
-        for w in weights:
-            w.overwrite_main_grad = True
-
-        def inner(h: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(layer(h, SPLITS))
-
-        def outer(h: torch.Tensor) -> torch.Tensor:
-            h = torch.tanh(layer(h, SPLITS))
-            return checkpoint(inner, h, use_reentrant=True) if nested else inner(h)
-
-        x = _randn(sum(SPLITS), K, seed=71).requires_grad_()
-        (checkpoint(outer, x, use_reentrant=True) if nested else outer(x)).square().sum().backward()
-        if delay:
-            layer.backward_dw()
-            with pytest.raises(RuntimeError, match="no backward has queued a weight gradient"):
-                layer.backward_dw()
-        return [w.main_grad for w in weights]
-
-    for got, want in zip(run(True), run(False), strict=True):
-        _close(got, want)
+    _, got = _used_around_a_nested_region(delay, True, nested=True, linker="same", after=False)
+    _, want = _used_around_a_nested_region(delay, True, nested=False, linker="same", after=False)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
 
 
 def _used_around_a_nested_region(
-    delay: bool, overwrite: bool, nested: bool, linker: str
+    delay: bool, overwrite: bool, nested: bool, linker: str, after: bool = True
 ) -> tuple[GroupedLinear, list[torch.Tensor]]:
     """A layer used in an outer reentrant region before a region nested in it, in that nested
-    region, and after both; the outer region's own groupgrad layer (``linker``) is that same
-    layer or another one. Returns the layer and its ``main_grad``s after the backward."""
+    region, and (``after``) after both; the outer region's own groupgrad layer (``linker``)
+    is that same layer or another one. Returns the layer and its ``main_grad``s after the
+    backward (and ``backward_dw()``, which must leave no job queued)."""
     torch.manual_seed(72)
     layer = GroupedLinear(E, K, K, bias=False, accumulate_into_main_grad=True,
                           delay_wgrad_compute=delay)  # fmt: skip
@@ -1352,7 +1330,7 @@ def _used_around_a_nested_region(
 
     x = _randn(sum(SPLITS), K, seed=73).requires_grad_()
     h = checkpoint(outer, x, use_reentrant=True) if nested else outer(x)
-    layer(h, SPLITS).square().sum().backward()
+    (layer(h, SPLITS) if after else h).square().sum().backward()
     if delay:
         layer.backward_dw()
         assert len(layer._wgrad_queue) == 0

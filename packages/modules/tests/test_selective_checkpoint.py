@@ -40,19 +40,17 @@ def _save_groupgrad_and_matmuls(ctx: object, op: object, *args: object, **kwargs
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _model(kind: str) -> nn.ModuleList:
+def _model(kind: str, device: str) -> nn.ModuleList:
     torch.manual_seed(0)
     if kind == "linear":
-        return nn.ModuleList([GroupedLinear(E, H, H, bias=True) for _ in range(2)])
+        return nn.ModuleList([GroupedLinear(E, H, H, bias=True, device=device) for _ in range(2)])
     dtype, fp8 = (torch.bfloat16, "blockwise") if kind == "fp8 mlp" else (torch.float32, None)
+    options = {"dtype": dtype, "device": device, "fp8_recipe": fp8}
     layers = nn.ModuleList(
-        [
-            GroupedMLP(E, H, F, dtype=dtype, accumulate_into_main_grad=True, fp8_recipe=fp8)
-            for _ in range(2)
-        ]
+        [GroupedMLP(E, H, F, accumulate_into_main_grad=True, **options) for _ in range(2)]
     )
     for p in layers.parameters():
-        p.main_grad = torch.zeros(p.shape)  # type: ignore[attr-defined]
+        p.main_grad = torch.zeros(p.shape, device=device)  # type: ignore[attr-defined]
         p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
     return layers
 
@@ -67,12 +65,14 @@ def _region(layers: nn.ModuleList, probs: Tensor) -> Callable[[Tensor], Tensor]:
     return run
 
 
-def _gradients(kind: str, wrap: Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]) -> dict:
-    layers = _model(kind)
+def _gradients(
+    kind: str, wrap: Callable[[Callable[[Tensor], Tensor], Tensor], Tensor], device: str = "cpu"
+) -> dict:
+    layers = _model(kind, device)
     dtype = torch.bfloat16 if kind == "fp8 mlp" else torch.float32
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(T, H, generator=gen).to(dtype).requires_grad_()
-    probs = torch.rand(T, generator=gen).requires_grad_()
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    probs = torch.rand(T, generator=gen).to(device).requires_grad_()
     wrap(_region(layers, probs), x).float().square().sum().backward()
     got = {"x": x.grad, "probs": probs.grad}
     for name, p in layers.named_parameters():
@@ -89,10 +89,16 @@ def _selective(region: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return checkpoint(region, x, use_reentrant=False, context_fn=contexts)  # type: ignore[no-any-return]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["linear", "mlp", "fp8 mlp"])
-def test_a_policy_saving_the_gemms_gives_the_gradients_of_no_checkpoint(kind: str) -> None:
-    want = _gradients(kind, _plain)
-    got = _gradients(kind, _selective)
+def test_a_policy_saving_the_gemms_gives_the_gradients_of_no_checkpoint(
+    kind: str, device: str
+) -> None:
+    want = _gradients(kind, _plain, device)
+    got = _gradients(kind, _selective, device)
     assert got.keys() == want.keys()
     for name, value in want.items():
         if value is None:  # probs of the linear layers: unused

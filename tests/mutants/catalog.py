@@ -971,6 +971,31 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_routed.py",),
     ),
     Mutant(
+        "routed-fc1-checked-after-fc2-written",
+        "compiled, routed_grouped_mlp writes fc2's .grad before it refuses a hook on an fc1 "
+        "weight (half a refused backward lands)",
+        "packages/modules/src/groupgrad/modules/_routed.py",
+        "[a_SF], splits, None, ahead=[fc1])",
+        "[a_SF], splits, None)",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
+        "layers-ahead-not-checked-for-hooks",
+        "the hook refusal skips the layers a later call hands over (routed fc1 under compile)",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    every, takes_every = [*layers, *ahead], [*taken, *later]",
+        "    every, takes_every = list(layers), list(taken)",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
+        "compiled-op-drops-the-layers-ahead",
+        "the compiled op binds the layers ahead but checks only its own",
+        _COMPILED,
+        "bias_dys=bias_dys, compiled=True, ahead=ahead",
+        "bias_dys=bias_dys, compiled=True",
+        (f"{MODULES}/test_routed.py",),
+    ),
+    Mutant(
         "routed-router-grads-in-expert-order",
         "routed_grouped_mlp returns the router weights' gradient in expert (slot-sorted) order",
         "packages/modules/src/groupgrad/modules/_routed.py",

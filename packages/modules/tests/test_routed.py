@@ -171,6 +171,22 @@ def test_compiled_delivers_fp32_wgrads_as_eager(dtype: torch.dtype) -> None:
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_compiled_hook_on_an_fc1_weight_is_refused_before_fc2_is_written(packed: bool) -> None:
+    # Catches: fc2's compiled op writing fc2's .grad before fc1's op refused the hook on an
+    # fc1 weight (the op hands its layers over one after the other): half a backward landed.
+    _, slots, splits, weights = _routing()
+    w1, w2, leaves = _params(torch.float32, packed=packed)
+    hooked = leaves[0] if packed else leaves[E - 1]
+    hooked.register_hook(lambda g: g * 0)
+    name = "fc1_weights" if packed else rf"fc1_weights\[{E - 1}\]"
+    step = torch.compile(routed_grouped_mlp, fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=rf"^a gradient hook .* is on {name}, .*torch\.compile"):
+        step(torch.randn(T, H), w1, w2, slots, splits, weights).sum().backward()
+    assert all(p.grad is None for p in leaves)  # fc2's too: nothing of the backward written
+
+
 def _call(**change: object) -> None:
     _, slots, splits, weights = _routing()
     w1, w2, _ = _params(torch.float32, packed=True)

@@ -63,7 +63,8 @@ __all__ = ["hand_over", "refuse_derived_parameters"]
 
 @dataclass(frozen=True)
 class _Layout:
-    """One layer of an op as the compiled op must know it (everything but its tensors)."""
+    """One layer of an op as the compiled op must know it (everything but its tensors);
+    ``ahead``: only checked, its GEMM in a later call (:func:`hand_over`'s ``ahead``)."""
 
     spec: WeightGroupSpec
     shape: tuple[int, ...]
@@ -72,6 +73,7 @@ class _Layout:
     operands: tuple[str, str]
     forms: tuple[Fp8Form | None, Fp8Form | None]
     bias_dy: bool
+    ahead: bool
 
     def bind(self, params: Sequence[Tensor]) -> LayerGrads:
         """The layer on its real parameters (weights, then biases)."""
@@ -96,14 +98,14 @@ def _layout_key(layouts: tuple[tuple[Any, ...], ...]) -> str:
     """Register the layers' layouts (when the graph is traced) and return their key.
 
     Each layout: names, packed, wgrad_into_main_grad, shape, weights, biases,
-    operand names, operand forms, whether a bias ``dy`` follows.
+    operand names, operand forms, whether a bias ``dy`` follows, whether it is ahead.
     """
     key = repr(layouts)
     _LAYOUTS.setdefault(
         key,
         tuple(
-            _Layout(WeightGroupSpec(n, p, m), s, w, b, o, f, d)
-            for n, p, m, s, w, b, o, f, d in layouts
+            _Layout(WeightGroupSpec(n, p, m), s, w, b, o, f, d, a)
+            for n, p, m, s, w, b, o, f, d, a in layouts
         ),
     )
     return key
@@ -117,16 +119,20 @@ def _traced_dummies(layout: str, *params: Tensor) -> tuple[bool, ...]:
     (whose value a framework flips every step: torch 2.11 would recompile on
     it); the op checks at run time that the answer still holds.
     """
-    layers = _bind_all(_LAYOUTS[layout], params)
+    layers, _ = _bind_all(_LAYOUTS[layout], params)
     return tuple(d for layer in layers for d in _dummy_mask(layer))
 
 
-def _bind_all(layouts: Sequence[_Layout], params: Sequence[Tensor]) -> list[LayerGrads]:
-    """The layers of one op on its flat parameter list (each layer's weights, then biases)."""
-    layers, start = [], 0
+def _bind_all(
+    layouts: Sequence[_Layout], params: Sequence[Tensor]
+) -> tuple[list[LayerGrads], list[LayerGrads]]:
+    """The layers of one op on its flat parameter list (each layer's weights, then biases):
+    those it hands over, and those it checks ahead."""
+    layers: tuple[list[LayerGrads], list[LayerGrads]] = ([], [])
+    start = 0
     for part in layouts:
         stop = start + part.num_weights + part.num_biases
-        layers.append(part.bind(params[start:stop]))
+        layers[part.ahead].append(part.bind(params[start:stop]))
         start = stop
     return layers
 
@@ -273,8 +279,8 @@ def _parameter_grads_op(
     FP8 form's tensors; the layout says which), then its bias ``dy`` where the
     layout has one; ``tokens``: ``T``.
     """
-    parts = _LAYOUTS[layout]
-    layers = _bind_all(parts, params)
+    parts = [part for part in _LAYOUTS[layout] if not part.ahead]
+    layers, ahead = _bind_all(_LAYOUTS[layout], params)
     wgrad_queue = WgradQueue.numbered(queue)
     with autograd_dispatch():
         delivered = _check_before_writing(layers, dummies, wgrad_queue is not None)
@@ -287,7 +293,7 @@ def _parameter_grads_op(
     dys, xs = [t[0] for t in taken], [t[1] for t in taken]
     bias_dys = [t[2] for t in taken if t[2] is not None] or None
     answers = parameter_grads(
-        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True
+        layers, dys, xs, counted, wgrad_queue, bias_dys=bias_dys, compiled=True, ahead=ahead
     )
     with autograd_dispatch():
         _deliver(layers, answers, delivered)
@@ -334,6 +340,7 @@ def hand_over(
     queue: WgradQueue | None,
     *,
     bias_dys: Sequence[Tensor] | None = None,
+    ahead: Sequence[LayerGrads] = (),
 ) -> list[Tensor | None]:
     """What autograd receives for every layer's parameters (:func:`parameter_grads`).
 
@@ -343,34 +350,24 @@ def hand_over(
     autograd a dummy, ``None`` elsewhere. ``dys`` and ``xs`` may be FP8
     forms (:class:`~groupgrad.kernels.Fp8Blocks`; then ``bias_dys`` carries
     the unquantized ``dy`` for bias gradients): compiled, each crosses the op
-    as its tensors and is rebuilt there.
+    as its tensors and is rebuilt there. ``ahead``: layers a later call hands
+    over, checked now (their parameters cross the op too, their layouts marked).
     """
     if not torch.compiler.is_compiling():
         if queue is not None and _compiled_autograd_running():  # its compiler traced no Dynamo
             _refuse_under_compiled_autograd((), queued=True)
-        return parameter_grads(layers, dys, xs, splits, queue, bias_dys=bias_dys)
+        return parameter_grads(layers, dys, xs, splits, queue, bias_dys=bias_dys, ahead=ahead)
     tensors: list[Tensor] = []
     layouts = []
     for index, (layer, dy, x) in enumerate(zip(layers, dys, xs, strict=True)):
         (dy_form, dy_parts), (x_form, x_parts) = take_apart(dy), take_apart(x)
         tensors += [*dy_parts, *x_parts, *([] if bias_dys is None else [bias_dys[index]])]
-        spec = layer.target.spec
-        layouts.append(
-            (
-                spec.names,
-                spec.packed,
-                spec.wgrad_into_main_grad,
-                layer.target.shape,
-                len(layer.target.params),
-                len(layer.biases),
-                layer.operands,
-                (dy_form, x_form),
-                bias_dys is not None,
-            )
-        )
-    params = [p for layer in layers for p in layer.params]
+        layouts.append(_layout_of(layer, (dy_form, x_form), bias_dys is not None, False))
+    layouts += [_layout_of(layer, (None, None), False, True) for layer in ahead]
+    own = [p for layer in layers for p in layer.params]
+    params = [*own, *(p for layer in ahead for p in layer.params)]
     key = _layout_key(tuple(layouts))
-    dummies = _traced_dummies(key, *params)
+    dummies = _traced_dummies(key, *params)  # for the layers handed over
     is_tensor = isinstance(splits, Tensor)
     torch.ops.groupgrad.parameter_grads(
         tensors,
@@ -382,7 +379,16 @@ def hand_over(
         -1 if queue is None else queue.number,
         list(dummies),
     )
-    return [torch.zeros_like(p) if d else None for p, d in zip(params, dummies, strict=True)]
+    return [torch.zeros_like(p) if d else None for p, d in zip(own, dummies, strict=True)]
+
+
+def _layout_of(
+    layer: LayerGrads, forms: tuple[Fp8Form | None, Fp8Form | None], bias_dy: bool, ahead: bool
+) -> tuple[Any, ...]:
+    """``layer``'s entry of :func:`_layout_key`."""
+    spec, sizes = layer.target.spec, (len(layer.target.params), len(layer.biases))
+    flags = (spec.packed, spec.wgrad_into_main_grad)
+    return (spec.names, *flags, layer.target.shape, *sizes, layer.operands, forms, bias_dy, ahead)
 
 
 def refuse_derived_parameters(

@@ -287,6 +287,7 @@ def parameter_grads(
     *,
     bias_dys: Sequence[Tensor] | None = None,
     compiled: bool = False,
+    ahead: Sequence[LayerGrads] = (),
 ) -> list[Tensor | None]:
     """Run one backward's wgrad GEMMs (or queue them) and sum its bias gradients.
 
@@ -309,6 +310,10 @@ def parameter_grads(
             from the unquantized ``dy``); ``None``: ``dys`` themselves.
         compiled: Run by the compiled op, which puts the gradients into
             ``.grad`` itself (``groupgrad.modules._compiled``).
+        ahead: Layers of the same backward that a later call hands over
+            (``routed_grouped_mlp`` hands fc1 over once fc2's operands are
+            freed): their refusals (a partial delivery, a tensor hook) run
+            here too, so a refused backward writes nothing of either layer.
 
     Returns:
         What autograd receives for :attr:`LayerGrads.params` of every layer,
@@ -322,10 +327,13 @@ def parameter_grads(
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
     taken = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in layers]
+    later = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in ahead]
+    every, takes_every = [*layers, *ahead], [*taken, *later]
     if compiled:
-        _refuse_hooked(layers, taken, "under torch.compile", biases=True)
+        _refuse_hooked(every, takes_every, "under torch.compile", biases=True)
     elif queue is not None:
-        _refuse_hooked(layers, taken, "with delay_wgrad_compute=True (backward_dw())", biases=False)
+        how = "with delay_wgrad_compute=True (backward_dw())"
+        _refuse_hooked(every, takes_every, how, biases=False)
     readied: list[ReadyWgrad | None] = [None] * len(layers)
     if deferred is None:  # every main_grad GEMM is checked before any GEMM writes
         readied = [

@@ -149,12 +149,13 @@ def _routed_backward(
     _release(h_S2F)
     fc1_nodes, fc2_nodes = gradient_nodes(ctx, w1, w2)
     fc2 = LayerGrads(ctx.fc2, (), ("dy", "fc2's input"), fc2_nodes)
-    fc2_grads = hand_over([fc2], [dy_SH], [a_SF], splits, None)
+    fc1 = LayerGrads(ctx.fc1, (), ("fc1's output grad", "x"), fc1_nodes)
+    # fc1's refusals first: compiled, fc2's call writes its .grad
+    fc2_grads = hand_over([fc2], [dy_SH], [a_SF], splits, None, ahead=[fc1])
     del dy_SH, a_SF
     x_SH = x_TH.index_select(0, rows_S)
     if ctx.cast_dtype is not None:
         x_SH = x_SH.to(ctx.cast_dtype)
-    fc1 = LayerGrads(ctx.fc1, (), ("fc1's output grad", "x"), fc1_nodes)
     fc1_grads = hand_over([fc1], [dh_S2F], [x_SH], splits, None)
     del x_SH
 

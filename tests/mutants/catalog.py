@@ -695,6 +695,45 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/megatron_core/tests/test_megatron_moe.py",),
     ),
     Mutant(
+        "fused-experts-check-ddp-hooks-after-the-gemms",
+        "the fused experts' backward_dw() refuses a DDP without delayed-wgrad hooks only after "
+        "its GEMMs wrote the gradients (and used up the job)",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_experts.py",
+        "        self._wgrad_hooks.check(type(self).__name__, self._weights())  # before a GEMM writes\n"
+        "        self.grouped_mlp.backward_dw()\n",
+        "        self.grouped_mlp.backward_dw()\n"
+        "        self._wgrad_hooks.check(type(self).__name__, self._weights())\n",
+        ("integrations/megatron_core/tests/test_megatron_moe.py",),
+    ),
+    Mutant(
+        "grouped-linears-check-ddp-hooks-after-the-gemms",
+        "the grouped-linear experts' backward_dw() refuses a DDP without delayed-wgrad hooks "
+        "only after its GEMMs wrote the gradients",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_linear.py",
+        "        self._wgrad_hooks.check(type(self).__name__, weights)  # before a GEMM writes\n"
+        "        super().backward_dw()\n",
+        "        super().backward_dw()\n"
+        "        self._wgrad_hooks.check(type(self).__name__, weights)\n",
+        ("integrations/megatron_core/tests/test_megatron_moe.py",),
+    ),
+    Mutant(
+        "fp8-recompute-without-te-accepted",
+        "FP8 fused experts accept Megatron's recompute without Transformer Engine: the first "
+        "forward stops inside Megatron (NameError: te_checkpoint)",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_fp8.py",
+        "    _refuse_recompute_without_te(config, owner)\n",
+        "",
+        ("integrations/megatron_core/tests/test_megatron_fp8.py",),
+    ),
+    Mutant(
+        "fp8-recompute-refused-with-te-installed",
+        "FP8 fused experts refuse Megatron's recompute although Transformer Engine is installed",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_fp8.py",
+        "    if _te_installed():\n        return\n",
+        "",
+        ("integrations/megatron_core/tests/test_megatron_fp8.py",),
+    ),
+    Mutant(
         "fused-experts-name-groupedmlps-size",
         "a Megatron FP8 size misfit is named in GroupedMLP's words (ffn_hidden_size for "
         "moe_ffn_hidden_size), not the config's",

@@ -471,6 +471,13 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
         out_, _ = ddp(x.requires_grad_())
         out_.backward(dy)
         out[f"ddp_without_delay/{backend}"] = _message(layer.backward_dw)
+        written = [
+            name
+            for name, p in layer.named_parameters()
+            if "experts" in name
+            and (p.grad is not None or bool(getattr(p, "main_grad", torch.zeros(1)).any()))
+        ]
+        out[f"ddp_without_delay_wrote/{backend}"] = ", ".join(written) or "nothing"
     return out
 
 

@@ -26,6 +26,7 @@ from groupgrad.integrations.megatron_core import (
     GroupgradFusedExperts,
     GroupgradRowParallelGroupedLinear,
 )
+from groupgrad.integrations.megatron_core import _fp8 as fp8_settings
 from groupgrad.integrations.megatron_core._fp8 import runs_in_bf16
 from groupgrad_testsupport import Launches, load_sibling
 
@@ -104,6 +105,51 @@ def test_fused_experts_name_the_recipe_enum_by_its_value() -> None:
 
     with pytest.raises(ValueError, match=r"fp8_recipe is 'delayed' with fp8='e4m3'"):
         GroupgradFusedExperts(2, _config(fp8="e4m3", fp8_recipe=Fp8Recipe.delayed))
+
+
+@pytest.mark.parametrize(
+    ("recompute", "message"),
+    [
+        ({"recompute_granularity": "full"}, r"recompute_granularity is 'full'"),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["moe", "layernorm"]},
+            r"recompute_modules holds \['moe'\] \(recompute_granularity='selective'\)",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ["shared_experts"]},
+            r"recompute_modules holds \['shared_experts'\] \(recompute_granularity='selective'\)",
+        ),
+    ],
+)
+def test_fp8_recompute_without_transformer_engine_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch, recompute: dict[str, Any], message: str
+) -> None:
+    # Catches: accepted, and the first forward stopped inside Megatron with "NameError:
+    # te_checkpoint" ('NoneType' object is not callable for "full"): with fp8 set, Megatron
+    # recomputes only through Transformer Engine's checkpoint.
+    config = _config(fp8="e4m3", fp8_recipe="blockwise", **recompute)
+    monkeypatch.setattr(fp8_settings, "_te_installed", lambda: False)
+    with pytest.raises(
+        ValueError,
+        match=rf"^GroupgradFusedExperts: {message} under fp8='e4m3' .*Transformer Engine is not",
+    ):
+        GroupgradFusedExperts(2, config)
+    monkeypatch.setattr(fp8_settings, "_te_installed", lambda: True)  # then Megatron runs it
+    assert fp8_settings.fused_experts_fp8_recipe(config, "GroupgradFusedExperts") == "blockwise"
+
+
+def test_fp8_recompute_megatron_runs_without_transformer_engine_is_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fp8_settings, "_te_installed", lambda: False)
+    recipe = fp8_settings.fused_experts_fp8_recipe
+    for modules in (["moe_act"], ["layernorm"]):
+        config = _config(
+            fp8="e4m3", fp8_recipe="blockwise", recompute_granularity="selective",
+            recompute_modules=modules,
+        )  # fmt: skip
+        assert recipe(config, "GroupgradFusedExperts") == "blockwise"
+    assert recipe(_config(recompute_granularity="full"), "GroupgradFusedExperts") is None  # bf16
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,8 @@ def test_refused_setups_name_the_problem(runs: Launches) -> None:
             assert ddp.startswith("RuntimeError:"), f"rank {rank}: {ddp}"
             assert "no wgrad hook was registered" in ddp
             assert "DistributedDataParallelConfig(delay_wgrad_compute=True)" in ddp
+            # refused before its GEMMs: no expert gradient written (in main_grad or .grad)
+            assert messages[f"ddp_without_delay_wrote/{backend}"] == "nothing", f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", _names(scenarios.PARAM_GATHER))

@@ -244,7 +244,9 @@ def test_wgrad_hooks_run_in_order_and_refuse_non_callables() -> None:
     hooks, order = WgradHooks(), []
     hooks.register(lambda: order.append("a"))
     hooks.register(lambda: order.append("b"))
-    hooks.fire("layer", [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)])
+    hooks.check("layer", [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)])
+    assert order == []
+    hooks.fire()
     assert order == ["a", "b"]
     with pytest.raises(TypeError, match="hook is a int, expected a callable"):
         hooks.register(3)  # type: ignore[arg-type]
@@ -252,12 +254,12 @@ def test_wgrad_hooks_run_in_order_and_refuse_non_callables() -> None:
 
 def test_wgrad_hooks_refuse_main_grad_without_a_hook() -> None:
     weight = torch.nn.Parameter(torch.zeros(2))
-    WgradHooks().fire("layer", [weight])  # no main_grad: a plain CPU test may call backward_dw()
+    WgradHooks().check("layer", [weight])  # no main_grad: a plain CPU test may call backward_dw()
     weight.main_grad = torch.zeros(2)  # type: ignore[attr-defined]
     with pytest.raises(
         RuntimeError, match=r"layer\.backward_dw\(\): .*no wgrad hook was registered"
     ):
-        WgradHooks().fire("layer", [weight])
+        WgradHooks().check("layer", [weight])
 
 
 def test_wgrad_hooks_refuse_a_weight_frozen_after_they_were_registered() -> None:
@@ -270,9 +272,10 @@ def test_wgrad_hooks_refuse_a_weight_frozen_after_they_were_registered() -> None
     weights[1].requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"2 wgrad hooks .* only 1 weights require grad "
                        r"\(weight 1 among the frozen ones\)"):  # fmt: skip
-        hooks.fire("layer", weights)
+        hooks.check("layer", weights)
     assert calls == []
-    hooks.fire("layer", [weights[0], torch.nn.Parameter(torch.zeros(2))])  # one per hook: run
+    hooks.check("layer", [weights[0], torch.nn.Parameter(torch.zeros(2))])  # one per hook
+    hooks.fire()
     assert calls == [0, 1]
 
 

@@ -73,6 +73,29 @@ def test_fp32_grad_dtype_wgrads_come_unrounded_from_the_cutlass_epilogue(single:
     assert representable < 0.05, f"{representable:.1%} of the fp32 wgrad is bf16-representable"
 
 
+@pytest.mark.parametrize("single", [False, True])
+def test_bias_gradients_are_the_fp32_sums_and_bitwise_reproducible(single: bool) -> None:
+    # Catches: bias gradients summed by CUDA's index_add_, whose atomic adds land in an order
+    # that changes from run to run (every run of a backward gave other bits).
+    torch.manual_seed(0)
+    module = GroupedLinear(
+        E, K, 4096, dtype=torch.bfloat16, device=CUDA, single_grouped_weight=single
+    )
+    for p in module.parameters():
+        p.grad_dtype = torch.float32
+    splits = [0, 1700, 3300, 1, 0, 6400, 900, 400]
+    x, dy = _randn(sum(splits), K, seed=7), _randn(sum(splits), 4096, seed=8)
+    runs = []
+    for _ in range(4):
+        module.zero_grad(set_to_none=True)
+        module(x, splits).backward(dy)
+        biases = [module.bias] if single else [getattr(module, f"bias{e}") for e in range(E)]
+        runs.append(torch.cat([b.grad.flatten() for b in biases]))
+    want = torch.cat([dy_e.double().sum(0) for dy_e in dy.split(splits)])
+    _close_fp32(runs[0], want, "bias gradients")
+    assert all(torch.equal(run, runs[0]) for run in runs[1:]), "bias gradients differ between runs"
+
+
 @pytest.mark.parametrize("delay", [False, True])
 def test_refilling_device_splits_after_forward_changes_nothing(delay: bool) -> None:
     module = _fp32_grad_module(delay_wgrad_compute=delay)

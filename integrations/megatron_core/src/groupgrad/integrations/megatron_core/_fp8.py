@@ -17,6 +17,7 @@ construction naming the setting, its value and what is supported.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 __all__ = ["FUSED_FP8", "fused_experts_fp8_recipe", "refuse_unfused_fp8", "runs_in_bf16"]
@@ -40,7 +41,9 @@ def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
         ValueError: ``fp8="hybrid"``, another ``fp8_recipe``, ``fp8_param``,
             ``fp8_wgrad=False`` or a ``quant_recipe`` (0.19), or FP8 with a
             ``hidden_size`` or ``moe_ffn_hidden_size`` not a multiple of 128,
-            named with the value.
+            named with the value; FP8 with a recompute Megatron runs only
+            through Transformer Engine, which is not installed
+            (:func:`_refuse_recompute_without_te`).
     """
     fp8 = config.fp8
     expected = f"groupgrad's fused experts support {FUSED_FP8} (or fp8=None)"
@@ -75,7 +78,45 @@ def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
                 f"{owner}: {setting} is {getattr(config, setting)} with {FUSED_FP8}, expected a "
                 "multiple of 128 (the FP8 GEMMs' 128-wide blocks)"
             )
+    _refuse_recompute_without_te(config, owner)
     return "blockwise"
+
+
+def _te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+#: The recompute modules Megatron runs through Transformer Engine's checkpoint where
+#: ``config.fp8`` is set (``MoELayer``: "moe", "shared_experts").
+_TE_RECOMPUTED = ("moe", "shared_experts")
+
+
+def _refuse_recompute_without_te(config: Any, owner: str) -> None:
+    """Refuse a recompute of an FP8 config that Megatron cannot run without Transformer Engine.
+
+    With ``config.fp8`` set, Megatron recomputes through Transformer Engine's
+    ``te_checkpoint``: ``recompute_granularity="full"`` (``TransformerBlock``)
+    and the selective ``"moe"`` and ``"shared_experts"`` (``MoELayer``). Without
+    Transformer Engine the first forward fails (``NameError: te_checkpoint``,
+    ``'NoneType' object is not callable``; megatron-core 0.16 and 0.19).
+    """
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = [m for m in getattr(config, "recompute_modules", None) or () if m in _TE_RECOMPUTED]
+    if granularity == "full":
+        what = "recompute_granularity is 'full'"
+    elif granularity == "selective" and modules:
+        what = f"recompute_modules holds {modules} (recompute_granularity='selective')"
+    else:
+        return
+    if _te_installed():
+        return
+    raise ValueError(
+        f"{owner}: {what} under {FUSED_FP8}: Megatron recomputes an FP8 layer only through "
+        "Transformer Engine's te_checkpoint, and Transformer Engine is not installed (the "
+        "first forward would stop with NameError: te_checkpoint). Install Transformer Engine, "
+        "or drop that recompute: the fused experts keep fc1's output and recompute the SwiGLU "
+        "in backward anyway"
+    )
 
 
 def refuse_unfused_fp8(config: Any, owner: str) -> None:

@@ -11,7 +11,9 @@ written the gradient (the hook adds ``.grad`` into ``main_grad`` unless
 
 A layer built with ``delay_wgrad_compute`` whose weights have ``main_grad``
 (so a Megatron DDP owns them) but received no hook would lose its gradients
-(or reduce them before they exist): :meth:`WgradHooks.fire` raises instead.
+(or reduce them before they exist): :meth:`WgradHooks.check` raises instead,
+before ``backward_dw()`` runs a GEMM, so a refused call writes nothing and
+its job stays queued.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class WgradHooks:
             raise TypeError(f"hook is a {type(hook).__name__}, expected a callable")
         self._hooks.append(hook)
 
-    def fire(self, owner: str, weights: Sequence[Tensor]) -> None:
-        """Run every hook, in registration order.
+    def check(self, owner: str, weights: Sequence[Tensor]) -> None:
+        """Refuse a ``backward_dw()`` whose hooks cannot deliver: called before its GEMMs run.
 
         Args:
             owner: How messages name the layer.
@@ -72,5 +74,8 @@ class WgradHooks:
                 "which asserts requires_grad. Freeze the experts before wrapping the model in "
                 "DistributedDataParallel"
             )
+
+    def fire(self) -> None:
+        """Run every hook, in registration order (after ``backward_dw()``'s GEMMs)."""
         for hook in self._hooks:
             hook()

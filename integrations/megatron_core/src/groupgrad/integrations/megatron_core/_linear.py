@@ -208,13 +208,15 @@ class GroupgradGroupedLinear(GroupedLinear):
 
         Raises:
             RuntimeError: No backward has queued a weight gradient, or the
-                weights have ``main_grad`` but no DDP hook was registered.
+                weights have ``main_grad`` but no DDP hook was registered
+                (then nothing is written and the job stays queued).
         """
         if not self.delay_wgrad_compute:
             return
-        super().backward_dw()
         weights, _ = self.current_parameters()
-        self._wgrad_hooks.fire(type(self).__name__, weights)
+        self._wgrad_hooks.check(type(self).__name__, weights)  # before a GEMM writes
+        super().backward_dw()
+        self._wgrad_hooks.fire()
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], object]) -> None:
         """Megatron DDP's entry point: ``hook`` runs after every :meth:`backward_dw`."""

@@ -695,6 +695,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/megatron_core/tests/test_megatron_moe.py",),
     ),
     Mutant(
+        "megatron-fsdp-zero3-without-units-accepted",
+        "shard_model under ZeRO-3 with no FSDP unit in the model goes on to Megatron-FSDP's "
+        "bare ZeroDivisionError",
+        "integrations/megatron_fsdp/src/groupgrad/integrations/megatron_fsdp/_validate.py",
+        "    if classes and not any(  # dotted paths: Megatron-FSDP resolves them",
+        "    if False and not any(",
+        ("integrations/megatron_fsdp/tests/test_validation.py",),
+    ),
+    Mutant(
         "fused-experts-check-ddp-hooks-after-the-gemms",
         "the fused experts' backward_dw() refuses a DDP without delayed-wgrad hooks only after "
         "its GEMMs wrote the gradients (and used up the job)",

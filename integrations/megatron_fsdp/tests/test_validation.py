@@ -37,6 +37,9 @@ class Block(nn.Module):
         self.mlp = GroupedMLP(2, 4, 3, accumulate_into_main_grad=mlp_into_main_grad)
 
 
+UNITS = [GroupedLinear, GroupedMLP]
+
+
 class ExpertHolder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -142,6 +145,18 @@ def test_zero3_units_must_include_grouped_mlp(units: list[Any]) -> None:
         shard_model(Block(), fsdp_unit_modules=units)
 
 
+@pytest.mark.parametrize(("units", "shown"), [(None, "None"), ([nn.Conv1d], r"\[Conv1d\]")])
+def test_zero3_needs_an_fsdp_unit_in_the_model(units: Any, shown: str) -> None:
+    # Catches: Megatron-FSDP's ZeroDivisionError (it divides by the number of FSDP units in the
+    # model) all that a user of the default fsdp_unit_modules=None saw under the default ZeRO-3.
+    with pytest.raises(
+        ValueError,
+        match=rf"^fsdp_unit_modules is {shown} under zero_dp_strategy='optim_grads_params', "
+        "and no module of the model is one: .*expected the classes of the model's blocks",
+    ):
+        shard_model(Block(), fsdp_unit_modules=units)
+
+
 def test_shard_optimizer_rejects_plain_parameters() -> None:
     optimizer = torch.optim.SGD(Block().parameters(), lr=0.1)
     with pytest.raises(
@@ -211,7 +226,12 @@ def test_overwrite_fix_keeps_only_unsharded_groupgrad_weights_accumulating() -> 
 def test_without_cuda_shard_model_says_megatron_fsdp_needs_it() -> None:
     """Checked after the module (whose errors come first), before Megatron-FSDP runs."""
     with pytest.raises(RuntimeError, match=r"shard_model needs CUDA: Megatron-FSDP runs its"):
-        shard_model(Block())
+        shard_model(Block(), fsdp_unit_modules=UNITS)
+    for strategy in ("optim", "optim_grads"):  # no units needed below ZeRO-3
+        with pytest.raises(RuntimeError, match=r"shard_model needs CUDA"):
+            shard_model(Block(), zero_dp_strategy=strategy)
+    with pytest.raises(RuntimeError, match=r"shard_model needs CUDA"):  # resolved by Megatron-FSDP
+        shard_model(Block(), fsdp_unit_modules=["groupgrad.modules.GroupedMLP"])
 
 
 @pytest.mark.parametrize("gather", [gather_full_weights, gather_full_grads])
@@ -245,5 +265,5 @@ def test_a_megatron_core_that_does_not_fit_megatron_fsdp_is_named_before_shardin
         RuntimeError,
         match=r"megatron-fsdp 0\.6\.1 uses megatron-core 0\.16\.1's .*fsdp_db_use_persist_buf_on_alloc_fail",
     ):
-        shard_model(module)
+        shard_model(module, fsdp_unit_modules=UNITS)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

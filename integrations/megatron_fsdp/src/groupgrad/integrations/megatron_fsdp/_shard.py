@@ -106,8 +106,10 @@ def shard_model(
             ``main_grads_dtype=torch.float32`` and ``grad_comm_dtype`` ``None``
             or ``torch.float32``; default :func:`fp32_grad_policy`.
         fsdp_unit_modules: Module classes (or dotted paths) each sharded as
-            one FSDP unit. Under ZeRO-3, a model with ``GroupedMLP`` that lists
-            ``GroupedLinear`` must list ``GroupedMLP`` too (its fused op does
+            one FSDP unit. Under ZeRO-3 at least one of the model's modules
+            must be one (``None`` is refused there), and a model with
+            ``GroupedMLP`` that lists ``GroupedLinear`` must list
+            ``GroupedMLP`` too (its fused op does
             not call ``fc1``/``fc2``'s forward, so their gather hooks would
             not fire).
         device: Where Megatron-FSDP keeps parameters and buffers (default:
@@ -128,8 +130,8 @@ def shard_model(
             has ``accumulate_into_main_grad=False`` or
             ``delay_wgrad_compute=True``; the policy's gradient
             dtypes are not fp32; expert parameters without a suitable
-            ``expt_device_mesh``; ``GroupedLinear`` listed as an FSDP unit
-            without ``GroupedMLP`` (ZeRO-3).
+            ``expt_device_mesh``; under ZeRO-3, no FSDP unit in the model, or
+            ``GroupedLinear`` listed as an FSDP unit without ``GroupedMLP``.
         TypeError: ``module`` is not an ``nn.Module``, or
             ``mixed_precision_policy`` is not a ``MixedPrecisionPolicy``.
     """

@@ -265,25 +265,47 @@ def _names_class(entry: type[nn.Module] | str, cls: type[nn.Module]) -> bool:
     return isinstance(entry, type) and issubclass(cls, entry)
 
 
+def _shown_units(units: Sequence[type[nn.Module] | str] | None) -> str:
+    if units is None:
+        return "None"
+    return "[" + ", ".join(u.__name__ if isinstance(u, type) else repr(u) for u in units) + "]"
+
+
 def check_fsdp_units(
     module: nn.Module,
     fsdp_unit_modules: Sequence[type[nn.Module] | str] | None,
     zero_dp_strategy: str | int,
 ) -> None:
-    """Require ``GroupedMLP`` to be an FSDP unit whenever ``GroupedLinear`` is one (ZeRO-3).
+    """Under ZeRO-3, require an FSDP unit in ``module``, and ``GroupedMLP`` to be a unit
+    whenever ``GroupedLinear`` is one.
 
+    ZeRO-3 gathers parameters per FSDP unit, and Megatron-FSDP divides by the
+    number of units in the model (``ZeroDivisionError`` where there is none).
     ``GroupedMLP`` runs ``fc1`` and ``fc2`` in one fused op without calling
     their ``forward``, so Megatron-FSDP's per-unit gather hooks on a
     ``GroupedLinear`` unit inside it would never fire and the weights would
     stay sharded.
 
     Raises:
-        ValueError: Under ``"optim_grads_params"`` (``3``), ``fsdp_unit_modules``
-            names ``GroupedLinear`` but not ``GroupedMLP`` while ``module``
-            holds a ``GroupedMLP``.
+        ValueError: Under ``"optim_grads_params"`` (``3``): ``fsdp_unit_modules``
+            is ``None``, or lists classes none of ``module``'s modules is; or it
+            names ``GroupedLinear`` but not ``GroupedMLP`` while ``module`` holds
+            a ``GroupedMLP``.
     """
-    if fsdp_unit_modules is None or zero_dp_strategy not in ("optim_grads_params", 3):
+    if zero_dp_strategy not in ("optim_grads_params", 3):
         return
+    classes = fsdp_unit_modules is None or all(isinstance(e, type) for e in fsdp_unit_modules)
+    if classes and not any(  # dotted paths: Megatron-FSDP resolves them
+        isinstance(sub, tuple(fsdp_unit_modules or ())) for sub in module.modules()
+    ):
+        raise ValueError(
+            f"fsdp_unit_modules is {_shown_units(fsdp_unit_modules)} under zero_dp_strategy="
+            f"{zero_dp_strategy!r}, and no module of the model is one: ZeRO-3 gathers parameters "
+            "per FSDP unit, and Megatron-FSDP needs at least one (it divides by their number: "
+            "ZeroDivisionError); expected the classes of the model's blocks, e.g. "
+            "[GroupedLinear, GroupedMLP]"
+        )
+    assert fsdp_unit_modules is not None
     if not any(_names_class(entry, GroupedLinear) for entry in fsdp_unit_modules):
         return
     if any(_names_class(entry, GroupedMLP) for entry in fsdp_unit_modules):

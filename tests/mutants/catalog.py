@@ -699,8 +699,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "shard_model under ZeRO-3 with no FSDP unit in the model goes on to Megatron-FSDP's "
         "bare ZeroDivisionError",
         "integrations/megatron_fsdp/src/groupgrad/integrations/megatron_fsdp/_validate.py",
-        "    if classes and not any(  # dotted paths: Megatron-FSDP resolves them",
+        "    if None not in classes and not any(  # an unresolved path: Megatron-FSDP's own error",
         "    if False and not any(",
+        ("integrations/megatron_fsdp/tests/test_validation.py",),
+    ),
+    Mutant(
+        "megatron-fsdp-unit-paths-unresolved",
+        "shard_model takes a dotted fsdp_unit_modules path on trust under ZeRO-3: one naming no "
+        "module of the model goes on to Megatron-FSDP's bare ZeroDivisionError",
+        "integrations/megatron_fsdp/src/groupgrad/integrations/megatron_fsdp/_validate.py",
+        "    path, _, name = str(entry).rpartition(\".\")",
+        "    return None\n    path, _, name = str(entry).rpartition(\".\")",
         ("integrations/megatron_fsdp/tests/test_validation.py",),
     ),
     Mutant(

@@ -116,7 +116,11 @@ def test_fused_experts_name_the_recipe_enum_by_its_value() -> None:
             r"recompute_modules holds \['moe'\] \(recompute_granularity='selective'\)",
         ),
         (
-            {"recompute_granularity": "selective", "recompute_modules": ["shared_experts"]},
+            {
+                "recompute_granularity": "selective",
+                "recompute_modules": ["shared_experts"],
+                "moe_shared_expert_intermediate_size": 128,
+            },
             r"recompute_modules holds \['shared_experts'\] \(recompute_granularity='selective'\)",
         ),
     ],
@@ -138,17 +142,25 @@ def test_fp8_recompute_without_transformer_engine_is_refused_at_construction(
     assert fp8_settings.fused_experts_fp8_recipe(config, "GroupgradFusedExperts") == "blockwise"
 
 
-def test_fp8_recompute_megatron_runs_without_transformer_engine_is_accepted(
+def test_fp8_recompute_megatron_runs_without_te_checkpoint_is_accepted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # "shared_experts" goes through te_checkpoint only where there is a shared expert computed
+    # apart from the token dispatch.
     monkeypatch.setattr(fp8_settings, "_te_installed", lambda: False)
     recipe = fp8_settings.fused_experts_fp8_recipe
-    for modules in (["moe_act"], ["layernorm"]):
+    shared_overlapped = {
+        "moe_shared_expert_intermediate_size": 128,
+        "moe_shared_expert_overlap": True,
+    }
+    for modules, more in (
+        (["moe_act"], {}), (["shared_experts"], {}), (["shared_experts"], shared_overlapped)
+    ):  # fmt: skip
         config = _config(
             fp8="e4m3", fp8_recipe="blockwise", recompute_granularity="selective",
-            recompute_modules=modules,
+            recompute_modules=modules, **more,
         )  # fmt: skip
-        assert recipe(config, "GroupgradFusedExperts") == "blockwise"
+        assert recipe(config, "GroupgradFusedExperts") == "blockwise", (modules, more)
     assert recipe(_config(recompute_granularity="full"), "GroupgradFusedExperts") is None  # bf16
 
 

@@ -145,7 +145,14 @@ def test_zero3_units_must_include_grouped_mlp(units: list[Any]) -> None:
         shard_model(Block(), fsdp_unit_modules=units)
 
 
-@pytest.mark.parametrize(("units", "shown"), [(None, "None"), ([nn.Conv1d], r"\[Conv1d\]")])
+@pytest.mark.parametrize(
+    ("units", "shown"),
+    [
+        (None, "None"),
+        ([nn.Conv1d], r"\[Conv1d\]"),
+        (["torch.nn.Conv1d"], r"\['torch\.nn\.Conv1d'\]"),  # a path, imported as Megatron-FSDP does
+    ],
+)
 def test_zero3_needs_an_fsdp_unit_in_the_model(units: Any, shown: str) -> None:
     # Catches: Megatron-FSDP's ZeroDivisionError (it divides by the number of FSDP units in the
     # model) all that a user of the default fsdp_unit_modules=None saw under the default ZeRO-3.
@@ -230,7 +237,7 @@ def test_without_cuda_shard_model_says_megatron_fsdp_needs_it() -> None:
     for strategy in ("optim", "optim_grads"):  # no units needed below ZeRO-3
         with pytest.raises(RuntimeError, match=r"shard_model needs CUDA"):
             shard_model(Block(), zero_dp_strategy=strategy)
-    with pytest.raises(RuntimeError, match=r"shard_model needs CUDA"):  # resolved by Megatron-FSDP
+    with pytest.raises(RuntimeError, match=r"shard_model needs CUDA"):  # a path, imported
         shard_model(Block(), fsdp_unit_modules=["groupgrad.modules.GroupedMLP"])
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 from groupgrad.kernels import grouped_wgrad
-from groupgrad.modules._group import Splits
+from groupgrad.modules._group import Splits, expert_index
 from groupgrad.modules._operands import Operand
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradTarget
 from groupgrad.modules._wgrad_queue import WgradQueue
@@ -48,16 +48,23 @@ __all__ = [
 ]
 
 
-def bias_grad(dy_TN: Tensor, splits: Splits, dtype: torch.dtype) -> Tensor:
+def bias_grad(dy_TN: Tensor, splits: Splits, num_groups: int, dtype: torch.dtype) -> Tensor:
     """``(E, N)`` bias gradient: the fp32 sum of each expert's rows of ``dy``, cast to ``dtype``.
 
-    Summed by the grouped wgrad GEMM against columns of ones (``dy_e.T @ 1``, 8 of
-    them: the narrowest the GEMM aligns): deterministic, where CUDA's ``index_add_``
-    adds atomically in an order that changes from run to run, and 4-8x as fast there.
+    bf16 ``dy`` with ``N`` a multiple of 8: the grouped wgrad GEMM against 8 columns
+    of ones (``dy_e.T @ 1``; exact products, fp32 sums): bitwise reproducible, where
+    CUDA's ``index_add_`` adds atomically in an order that changes from run to run,
+    and 4-8x as fast there. Other ``dy`` (whose fp16 or fp32 values a GEMM on the
+    reference path may round to TF32), or ``N``: ``index_add_``.
     """
-    ones_TK = dy_TN.new_ones(dy_TN.shape[0], 8)
-    db_ENK = grouped_wgrad(dy_TN, ones_TK, splits, out_dtype=torch.float32)
-    return db_ENK[..., 0].contiguous().to(dtype)
+    T, N = dy_TN.shape
+    if dy_TN.dtype == torch.bfloat16 and N % 8 == 0:
+        ones_TK = dy_TN.new_ones(T, 8)
+        db_ENK = grouped_wgrad(dy_TN, ones_TK, splits, out_dtype=torch.float32)
+        return db_ENK[..., 0].contiguous().to(dtype)
+    db_EN = torch.zeros(num_groups, N, dtype=torch.float32, device=dy_TN.device)
+    db_EN.index_add_(0, expert_index(splits, num_groups, T, dy_TN.device), dy_TN.float())
+    return db_EN.to(dtype)
 
 
 def bias_grads(
@@ -69,7 +76,8 @@ def bias_grads(
     """
     if not biases or not any(b.requires_grad for b in biases):
         return [None] * len(biases)
-    db_EN = bias_grad(dy_TN, splits, autograd_grad_dtype(biases))
+    num_groups = biases[0].shape[0] if packed else len(biases)
+    db_EN = bias_grad(dy_TN, splits, num_groups, autograd_grad_dtype(biases))
     grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
     return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
 
@@ -317,8 +325,8 @@ def parameter_grads(
             ``.grad`` itself (``groupgrad.modules._compiled``).
         ahead: Layers of the same backward that a later call hands over
             (``routed_grouped_mlp`` hands fc1 over once fc2's operands are
-            freed): their refusals (a partial delivery, a tensor hook) run
-            here too, so a refused backward writes nothing of either layer.
+            freed): their partial-delivery and tensor-hook refusals run here
+            too, before this call writes (their other checks, at their call).
 
     Returns:
         What autograd receives for :attr:`LayerGrads.params` of every layer,

@@ -17,7 +17,6 @@ construction naming the setting, its value and what is supported.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 __all__ = ["FUSED_FP8", "fused_experts_fp8_recipe", "refuse_unfused_fp8", "runs_in_bf16"]
@@ -83,25 +82,28 @@ def fused_experts_fp8_recipe(config: Any, owner: str) -> str | None:
 
 
 def _te_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Whether Megatron's MoE layer imported Transformer Engine's checkpoint (0.16 leaves the
+    name undefined where the import failed, 0.19 sets it to ``None``)."""
+    from megatron.core.transformer.moe import moe_layer
 
-
-#: The recompute modules Megatron runs through Transformer Engine's checkpoint where
-#: ``config.fp8`` is set (``MoELayer``: "moe", "shared_experts").
-_TE_RECOMPUTED = ("moe", "shared_experts")
+    return getattr(moe_layer, "te_checkpoint", None) is not None
 
 
 def _refuse_recompute_without_te(config: Any, owner: str) -> None:
     """Refuse a recompute of an FP8 config that Megatron cannot run without Transformer Engine.
 
     With ``config.fp8`` set, Megatron recomputes through Transformer Engine's
-    ``te_checkpoint``: ``recompute_granularity="full"`` (``TransformerBlock``)
-    and the selective ``"moe"`` and ``"shared_experts"`` (``MoELayer``). Without
+    ``te_checkpoint``: ``recompute_granularity="full"`` (``TransformerBlock``),
+    the selective ``"moe"`` and, where there is a shared expert not overlapped
+    with the token dispatch, ``"shared_experts"`` (``MoELayer``). Without
     Transformer Engine the first forward fails (``NameError: te_checkpoint``,
     ``'NoneType' object is not callable``; megatron-core 0.16 and 0.19).
     """
     granularity = getattr(config, "recompute_granularity", None)
-    modules = [m for m in getattr(config, "recompute_modules", None) or () if m in _TE_RECOMPUTED]
+    shared = getattr(config, "moe_shared_expert_intermediate_size", None) is not None
+    shared = shared and not getattr(config, "moe_shared_expert_overlap", False)
+    through_te = ("moe", "shared_experts") if shared else ("moe",)
+    modules = [m for m in getattr(config, "recompute_modules", None) or () if m in through_te]
     if granularity == "full":
         what = "recompute_granularity is 'full'"
     elif granularity == "selective" and modules:
@@ -114,8 +116,8 @@ def _refuse_recompute_without_te(config: Any, owner: str) -> None:
         f"{owner}: {what} under {FUSED_FP8}: Megatron recomputes an FP8 layer only through "
         "Transformer Engine's te_checkpoint, and Transformer Engine is not installed (the "
         "first forward would stop with NameError: te_checkpoint). Install Transformer Engine, "
-        "or drop that recompute: the fused experts keep fc1's output and recompute the SwiGLU "
-        "in backward anyway"
+        "or leave that recompute off (for 'moe': the fused experts recompute their SwiGLU in "
+        "backward anyway)"
     )
 
 

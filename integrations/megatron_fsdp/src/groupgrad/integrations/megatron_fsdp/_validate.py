@@ -6,8 +6,9 @@ or parameter, its value and what was expected.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -265,6 +266,19 @@ def _names_class(entry: type[nn.Module] | str, cls: type[nn.Module]) -> bool:
     return isinstance(entry, type) and issubclass(cls, entry)
 
 
+def _resolved(entry: type[nn.Module] | str) -> type | None:
+    """The class a ``fsdp_unit_modules`` entry names (a dotted path imported, as Megatron-FSDP
+    does), or ``None`` where it cannot be imported."""
+    if isinstance(entry, type):
+        return entry
+    path, _, name = str(entry).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(path), name) if path else None
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
+
+
 def _shown_units(units: Sequence[type[nn.Module] | str] | None) -> str:
     if units is None:
         return "None"
@@ -294,9 +308,9 @@ def check_fsdp_units(
     """
     if zero_dp_strategy not in ("optim_grads_params", 3):
         return
-    classes = fsdp_unit_modules is None or all(isinstance(e, type) for e in fsdp_unit_modules)
-    if classes and not any(  # dotted paths: Megatron-FSDP resolves them
-        isinstance(sub, tuple(fsdp_unit_modules or ())) for sub in module.modules()
+    classes = [_resolved(entry) for entry in fsdp_unit_modules or ()]
+    if None not in classes and not any(  # an unresolved path: Megatron-FSDP's own error
+        isinstance(sub, tuple(cast(list[type], classes))) for sub in module.modules()
     ):
         raise ValueError(
             f"fsdp_unit_modules is {_shown_units(fsdp_unit_modules)} under zero_dp_strategy="
@@ -305,10 +319,9 @@ def check_fsdp_units(
             "ZeroDivisionError); expected the classes of the model's blocks, e.g. "
             "[GroupedLinear, GroupedMLP]"
         )
-    assert fsdp_unit_modules is not None
-    if not any(_names_class(entry, GroupedLinear) for entry in fsdp_unit_modules):
+    if not any(_names_class(entry, GroupedLinear) for entry in fsdp_unit_modules or ()):
         return
-    if any(_names_class(entry, GroupedMLP) for entry in fsdp_unit_modules):
+    if any(_names_class(entry, GroupedMLP) for entry in fsdp_unit_modules or ()):
         return
     for name, sub in module.named_modules():
         if isinstance(sub, GroupedMLP):

@@ -708,8 +708,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "shard_model takes a dotted fsdp_unit_modules path on trust under ZeRO-3: one naming no "
         "module of the model goes on to Megatron-FSDP's bare ZeroDivisionError",
         "integrations/megatron_fsdp/src/groupgrad/integrations/megatron_fsdp/_validate.py",
-        "    path, _, name = str(entry).rpartition(\".\")",
-        "    return None\n    path, _, name = str(entry).rpartition(\".\")",
+        '    path, _, name = str(entry).rpartition(".")',
+        '    return None\n    path, _, name = str(entry).rpartition(".")',
         ("integrations/megatron_fsdp/tests/test_validation.py",),
     ),
     Mutant(

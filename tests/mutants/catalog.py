@@ -316,6 +316,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
     ),
     Mutant(
+        "sharding-unties-tied-weights",
+        "shard_expert_weights gives each of two layers sharing their weights its own shard: each "
+        "gets only its own use's gradient, and the copies drift apart",
+        f"{_TD}/_shard.py",
+        "    _refuse_tied(module, planned)\n",
+        "",
+        (f"{TORCH_DISTRIBUTED}/test_bad_inputs.py",),
+    ),
+    Mutant(
+        "full-load-below-a-parent-half-written",
+        "load_full_state_dict of another rank's file into a parent of the sharded module loads the "
+        "modules before it, then refuses",
+        f"{_TD}/_checkpoint.py",
+        "                _local_rows(found.group, name, state[name])\n",
+        "                pass\n",
+        (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
+    ),
+    Mutant(
         "ddp-overwrite-unnoticed",
         "DDP around a parent overwrites the shards with rank 0's and the first forward says nothing",
         f"{_TD}/_shard_group.py",

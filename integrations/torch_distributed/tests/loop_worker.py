@@ -370,11 +370,27 @@ def run_checkpoint_load(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
         model.load_state_dict(torch.load(folder / f"rank{rank.rank}.pt", map_location=rank.device))
         found["own_file"] = _loaded(model)
         other = (rank.rank + 1) % rank.world_size
+        other_state = torch.load(folder / f"rank{other}.pt", map_location=rank.device)
         try:
-            model.load_state_dict(torch.load(folder / f"rank{other}.pt", map_location=rank.device))
+            model.load_state_dict(other_state)
             found["other_file_error"] = None
         except RuntimeError as error:
             found["other_file_error"] = str(error)
+        # the sharded module below a parent loaded first: refused before the router is written
+        parent = nn.ModuleDict({"router": nn.Linear(2, 2, device=rank.device), "experts": model})
+        kept = {n: p.detach().clone() for n, p in parent.router.named_parameters()}
+        state = {
+            f"router.{n}": torch.full_like(p, 7.0) for n, p in parent.router.named_parameters()
+        }
+        state.update((f"experts.{k}", v) for k, v in other_state.items())
+        try:
+            td.load_full_state_dict(parent, state)
+            found["other_file_full_error"] = None
+        except RuntimeError as error:
+            found["other_file_full_error"] = str(error)
+        found["router_kept"] = all(
+            torch.equal(p, kept[n]) for n, p in parent.router.named_parameters()
+        )
     return found
 
 

@@ -113,6 +113,14 @@ def _mlp_with_bad_fc2() -> GroupedMLP:
     return GroupedMLP(E, hidden_size=5, ffn_hidden_size=2)  # fc1 rows 4 split fine, fc2's 5 do not
 
 
+def _tied() -> nn.Module:
+    """Two layers whose expert weights are the same parameters (a tied pair)."""
+    parent = nn.ModuleDict({"a": _layer(), "b": _layer()})
+    for e in range(E):
+        setattr(parent["b"], f"weight{e}", getattr(parent["a"], f"weight{e}"))
+    return parent
+
+
 def _fsdp_param() -> GroupedLinear:
     layer = _layer()
     vars(layer.weight1)["__fsdp_param__"] = True
@@ -178,6 +186,8 @@ CASES = [
          r"size 2"),
     Case("shard/already-sharded", _sharded, shard_expert_weights, ValueError,
          r"'weight0' is already a DistributedWeight \(ShardedExpertWeight\)"),
+    Case("shard/tied-weights", _tied, shard_expert_weights, ValueError,
+         r"^'a\.weight0' is also 'b\.weight0' \(a tied weight\): sharding it .* would untie"),
     Case("shard/megatron-fsdp-param", _fsdp_param, shard_expert_weights, ValueError,
          r"'weight1' is a Megatron-FSDP parameter"),
     Case("shard/deepcopy-of-a-sharded-module", _sharded, copy.deepcopy, RuntimeError,
@@ -309,6 +319,14 @@ def test_a_process_outside_the_group_is_a_clear_error(monkeypatch: pytest.Monkey
 
 
 # --- valid edges ----------------------------------------------------------------------------
+
+
+def test_a_layer_reached_by_two_names_is_sharded_once() -> None:
+    # One layer used twice (registered under two names) holds its weights once: not tied.
+    layer = _layer()
+    parent = nn.ModuleDict({"first": layer, "again": layer})
+    (group,) = shard_expert_weights(parent)
+    assert parent["again"].weight0 is parent["first"].weight0 is group.members[0]
 
 
 def test_nothing_sharded_gathers_nothing() -> None:

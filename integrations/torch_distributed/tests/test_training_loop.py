@@ -285,6 +285,11 @@ def check_checkpoint_loads(saved: Results, loaded: Results, world: int) -> None:
             error = result["other_file_error"]
             assert error is not None, f"rank {rank} loaded another rank's file without a word"
             assert f"belongs to mesh coordinate ({1 - rank},), but this is rank {rank}" in error
+            # below a parent: refused before the modules loaded ahead of it are written
+            error = result["other_file_full_error"]
+            assert error is not None, f"rank {rank}: load_full_state_dict took another's file"
+            assert f"belongs to mesh coordinate ({1 - rank},), but this is rank {rank}" in error
+            assert result["router_kept"], f"rank {rank}: the router was loaded before the refusal"
 
 
 def test_state_dict_gives_dtensors_and_full_state_dict_the_exact_full_weights(

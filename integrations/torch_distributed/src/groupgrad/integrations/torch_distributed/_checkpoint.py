@@ -23,7 +23,10 @@ a plain tensor of its full shape (this rank keeps its rows). Refused, with a
 ``RuntimeError`` before anything is copied: a plain tensor of the shard's
 shape (it carries no record of whose rows it holds), a ``DTensor`` over other
 ranks (DCP reshards those), and one holding another rank's local tensor
-(rank 0's ``torch.save`` file loaded on rank 1).
+(rank 0's ``torch.save`` file loaded on rank 1). "Before anything is copied"
+holds for the sharded module's own load: ``load_state_dict`` on a parent has
+loaded the modules before it by then, so :func:`load_full_state_dict` checks
+every entry first.
 """
 
 from __future__ import annotations
@@ -276,6 +279,9 @@ def load_full_state_dict(
         ValueError: An entry has the wrong shape (the message names the key,
             its shape and the expected one); with ``strict``, keys are missing
             or unexpected. Nothing is written then.
+        RuntimeError: A sharded weight's ``DTensor`` is over other ranks or
+            holds another rank's rows (:func:`_local_rows`). Nothing is
+            written then either.
     """
     check_module(module)
     if not isinstance(state, Mapping):
@@ -300,6 +306,10 @@ def load_full_state_dict(
                 f"state does not match module's state_dict (strict=True): missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
+    for found in layers:  # whose rows a DTensor holds: the load hook of a submodule sharded
+        for name in found.names:  # below module would ask only after earlier modules loaded
+            if name in state:
+                _local_rows(found.group, name, state[name])
     module.load_state_dict(dict(state), strict=strict)
     for found in layers:
         values = [state.get(name) for name in found.names]

@@ -54,6 +54,35 @@ def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -
         )
 
 
+def _refuse_tied(
+    module: nn.Module, planned: list[tuple[nn.Module, list[str], list[Tensor]]]
+) -> None:
+    """Refuse a weight to shard that ``module`` also holds under another module or name (tied).
+
+    Sharding replaces it where its layer holds it; the other holder would keep the
+    full parameter (or its own shard), and each would get only its own use's
+    gradient: the copies drift apart silently. One module reached by two names
+    (the same layer twice) holds it once.
+    """
+    holders: dict[int, set[tuple[int, str]]] = {}
+    names: dict[int, list[str]] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), set()).add((id(owner), attr))
+                names.setdefault(id(param), []).append(qualified(prefix, attr))
+    for _, layer_names, weights in planned:
+        for name, weight in zip(layer_names, weights, strict=True):
+            if len(holders.get(id(weight), ())) > 1:
+                others = [n for n in names[id(weight)] if n != name]
+                raise ValueError(
+                    f"{name!r} is also {', '.join(repr(n) for n in others)} (a tied weight): "
+                    "sharding it where its layer holds it would untie the two, and each would "
+                    "get only its own use's gradient; expected weights no other module holds "
+                    "(untie them, or shard a layer used twice as one module)"
+                )
+
+
 def _shard_of(weight: Tensor, rank: int, world_size: int) -> Tensor:
     """This rank's rows ``rank*n … (rank+1)*n - 1`` of ``weight`` (along dim -2), a fresh copy."""
     rows = weight.shape[-2] // world_size
@@ -96,7 +125,9 @@ def shard_expert_weights(
     Every rank of ``process_group`` must call it on the same module
     structure, holding the same full weights (e.g. built from the same seed);
     each keeps its own rows (no communication happens here). Move the module
-    to its device and dtype first: ``main_grad`` shards are allocated now.
+    to its device and dtype first: ``main_grad`` shards are allocated now;
+    wrap it in ``DistributedDataParallel`` after (a DDP built before keeps
+    tracking the replaced full weights).
     Every layer is checked before any is replaced: on an error, nothing is.
 
     On ``module`` itself it also sets up what the rest of a training loop
@@ -140,8 +171,9 @@ def shard_expert_weights(
             ``module`` contains no ``GroupedLinear``; a weight is already a
             ``DistributedWeight`` or a Megatron-FSDP parameter; a layer's
             weights differ in shape, dtype or device; a layer's out_features
-            is not divisible by the world size; this process is not in
-            ``process_group``.
+            is not divisible by the world size; a weight is tied (another
+            module or name of ``module`` holds it too); this process is not
+            in ``process_group``.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if grad_reduction not in _GRAD_REDUCTIONS:
@@ -173,6 +205,7 @@ def shard_expert_weights(
         weights = [getattr(layer, name) for name in layer.weight_names]
         _check_shardable(names, weights, world_size)
         planned.append((layer, names, weights))
+    _refuse_tied(module, planned)
     groups = []
     for layer, names, weights in planned:
         group = ExpertShardGroup(

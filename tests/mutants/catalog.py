@@ -320,8 +320,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "shard_expert_weights gives each of two layers sharing their weights its own shard: each "
         "gets only its own use's gradient, and the copies drift apart",
         f"{_TD}/_shard.py",
-        "    _refuse_tied(module, planned)\n",
+        "    _refuse_shared(module, planned)\n",
         "",
+        (f"{TORCH_DISTRIBUTED}/test_bad_inputs.py",),
+    ),
+    Mutant(
+        "sharding-takes-parametrized-weights",
+        "shard_expert_weights reaches a parametrized weight after replacing earlier layers' and "
+        "stops with a bare KeyError",
+        f"{_TD}/_shard.py",
+        "        if parametrize.is_parametrized(layer, attr):",
+        "        if False:",
         (f"{TORCH_DISTRIBUTED}/test_bad_inputs.py",),
     ),
     Mutant(
@@ -329,7 +338,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "load_full_state_dict of another rank's file into a parent of the sharded module loads the "
         "modules before it, then refuses",
         f"{_TD}/_checkpoint.py",
-        "                _local_rows(found.group, name, state[name])\n",
+        "                _check_entry(found.group, name, state[name])\n",
         "                pass\n",
         (f"{TORCH_DISTRIBUTED}/test_training_loop.py",),
     ),

@@ -121,6 +121,26 @@ def _tied() -> nn.Module:
     return parent
 
 
+def _tied_to_a_linear() -> nn.Module:
+    """An expert weight that a plain linear holds too (an output head tied to it)."""
+    parent = nn.ModuleDict({"layer": _layer(), "head": nn.Linear(K, N, bias=False)})
+    parent["head"].weight = parent["layer"].weight1
+    return parent
+
+
+def _aliased() -> nn.Module:
+    """One layer registered under two names."""
+    layer = _layer()
+    return nn.ModuleDict({"first": layer, "again": layer})
+
+
+def _parametrized() -> nn.Module:
+    """A second layer one of whose weights is parametrized (the first must stay unsharded)."""
+    parent = nn.ModuleDict({"a": _layer(), "b": _layer()})
+    torch.nn.utils.parametrize.register_parametrization(parent["b"], "weight2", nn.Identity())
+    return parent
+
+
 def _fsdp_param() -> GroupedLinear:
     layer = _layer()
     vars(layer.weight1)["__fsdp_param__"] = True
@@ -187,7 +207,14 @@ CASES = [
     Case("shard/already-sharded", _sharded, shard_expert_weights, ValueError,
          r"'weight0' is already a DistributedWeight \(ShardedExpertWeight\)"),
     Case("shard/tied-weights", _tied, shard_expert_weights, ValueError,
-         r"^'a\.weight0' is also 'b\.weight0' \(a tied weight\): sharding it .* would untie"),
+         r"^'a\.weight0' is also 'b\.weight0': a weight tied to another module's, or a layer "
+         r"registered under two names, cannot be sharded"),
+    Case("shard/tied-to-a-linear", _tied_to_a_linear, shard_expert_weights, ValueError,
+         r"^'layer\.weight1' is also 'head\.weight': a weight tied"),
+    Case("shard/layer-under-two-names", _aliased, shard_expert_weights, ValueError,
+         r"^'first\.weight0' is also 'again\.weight0': .* registered under two names"),
+    Case("shard/parametrized-weight", _parametrized, shard_expert_weights, ValueError,
+         r"^'b\.weight2' is parametrized \(torch\.nn\.utils\.parametrize\); expected a plain"),
     Case("shard/megatron-fsdp-param", _fsdp_param, shard_expert_weights, ValueError,
          r"'weight1' is a Megatron-FSDP parameter"),
     Case("shard/deepcopy-of-a-sharded-module", _sharded, copy.deepcopy, RuntimeError,
@@ -319,14 +346,6 @@ def test_a_process_outside_the_group_is_a_clear_error(monkeypatch: pytest.Monkey
 
 
 # --- valid edges ----------------------------------------------------------------------------
-
-
-def test_a_layer_reached_by_two_names_is_sharded_once() -> None:
-    # One layer used twice (registered under two names) holds its weights once: not tied.
-    layer = _layer()
-    parent = nn.ModuleDict({"first": layer, "again": layer})
-    (group,) = shard_expert_weights(parent)
-    assert parent["again"].weight0 is parent["first"].weight0 is group.members[0]
 
 
 def test_nothing_sharded_gathers_nothing() -> None:

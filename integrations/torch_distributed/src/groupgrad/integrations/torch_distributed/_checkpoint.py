@@ -35,7 +35,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -103,8 +103,9 @@ def _rows(group: ExpertShardGroup, full: Tensor) -> Tensor:
     return full.narrow(-2, group.rank * rows, rows)
 
 
-def _dtensor_rows(group: ExpertShardGroup, key: str, value: DTensor) -> Tensor:
-    """This rank's rows of a full-shape ``DTensor``, after checking whose rows it holds here."""
+def _check_dtensor(group: ExpertShardGroup, key: str, value: DTensor) -> None:
+    """Refuse a full-shape ``DTensor`` over other ranks or holding another rank's local
+    tensor here (no communication)."""
     ranks = dist.get_process_group_ranks(_process_group(group))
     mesh = value.device_mesh
     mesh_ranks = mesh.mesh.flatten().tolist()
@@ -122,13 +123,11 @@ def _dtensor_rows(group: ExpertShardGroup, key: str, value: DTensor) -> Tensor:
             "rank 0's torch.save file loaded on every rank). Each rank must load the file it "
             "saved, or save with torch.distributed.checkpoint or full_state_dict(module)"
         )
-    if value.placements == (Shard(len(group.full_shape) - 2),):
-        return value.to_local()
-    return _rows(group, value.full_tensor())  # another placement: collective over the mesh
 
 
 def _local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
-    """This rank's rows of a checkpoint entry for a member of ``group``.
+    """This rank's rows of a checkpoint entry for a member of ``group``, checked by
+    :func:`_check_entry` (a ``DTensor`` placed otherwise is gathered: a collective).
 
     Args:
         group: The member's group.
@@ -139,9 +138,23 @@ def _local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
             plain full-shape tensor.
 
     Raises:
-        RuntimeError: Anything else (another shape, a plain shard-shaped
-            tensor, a ``DTensor`` over other ranks or holding another rank's
-            local tensor); the message names ``key`` and the value.
+        RuntimeError: Anything else (:func:`_check_entry`).
+    """
+    _check_entry(group, key, value)
+    if not isinstance(value, DTensor):
+        return _rows(group, cast(Tensor, value))
+    if value.placements == (Shard(len(group.full_shape) - 2),):
+        return value.to_local()
+    return _rows(group, value.full_tensor())  # another placement: collective over the mesh
+
+
+def _check_entry(group: ExpertShardGroup, key: str, value: object) -> None:
+    """Refuse, without communicating, a checkpoint entry :func:`_local_rows` cannot take.
+
+    Raises:
+        RuntimeError: Not a tensor of the full shape (a plain shard-shaped tensor
+            among them), or a ``DTensor`` over other ranks or holding another
+            rank's local tensor; the message names ``key`` and the value.
     """
     full_shape = group.full_shape
     if not isinstance(value, Tensor):
@@ -163,8 +176,7 @@ def _local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
             f"{group.world_size} ranks){shard_hint}"
         )
     if isinstance(value, DTensor):
-        return _dtensor_rows(group, key, value)
-    return _rows(group, value)
+        _check_dtensor(group, key, value)
 
 
 def _member_entries(module: nn.Module, groups: list[ExpertShardGroup], prefix: str) -> list:
@@ -210,12 +222,12 @@ def attach_state_dict_hooks(module: nn.Module, groups: list[ExpertShardGroup]) -
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        converted = {
-            key: _local_rows(group, key, state_dict[key])
-            for key, group, _ in _member_entries(module, groups, prefix)
-            if key in state_dict
-        }
-        state_dict.update(converted)  # every entry checked before any is replaced
+        entries = [e for e in _member_entries(module, groups, prefix) if e[0] in state_dict]
+        for key, group, _ in entries:  # every entry checked before a collective or a write
+            _check_entry(group, key, state_dict[key])
+        state_dict.update(
+            (key, _local_rows(group, key, state_dict[key])) for key, group, _ in entries
+        )
 
     module.register_state_dict_post_hook(present)
     module.register_load_state_dict_pre_hook(accept)
@@ -280,7 +292,7 @@ def load_full_state_dict(
             its shape and the expected one); with ``strict``, keys are missing
             or unexpected. Nothing is written then.
         RuntimeError: A sharded weight's ``DTensor`` is over other ranks or
-            holds another rank's rows (:func:`_local_rows`). Nothing is
+            holds another rank's rows (:func:`_check_entry`). Nothing is
             written then either.
     """
     check_module(module)
@@ -309,7 +321,7 @@ def load_full_state_dict(
     for found in layers:  # whose rows a DTensor holds: the load hook of a submodule sharded
         for name in found.names:  # below module would ask only after earlier modules loaded
             if name in state:
-                _local_rows(found.group, name, state[name])
+                _check_entry(found.group, name, state[name])
     module.load_state_dict(dict(state), strict=strict)
     for found in layers:
         values = [state.get(name) for name in found.names]

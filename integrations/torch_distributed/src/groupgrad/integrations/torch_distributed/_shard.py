@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from groupgrad.integrations.torch_distributed._checkpoint import attach_state_dict_hooks
 from groupgrad.integrations.torch_distributed._ddp import register_ddp_ignore
 from groupgrad.integrations.torch_distributed._find import grouped_layers, qualified, sharded_layers
 from groupgrad.integrations.torch_distributed._shard_group import ExpertShardGroup, GradReduction
 from groupgrad.integrations.torch_distributed._weight import ShardedExpertWeight
+from groupgrad.modules import GroupedLinear
 from groupgrad.protocol import MAIN_GRAD_DTYPES, is_distributed_weight, is_fsdp_param
 
 __all__ = ["gather_full_weights", "shard_expert_weights"]
@@ -22,7 +24,15 @@ __all__ = ["gather_full_weights", "shard_expert_weights"]
 _GRAD_REDUCTIONS = ("sum", "mean")
 
 
-def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -> None:
+def _check_shardable(
+    layer: GroupedLinear, names: list[str], weights: list[Tensor], world_size: int
+) -> None:
+    for attr, name in zip(layer.weight_names, names, strict=True):
+        if parametrize.is_parametrized(layer, attr):
+            raise ValueError(
+                f"{name!r} is parametrized (torch.nn.utils.parametrize); expected a plain "
+                "parameter (sharding replaces the parameter itself)"
+            )
     for name, weight in zip(names, weights, strict=True):
         if is_distributed_weight(weight):
             raise ValueError(
@@ -54,32 +64,32 @@ def _check_shardable(names: list[str], weights: list[Tensor], world_size: int) -
         )
 
 
-def _refuse_tied(
+def _refuse_shared(
     module: nn.Module, planned: list[tuple[nn.Module, list[str], list[Tensor]]]
 ) -> None:
-    """Refuse a weight to shard that ``module`` also holds under another module or name (tied).
+    """Refuse a weight to shard that ``module`` also holds under another name.
 
-    Sharding replaces it where its layer holds it; the other holder would keep the
-    full parameter (or its own shard), and each would get only its own use's
-    gradient: the copies drift apart silently. One module reached by two names
-    (the same layer twice) holds it once.
+    Tied to another module's parameter: sharding replaces it where its layer holds
+    it, the other holder keeps its own, and each gets only its own use's gradient
+    (the copies drift apart silently). Its layer registered under two names: the
+    state-dict hooks know one name, so a checkpoint would carry this rank's rows
+    under the other, unmarked, and load them on every rank.
     """
-    holders: dict[int, set[tuple[int, str]]] = {}
     names: dict[int, list[str]] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for attr, param in owner._parameters.items():
             if param is not None:
-                holders.setdefault(id(param), set()).add((id(owner), attr))
                 names.setdefault(id(param), []).append(qualified(prefix, attr))
     for _, layer_names, weights in planned:
         for name, weight in zip(layer_names, weights, strict=True):
-            if len(holders.get(id(weight), ())) > 1:
-                others = [n for n in names[id(weight)] if n != name]
+            others = [n for n in names.get(id(weight), ()) if n != name]
+            if others:
                 raise ValueError(
-                    f"{name!r} is also {', '.join(repr(n) for n in others)} (a tied weight): "
-                    "sharding it where its layer holds it would untie the two, and each would "
-                    "get only its own use's gradient; expected weights no other module holds "
-                    "(untie them, or shard a layer used twice as one module)"
+                    f"{name!r} is also {', '.join(repr(n) for n in others)}: a weight tied to "
+                    "another module's, or a layer registered under two names, cannot be "
+                    "sharded (the two names would get their own shards, or a checkpoint this "
+                    "rank's rows unmarked); expected each expert weight held once in module "
+                    "(untie them; register the layer once and call it twice)"
                 )
 
 
@@ -171,9 +181,9 @@ def shard_expert_weights(
             ``module`` contains no ``GroupedLinear``; a weight is already a
             ``DistributedWeight`` or a Megatron-FSDP parameter; a layer's
             weights differ in shape, dtype or device; a layer's out_features
-            is not divisible by the world size; a weight is tied (another
-            module or name of ``module`` holds it too); this process is not
-            in ``process_group``.
+            is not divisible by the world size; a weight is held under two
+            names in ``module`` (tied, or its layer registered twice) or is
+            parametrized; this process is not in ``process_group``.
         RuntimeError: ``torch.distributed`` is not initialized.
     """
     if grad_reduction not in _GRAD_REDUCTIONS:
@@ -203,9 +213,9 @@ def shard_expert_weights(
     for prefix, layer in layers:  # every layer checked before any is replaced
         names = [qualified(prefix, name) for name in layer.weight_names]
         weights = [getattr(layer, name) for name in layer.weight_names]
-        _check_shardable(names, weights, world_size)
+        _check_shardable(layer, names, weights, world_size)
         planned.append((layer, names, weights))
-    _refuse_tied(module, planned)
+    _refuse_shared(module, planned)
     groups = []
     for layer, names, weights in planned:
         group = ExpertShardGroup(

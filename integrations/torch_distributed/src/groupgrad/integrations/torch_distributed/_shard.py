@@ -65,7 +65,7 @@ def _check_shardable(
 
 
 def _refuse_shared(
-    module: nn.Module, planned: list[tuple[nn.Module, list[str], list[Tensor]]]
+    module: nn.Module, planned: list[tuple[GroupedLinear, list[str], list[Tensor]]]
 ) -> None:
     """Refuse a weight to shard that ``module`` also holds under another name.
 

@@ -35,7 +35,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,31 +125,22 @@ def _check_dtensor(group: ExpertShardGroup, key: str, value: DTensor) -> None:
         )
 
 
-def _local_rows(group: ExpertShardGroup, key: str, value: object) -> Tensor:
-    """This rank's rows of a checkpoint entry for a member of ``group``, checked by
-    :func:`_check_entry` (a ``DTensor`` placed otherwise is gathered: a collective).
-
-    Args:
-        group: The member's group.
-        key: The entry's key, for messages.
-        value: A ``DTensor`` of the full shape over the group's ranks whose
-            local tensor is this rank's (gathered and re-split when its
-            placement differs from ours: a collective over its mesh), or a
-            plain full-shape tensor.
-
-    Raises:
-        RuntimeError: Anything else (:func:`_check_entry`).
+def _local_rows(group: ExpertShardGroup, value: Tensor) -> Tensor:
+    """This rank's rows of a checkpoint entry for a member of ``group`` that
+    :func:`_check_entry` took: a full-shape ``DTensor`` over the group's ranks
+    whose local tensor is this rank's (gathered and re-split when its placement
+    differs from ours: a collective over its mesh), or a plain full-shape tensor.
     """
-    _check_entry(group, key, value)
     if not isinstance(value, DTensor):
-        return _rows(group, cast(Tensor, value))
+        return _rows(group, value)
     if value.placements == (Shard(len(group.full_shape) - 2),):
         return value.to_local()
     return _rows(group, value.full_tensor())  # another placement: collective over the mesh
 
 
 def _check_entry(group: ExpertShardGroup, key: str, value: object) -> None:
-    """Refuse, without communicating, a checkpoint entry :func:`_local_rows` cannot take.
+    """Refuse, without communicating, a checkpoint entry :func:`_local_rows` cannot take
+    (the load hook checks every entry before it converts any).
 
     Raises:
         RuntimeError: Not a tensor of the full shape (a plain shard-shaped tensor
@@ -225,9 +216,7 @@ def attach_state_dict_hooks(module: nn.Module, groups: list[ExpertShardGroup]) -
         entries = [e for e in _member_entries(module, groups, prefix) if e[0] in state_dict]
         for key, group, _ in entries:  # every entry checked before a collective or a write
             _check_entry(group, key, state_dict[key])
-        state_dict.update(
-            (key, _local_rows(group, key, state_dict[key])) for key, group, _ in entries
-        )
+        state_dict.update((key, _local_rows(group, state_dict[key])) for key, group, _ in entries)
 
     module.register_state_dict_post_hook(present)
     module.register_load_state_dict_pre_hook(accept)

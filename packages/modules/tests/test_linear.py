@@ -139,6 +139,28 @@ def test_bf16_within_twice_pytorchs_own_error() -> None:
         assert ours_err <= 2 * torch_err + 1e-2
 
 
+def test_fp32_bias_gradients_keep_every_bit_of_dy_and_its_non_finite_values() -> None:
+    # Catches: fp32 dy summed as one bf16 GEMM operand (its low 16 bits lost), a part of
+    # its exact bf16 split dropped, the split rounding instead of truncating (a finite dy
+    # near the fp32 maximum became inf), or a non-finite dy split into NaN parts.
+    splits = [3, 0, 2, 1]
+    module = GroupedLinear(E, K, N, single_grouped_weight=True)
+    x = torch.randn(sum(splits), K)
+    tiny = 1 + 2**-22  # needs fp32's last bits: 8 and 16 bits below the leading one too
+    dy = torch.full((sum(splits), N), tiny)
+    dy[:, 1] = torch.tensor([1 + 2**-10 + 2**-20, 2**-3 + 2**-19, -1.0, 3.0, 0.5, 2**-18])
+    dy[:, 2] = torch.finfo(torch.float32).max / 4
+    dy[5, 2] = torch.finfo(torch.float32).max  # alone in its expert: rounded to bf16, inf
+    dy[0, 3], dy[4, 4], dy[5, 5] = float("inf"), float("-inf"), float("nan")
+    module(x, splits).backward(dy)
+    want = torch.stack([rows.double().sum(0) for rows in dy.split(splits)]).float()
+    got = module.bias.grad
+    assert got.dtype == torch.float32
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite]), (got - want)[finite].abs().max()
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[want.isinf()], want[want.isinf()])
+
 # ---------------------------------------------------------------- main_grad details
 
 

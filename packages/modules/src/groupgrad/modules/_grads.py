@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 from groupgrad.kernels import grouped_wgrad
-from groupgrad.modules._group import Splits, expert_index
+from groupgrad.modules._group import Splits
 from groupgrad.modules._operands import Operand
 from groupgrad.modules._wgrad import DeferredWgrad, ReadyWgrad, WgradTarget
 from groupgrad.modules._wgrad_queue import WgradQueue
@@ -48,23 +48,43 @@ __all__ = [
 ]
 
 
-def bias_grad(dy_TN: Tensor, splits: Splits, num_groups: int, dtype: torch.dtype) -> Tensor:
+def bias_grad(dy_TN: Tensor, splits: Splits, dtype: torch.dtype) -> Tensor:
     """``(E, N)`` bias gradient: the fp32 sum of each expert's rows of ``dy``, cast to ``dtype``.
 
-    bf16 ``dy`` with ``N`` a multiple of 8: the grouped wgrad GEMM against 8 columns
-    of ones (``dy_e.T @ 1``; exact products, fp32 sums): bitwise reproducible, where
-    CUDA's ``index_add_`` adds atomically in an order that changes from run to run,
-    and 4-8x as fast there. Other ``dy`` (whose fp16 or fp32 values a GEMM on the
-    reference path may round to TF32), or ``N``: ``index_add_``.
+    Summed by the grouped wgrad GEMM against 8 columns of ones (``dy_e.T @ 1``, the
+    narrowest the GEMM aligns): exact products, fp32 sums, bitwise reproducible,
+    where CUDA's ``index_add_`` adds atomically in an order that changes from run to
+    run (and is 4-8x slower: DEVICE_RUNS 202). bf16 and fp16 ``dy`` go in as they are
+    (their values are exact in TF32 too, should a reference-path GEMM use it); fp32
+    ``dy`` as :func:`_exact_bf16_parts`, whose three sums are added in a fixed order.
     """
-    T, N = dy_TN.shape
-    if dy_TN.dtype == torch.bfloat16 and N % 8 == 0:
-        ones_TK = dy_TN.new_ones(T, 8)
-        db_ENK = grouped_wgrad(dy_TN, ones_TK, splits, out_dtype=torch.float32)
-        return db_ENK[..., 0].contiguous().to(dtype)
-    db_EN = torch.zeros(num_groups, N, dtype=torch.float32, device=dy_TN.device)
-    db_EN.index_add_(0, expert_index(splits, num_groups, T, dy_TN.device), dy_TN.float())
-    return db_EN.to(dtype)
+    parts = [dy_TN] if dy_TN.dtype in (torch.bfloat16, torch.float16) else _exact_bf16_parts(dy_TN)
+    ones_TK = parts[0].new_ones(dy_TN.shape[0], 8)
+    dy_TX = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    db_EX = grouped_wgrad(dy_TX, ones_TK, splits, out_dtype=torch.float32)[..., 0]
+    sums = db_EX.unflatten(1, (len(parts), dy_TN.shape[1])).unbind(1)
+    db_EN = sums[0] if len(sums) == 1 else sums[0] + (sums[1] + sums[2])
+    return db_EN.contiguous().to(dtype)
+
+
+def _exact_bf16_parts(x: Tensor) -> list[Tensor]:
+    """Three bf16 tensors whose sum is fp32 ``x``: its top 8 significant bits, the next 8, the rest.
+
+    Each part is ``x``'s bits truncated, so none rounds or overflows (a finite ``x``
+    near the fp32 maximum stays finite); only bits below bf16's smallest subnormal
+    (``|x| < 2**-110``) are lost. A non-finite ``x`` is its own first part, the others 0.
+    """
+    x = x.float()
+    finite = torch.isfinite(x)
+    high = torch.where(finite, _top_bf16_bits(x), x)
+    rest = torch.where(finite, x - high, 0.0)  # exact: the bits high left out
+    middle = _top_bf16_bits(rest)
+    return [part.to(torch.bfloat16) for part in (high, middle, rest - middle)]
+
+
+def _top_bf16_bits(x: Tensor) -> Tensor:
+    """fp32 ``x`` with its 16 low bits cleared: bf16-representable, rounded toward zero."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
 
 
 def bias_grads(
@@ -76,8 +96,7 @@ def bias_grads(
     """
     if not biases or not any(b.requires_grad for b in biases):
         return [None] * len(biases)
-    num_groups = biases[0].shape[0] if packed else len(biases)
-    db_EN = bias_grad(dy_TN, splits, num_groups, autograd_grad_dtype(biases))
+    db_EN = bias_grad(dy_TN, splits, autograd_grad_dtype(biases))
     grads: list[Tensor | None] = [db_EN] if packed else list(db_EN.unbind(0))
     return [g if b.requires_grad else None for g, b in zip(grads, biases, strict=True)]
 

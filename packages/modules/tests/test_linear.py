@@ -158,8 +158,10 @@ def test_fp32_bias_gradients_keep_every_bit_of_dy_and_its_non_finite_values() ->
     assert got.dtype == torch.float32
     finite = want.isfinite()
     assert torch.equal(got[finite], want[finite]), (got - want)[finite].abs().max()
-    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[want.isinf()], want[want.isinf()])
+
 
 # ---------------------------------------------------------------- main_grad details
 

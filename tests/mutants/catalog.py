@@ -2195,4 +2195,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "sums[0] + sums[1]",
         (f"{MODULES}/test_linear.py",),
     ),
+    Mutant(
+        "bias-grad-by-an-atomic-op",
+        "the bias gradient passes through an index_add_ (same values on the CPU; on CUDA its "
+        "atomic adds change the bits from run to run)",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "    return db_EN.contiguous().to(dtype)\n",
+        "    index = torch.arange(db_EN.shape[0], device=db_EN.device)\n"
+        "    return torch.zeros_like(db_EN).index_add_(0, index, db_EN).to(dtype)\n",
+        (f"{MODULES}/test_reproducible.py",),
+    ),
 )

@@ -25,6 +25,7 @@ from groupgrad_testsupport import (
     LaunchError,
     assert_as_close_as_torch,
     assert_close,
+    atomic_ops,
     cuda_peak_growth,
     launch,
     load_sibling,
@@ -212,6 +213,19 @@ def test_cuda_peak_growth_sees_a_temporary_allocation() -> None:
     grown = cuda_peak_growth(lambda: torch.empty(4 << 20, dtype=torch.uint8, device="cuda"))
     assert 4 << 20 <= grown < 5 << 20, grown
     del kept
+
+
+def test_atomic_ops_sees_atomic_ops_and_tells_order_free_reductions_apart() -> None:
+    index, ones = torch.tensor([0, 0, 2]), torch.ones(3, 2)
+
+    def step() -> None:
+        torch.zeros(3, 2).index_add_(0, index, ones)
+        torch.zeros(3, 2).scatter_reduce_(0, index[:, None].expand(3, 2), ones, "amax")
+        torch.zeros(3, 2).scatter_reduce(0, index[:, None].expand(3, 2), ones, "sum")
+        leaf = torch.ones(3, 2, requires_grad=True)
+        leaf.index_select(0, index).sum().backward()  # its backward is an index_add
+
+    assert atomic_ops(step) == {"aten::index_add_", "aten::index_add", "aten::scatter_reduce(sum)"}
 
 
 # ---------------------------------------------------------------- numerics

@@ -25,6 +25,8 @@ What is here:
   :func:`assert_weight_grads`, :func:`assert_main_grads_wait_for_backward_dw`
   and :func:`assert_matrix_close` to check a step,
   :func:`write_into_dummies` to dirty the shared dummy as hooks do.
+* :mod:`.atomics` -- :func:`atomic_ops`, which ops whose CUDA kernels add
+  atomically (an order changing from run to run) a block of code dispatched.
 * :mod:`.allocations` -- :class:`AllocationRecorder`, the fresh allocations
   of at least a given size that a block of eager code makes, and
   :func:`backward_allocations`, those of one ``backward``.
@@ -94,6 +96,7 @@ On GPUs mark the test ``@pytest.mark.gpu(2)`` and pass ``device="cuda"``
 from __future__ import annotations
 
 from groupgrad_testsupport.allocations import AllocationRecorder, backward_allocations
+from groupgrad_testsupport.atomics import atomic_ops
 from groupgrad_testsupport.calls import record_calls
 from groupgrad_testsupport.gpu import GpuNeed, cuda_peak_growth, mark_unavailable
 from groupgrad_testsupport.imports import load_sibling
@@ -136,6 +139,7 @@ __all__ = [
     "assert_matrix_close",
     "assert_weight_grads",
     "assert_within_scale",
+    "atomic_ops",
     "attach_main_grads",
     "backward_allocations",
     "cuda_peak_growth",

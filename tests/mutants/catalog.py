@@ -2205,4 +2205,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return torch.zeros_like(db_EN).index_add_(0, index, db_EN).to(dtype)\n",
         (f"{MODULES}/test_reproducible.py",),
     ),
+    Mutant(
+        "hf-combine-by-an-atomic-op",
+        "the experts' outputs put back in token order by an index_add_ (same values; on CUDA "
+        "its atomic adds change the bits from run to run)",
+        "integrations/transformers/src/groupgrad/integrations/transformers/_forward.py",
+        "    unsorted_SH = torch.empty_like(y_SH).index_copy(0, perm_S, y_SH)",
+        "    unsorted_SH = torch.zeros_like(y_SH).index_add_(0, perm_S, y_SH)",
+        ("integrations/transformers/tests/test_experts.py",),
+    ),
 )

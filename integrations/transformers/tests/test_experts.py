@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from groupgrad_testsupport import load_sibling
+from groupgrad_testsupport import atomic_ops, load_sibling
 from groupgrad_testsupport.experts import run_experts as experts_step
 
 tiny = load_sibling(__file__, "tiny")
@@ -222,6 +222,21 @@ def test_fp32_grad_dtype_gets_unrounded_wgrads(name: str) -> None:
         fp32_err = (grad.double() - reference[key]).abs().mean()
         bf16_err = (rounded[key].double() - reference[key]).abs().mean()
         assert fp32_err < bf16_err, (key, float(fp32_err), float(bf16_err))
+
+
+# ------------------------------------------------------------ reproducible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(tiny.EXPERTS_MODULES))
+def test_no_op_that_adds_atomically_on_cuda(name: str, dtype) -> None:
+    # Catches: a gather, combine or bias gradient summed by index_add_ / scatter_add_ (their
+    # atomic adds on CUDA change a gradient's bits from run to run).
+    eager, ours = _pair(name, seed=12, dtype=dtype)
+    inputs = _inputs(name, dtype, seed=13)
+    assert atomic_ops(lambda: experts_step(ours, *inputs)) == set()
+    if not name.startswith("swiglu_bias"):  # transformers' own experts loops: index_add_
+        assert atomic_ops(lambda: experts_step(eager, *inputs)) == {"aten::index_add_"}
 
 
 # ------------------------------------------------------------ edge cases

@@ -19,7 +19,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from groupgrad_testsupport import load_sibling
+from groupgrad_testsupport import atomic_ops, load_sibling
 from groupgrad_testsupport.compiled import bf16_exact_share
 from groupgrad_testsupport.experts import run_experts
 
@@ -113,6 +113,18 @@ def test_no_expert_rows_leave_the_last_experts_fp8_blocks_unchanged(name: str) -
             assert torch.equal(beside[key], value), key
     assert torch.equal(beside["out"][:T], alone["out"])
     assert not beside["out"][T:].any()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_no_op_that_adds_atomically_on_cuda(name: str) -> None:
+    # Catches: an FP8 step's gather, combine or bias gradient summed by index_add_ again.
+    ours = tiny.use_implementation(_experts(name).to(torch.bfloat16), "groupgrad_fp8")
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=generator).bfloat16()
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
+    dy = torch.randn(T, H, generator=generator).bfloat16()
+    assert atomic_ops(lambda: run_experts(ours, hidden, index, weights, dy)) == set()
 
 
 def test_sizes_not_multiples_of_128_are_named() -> None:

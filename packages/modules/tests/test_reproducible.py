@@ -5,72 +5,23 @@ changes from run to run, so a gradient summed by one differs in its last bits
 between two runs of the same step (DEVICE_RUNS 201 and 204 found bias
 gradients that did). The GPU suite compares the bits of repeated backwards;
 this checks, on any device, that the modules' own code around the grouped
-kernels calls none of those ops. The kernels are custom ops, opaque to the
-dispatch mode below; their CUDA implementations have no atomics (the GPU
-tests compare their reruns bit for bit).
+kernels calls none of those ops (``groupgrad_testsupport.atomic_ops``). The
+kernels are custom ops, opaque to it; their CUDA implementations have no
+atomics (the GPU tests compare their reruns bit for bit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from groupgrad.modules import GroupedLinear, GroupedMLP, routed_grouped_mlp
+from groupgrad_testsupport import atomic_ops
 
 E, H, F = 4, 128, 128
 SPLITS = [5, 0, 9, 2]
 T = sum(SPLITS)
-
-# aten ops whose CUDA kernels add with atomics (index_put_ with accumulate=True sorts first
-# on CUDA and is deterministic; scatter_reduce is named with its reduction below: amax and
-# amin are order-free, its sums and products are not)
-ATOMIC = {
-    "aten::index_add",
-    "aten::index_add_",
-    "aten::index_reduce",
-    "aten::index_reduce_",
-    "aten::scatter_add",
-    "aten::scatter_add_",
-    "aten::scatter_reduce(sum)",
-    "aten::scatter_reduce(prod)",
-    "aten::scatter_reduce(mean)",
-    "aten::scatter_reduce_(sum)",
-    "aten::scatter_reduce_(prod)",
-    "aten::scatter_reduce_(mean)",
-    "aten::put",
-    "aten::put_",
-    "aten::embedding_dense_backward",
-    "aten::_embedding_bag_backward",
-    "aten::_embedding_bag_dense_backward",
-    "aten::histc",
-}
-
-
-class OpRecorder(TorchDispatchMode):
-    """Records the name of every aten op dispatched (``scatter_reduce`` with its reduction)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name.startswith("aten::scatter_reduce"):
-            name += f"({kwargs.get('reduce', args[4] if len(args) > 4 else None)})"
-        self.names.add(name)
-        return func(*args, **kwargs)
-
-
-def _atomic_ops(step: Callable[[], None]) -> set[str]:
-    recorder = OpRecorder()
-    with recorder:
-        step()
-    return recorder.names & ATOMIC
 
 
 def _layer(kind: str, dtype: torch.dtype, packed: bool, delay: bool) -> torch.nn.Module:
@@ -112,7 +63,7 @@ def test_no_atomic_op_in_a_layers_step(kind: str, dtype: torch.dtype, packed: bo
         layer(x, SPLITS, *extra).float().square().sum().backward()
         layer.backward_dw()
 
-    assert _atomic_ops(step) == set()
+    assert atomic_ops(step) == set()
     assert all(p.grad is not None for p in layer.parameters())  # the whole backward ran
 
 
@@ -133,16 +84,5 @@ def test_no_atomic_op_in_the_routed_op(dtype: torch.dtype) -> None:
         out = routed_grouped_mlp(x, w1, w2, slots, splits, weights)
         out.float().square().sum().backward()
 
-    assert _atomic_ops(step) == set()
+    assert atomic_ops(step) == set()
     assert all(t.grad is not None for t in leaves)
-
-
-def test_the_recorder_sees_atomic_ops_and_tells_order_free_reductions_apart() -> None:
-    index, ones = torch.tensor([0, 0, 2]), torch.ones(3, 2)
-
-    def step() -> None:
-        torch.zeros(3, 2).index_add_(0, index, ones)
-        torch.zeros(3, 2).scatter_reduce_(0, index[:, None].expand(3, 2), ones, "amax")
-        torch.zeros(3, 2).scatter_reduce(0, index[:, None].expand(3, 2), ones, "sum")
-
-    assert _atomic_ops(step) == {"aten::index_add_", "aten::scatter_reduce(sum)"}

@@ -48,6 +48,16 @@ def _experts(name: str) -> nn.Module:
     return module
 
 
+def _bf16_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    """``(hidden, index, weights, dy)`` of ``T`` tokens, each choosing ``K`` distinct experts."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=generator).bfloat16()
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
+    dy = torch.randn(T, H, generator=generator).bfloat16()
+    return hidden, index, weights, dy
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -93,11 +103,7 @@ def test_no_expert_rows_leave_the_last_experts_fp8_blocks_unchanged(name: str) -
     # Catches: "no expert" rows (sorted after the last expert's) quantized with their token's
     # values into that expert's 128-token wgrad blocks: its gradient changed with them.
     ours = tiny.use_implementation(_experts(name).to(torch.bfloat16), "groupgrad_fp8")
-    generator = torch.Generator().manual_seed(2)
-    hidden = torch.randn(T, H, generator=generator).bfloat16()
-    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
-    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
-    dy = torch.randn(T, H, generator=generator).bfloat16()
+    hidden, index, weights, dy = _bf16_inputs(seed=2)
     extra = 20  # tokens whose every choice is the "no expert" slot, of a large size
     _, alone = run_experts(ours, hidden, index, weights, dy)
     ours.zero_grad()
@@ -119,12 +125,8 @@ def test_no_expert_rows_leave_the_last_experts_fp8_blocks_unchanged(name: str) -
 def test_no_op_that_adds_atomically_on_cuda(name: str) -> None:
     # Catches: an FP8 step's gather, combine or bias gradient summed by index_add_ again.
     ours = tiny.use_implementation(_experts(name).to(torch.bfloat16), "groupgrad_fp8")
-    generator = torch.Generator().manual_seed(3)
-    hidden = torch.randn(T, H, generator=generator).bfloat16()
-    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
-    weights = torch.softmax(torch.randn(T, K, generator=generator), dim=-1).bfloat16()
-    dy = torch.randn(T, H, generator=generator).bfloat16()
-    assert atomic_ops(lambda: run_experts(ours, hidden, index, weights, dy)) == set()
+    inputs = _bf16_inputs(seed=3)
+    assert atomic_ops(lambda: run_experts(ours, *inputs)) == set()
 
 
 def test_sizes_not_multiples_of_128_are_named() -> None:

@@ -215,6 +215,7 @@ def test_cuda_peak_growth_sees_a_temporary_allocation() -> None:
     del kept
 
 
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")
 def test_atomic_ops_sees_atomic_ops_and_tells_order_free_reductions_apart() -> None:
     index, ones = torch.tensor([0, 0, 2]), torch.ones(3, 2)
 
@@ -224,8 +225,21 @@ def test_atomic_ops_sees_atomic_ops_and_tells_order_free_reductions_apart() -> N
         torch.zeros(3, 2).scatter_reduce(0, index[:, None].expand(3, 2), ones, "sum")
         leaf = torch.ones(3, 2, requires_grad=True)
         leaf.index_select(0, index).sum().backward()  # its backward is an index_add
+        torch.zeros(3, 2).scatter_(0, index[:, None].expand(3, 2), ones, reduce="add")
+        torch.zeros(3, 2).scatter_(0, index[:, None].expand(3, 2), ones)  # no reduction
+        torch.bincount(index, weights=torch.ones(3))
+        torch.bincount(index)  # integer counts: exact in any order
+        torch.ones(3).cumsum(0)
+        index.cumsum(0)
 
-    assert atomic_ops(step) == {"aten::index_add_", "aten::index_add", "aten::scatter_reduce(sum)"}
+    assert atomic_ops(step) == {
+        "aten::index_add_",
+        "aten::index_add",
+        "aten::scatter_reduce(sum)",
+        "aten::scatter_(add)",
+        "aten::bincount(weights)",
+        "aten::cumsum(floating)",
+    }
 
 
 # ---------------------------------------------------------------- numerics

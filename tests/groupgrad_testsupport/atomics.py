@@ -7,8 +7,9 @@ TorchDispatchMode` sees every aten op a block dispatches, on any device (so
 the CPU suite catches one), down to the ops composite ones decompose into
 (``index_select``'s backward is an ``index_add``); a custom op is one opaque
 op. ``index_put_`` with ``accumulate=True`` sorts first on CUDA and is
-deterministic; ``scatter_reduce`` counts with its reduction (``amax`` and
-``amin`` are order-free, its sums and products are not)::
+deterministic; ``scatter_reduce`` and ``scatter`` count with their reduction
+(``amax`` and ``amin`` are order-free, sums and products are not),
+``bincount`` only with weights, ``cumsum`` only of floating-point values::
 
     assert atomic_ops(lambda: module(x, splits).sum().backward()) == set()
 """
@@ -20,7 +21,9 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# torch.use_deterministic_algorithms' lists (torch 2.13) of what CUDA computes atomically
+# from torch.use_deterministic_algorithms' lists (torch 2.13): the ops whose CUDA kernels sum
+# (or multiply) atomically or in an order that changes from run to run, as named by
+# OpRecorder (a reduction or its operands' kind in brackets where only some calls are)
 ATOMIC_ON_CUDA = frozenset(
     {
         "aten::index_add",
@@ -29,6 +32,10 @@ ATOMIC_ON_CUDA = frozenset(
         "aten::index_reduce_",
         "aten::scatter_add",
         "aten::scatter_add_",
+        "aten::scatter(add)",
+        "aten::scatter_(add)",
+        "aten::scatter(multiply)",
+        "aten::scatter_(multiply)",
         "aten::scatter_reduce(sum)",
         "aten::scatter_reduce(prod)",
         "aten::scatter_reduce(mean)",
@@ -37,6 +44,9 @@ ATOMIC_ON_CUDA = frozenset(
         "aten::scatter_reduce_(mean)",
         "aten::put",
         "aten::put_",
+        "aten::bincount(weights)",
+        "aten::cumsum(floating)",
+        "aten::cumsum_(floating)",
         "aten::embedding_dense_backward",
         "aten::_embedding_bag_backward",
         "aten::_embedding_bag_dense_backward",
@@ -58,11 +68,24 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        name = func._schema.name
-        if name.startswith("aten::scatter_reduce"):  # (self, dim, index, src, reduce)
-            name += f"({kwargs.get('reduce', args[4] if len(args) > 4 else None)})"
-        self.names.add(name)
+        self.names.add(_name(func._schema.name, args, kwargs))
         return func(*args, **kwargs)
+
+
+def _name(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``name``, with the reduction or operand kind that makes some of its calls atomic."""
+    if name.startswith("aten::scatter_reduce"):  # (self, dim, index, src, reduce)
+        return f"{name}({kwargs.get('reduce', args[4] if len(args) > 4 else None)})"
+    if name in ("aten::scatter", "aten::scatter_") and "reduce" in kwargs:  # keyword-only
+        return f"{name}({kwargs['reduce']})"
+    if (
+        name == "aten::bincount"
+        and kwargs.get("weights", args[1] if len(args) > 1 else None) is not None
+    ):
+        return f"{name}(weights)"
+    if name in ("aten::cumsum", "aten::cumsum_") and args[0].is_floating_point():
+        return f"{name}(floating)"
+    return name
 
 
 def atomic_ops(step: Callable[[], Any]) -> set[str]:

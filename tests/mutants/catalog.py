@@ -2214,4 +2214,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "    unsorted_SH = torch.zeros_like(y_SH).index_add_(0, perm_S, y_SH)",
         ("integrations/transformers/tests/test_experts.py",),
     ),
+    Mutant(
+        "bias-fp32-dy-whole-into-the-gemm",
+        "fp32 dy handed to the bias GEMM whole: on the GPU's reference path with TF32 allowed "
+        "cuBLAS rounds it to 10 bits",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "whole = dy_TN.dtype in (torch.bfloat16, torch.float16)",
+        "whole = dy_TN.dtype in (torch.bfloat16, torch.float16, torch.float32)",
+        (f"{MODULES}/test_linear.py",),
+    ),
+    Mutant(
+        "bias-fp16-dy-rounded-to-bf16",
+        "fp16 dy rounded to bf16 on its way into the bias GEMM: its last 3 bits lost",
+        "packages/modules/src/groupgrad/modules/_grads.py",
+        "dy_TX = dy_TN if whole else _exact_bf16_parts(dy_TN)",
+        "dy_TX = dy_TN.bfloat16() if whole else _exact_bf16_parts(dy_TN)",
+        (f"{MODULES}/test_linear.py",),
+    ),
 )

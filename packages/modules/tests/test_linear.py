@@ -139,7 +139,7 @@ def test_bf16_within_twice_pytorchs_own_error() -> None:
         assert ours_err <= 2 * torch_err + 1e-2
 
 
-def test_fp32_bias_gradients_keep_every_bit_of_dy_and_its_non_finite_values() -> None:
+def test_fp32_bias_gradients_are_exact_sums_and_keep_non_finite_values() -> None:
     # Catches: fp32 dy summed as one bf16 GEMM operand (its low 16 bits lost), a part of
     # its exact bf16 split dropped, the split rounding instead of truncating (a finite dy
     # near the fp32 maximum became inf), or a non-finite dy split into NaN parts.
@@ -161,6 +161,32 @@ def test_fp32_bias_gradients_keep_every_bit_of_dy_and_its_non_finite_values() ->
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[want.isinf()], want[want.isinf()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_bias_gemm_takes_dy_exactly_as_bf16_or_fp16(dtype: torch.dtype, monkeypatch) -> None:
+    # Catches: fp32 dy handed to the bias GEMM whole (on the GPU's reference path with TF32
+    # allowed, cuBLAS rounds it to 10 bits); fp16 dy rounded to bf16 on its way (3 bits lost).
+    import groupgrad.modules._grads as grads_module
+
+    seen: list[torch.dtype] = []
+    real = grads_module.grouped_wgrad
+
+    def spy(dy, x, splits, **kwargs):
+        if x.shape[1] == 8:  # the ones: the bias GEMM (the weights' x has K = 16 columns)
+            seen.append(dy.dtype)
+        return real(dy, x, splits, **kwargs)
+
+    monkeypatch.setattr(grads_module, "grouped_wgrad", spy)
+    module = GroupedLinear(E, K, N, dtype=dtype, single_grouped_weight=True)
+    for p in module.parameters():
+        p.grad_dtype = torch.float32
+    splits = [3, 0, 2, 1]
+    dy = torch.full((sum(splits), N), 1 + 2**-10, dtype=dtype)  # 11 significant bits
+    module(torch.randn(sum(splits), K).to(dtype), splits).backward(dy)
+    assert seen == [torch.float16 if dtype == torch.float16 else torch.bfloat16]
+    want = torch.tensor(splits, dtype=torch.float32)[:, None] * (1 + 2**-10)
+    assert torch.equal(module.bias.grad, want.expand(E, N))
 
 
 # ---------------------------------------------------------------- main_grad details

@@ -73,10 +73,12 @@ def _exact_bf16_parts(x_TN: Tensor) -> Tensor:
     """``(T, 3N)`` bf16 whose three ``N``-wide parts sum to fp32 ``x``: its top 8 significant
     bits, the next 8, the rest.
 
-    Each part is ``x``'s bits truncated, so none rounds or overflows (a finite ``x``
-    near the fp32 maximum stays finite); only bits below bf16's smallest subnormal
-    (``|x| < 2**-110``) are lost. A non-finite ``x`` is its own first part, the others
-    0. Written in place where it can: about 4x ``x``'s bytes at the peak.
+    Each part is ``x``'s bits truncated, so none rounds or overflows: a finite ``x``
+    near the fp32 maximum stays finite, though the first parts' sum may overflow
+    within about 1 % of it where ``x``'s would not (a first part is below ``|x|`` by up
+    to 2**-7 of it). Only bits below bf16's smallest subnormal, 2**-133 (in values
+    under 2**-110), are lost. A non-finite ``x`` is its own first part, the others 0.
+    Written in place where it can: about 4x ``x``'s bytes at the peak.
     """
     x = x_TN.float()
     T, N = x.shape

@@ -481,7 +481,37 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_atomics(sc: dict[str, Any]) -> dict[str, Any]:
+    """Per backend, the ops that compute atomically on CUDA (``groupgrad_testsupport.atomic_ops``)
+    that one forward and backward of the layer's experts dispatch (the unfused with biases)."""
+    from groupgrad_testsupport import atomic_ops
+
+    setup_parallel(sc["ep"])
+    dtype, device = getattr(torch, sc["dtype"]), sc.get("device", "cpu")
+    found: dict[str, Any] = {}
+    for backend in ("fused", "unfused"):
+        config = make_config({**sc, "bias": backend == "unfused"}, dtype)
+        experts = build_layer(backend, config, device).experts
+        counts = torch.arange(experts.num_local_experts) * 2  # expert 0 gets no token
+        gen = torch.Generator().manual_seed(SEED)
+        rows = int(counts.sum())
+        x = torch.randn(rows, SHAPE["hidden"], generator=gen).to(device, dtype).requires_grad_()
+        probs = torch.rand(rows, generator=gen).to(device).requires_grad_()
+
+        def step() -> None:
+            y, _ = experts(x, counts, probs)  # noqa: B023 (called at once)
+            y.float().square().sum().backward()
+
+        found[backend] = sorted(atomic_ops(step))
+        found[f"{backend}/grads"] = all(
+            p.grad is not None or getattr(p, "main_grad", None) is not None
+            for p in experts.parameters()
+        )
+    return found
+
+
 RUNNERS = {
+    "atomics": run_atomics,
     "layer": run_layer,
     "checkpoint": run_checkpoint,
     "layout": run_layout,

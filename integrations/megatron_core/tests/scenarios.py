@@ -97,6 +97,10 @@ INITS = [
     {"name": "init-ep1", "kind": "init", "ep": 1, "delay": False},
 ]
 ERRORS = [{"name": "errors", "kind": "errors", "ep": 2}]
+ATOMICS = [
+    {"name": f"atomics-{dtype}", "kind": "atomics", "ep": 2, "dtype": dtype}
+    for dtype in ("float32", "bfloat16")
+]
 
 # On 2 GPUs: NCCL, Megatron's alltoall dispatcher, expert parallelism 2.
 GPU_LAYERS = [

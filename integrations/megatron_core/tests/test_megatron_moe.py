@@ -15,7 +15,8 @@ its scenarios' per-rank results:
 * the checkpoint layout against ``TEGroupedMLP``'s (``te_layout.py``);
 * ``init_method`` per expert and the attributes Megatron's DDP reads;
 * setups that must be refused (expert tensor parallelism through the process
-  groups, a delayed wgrad under a DDP that does not hand over its hooks).
+  groups, a delayed wgrad under a DDP that does not hand over its hooks);
+* no op whose CUDA kernel sums atomically in the experts' step (fp32, bf16).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ TWO_RANKS = [
     *scenarios.LAYOUTS,
     *scenarios.INITS,
     *scenarios.ERRORS,
+    *scenarios.ATOMICS,
 ]
 
 
@@ -202,3 +204,14 @@ def test_overlapped_param_gather_changes_no_step(param_gather_runs: Launches, na
         for step, (a, b) in enumerate(zip(plain, overlapped, strict=True)):
             assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
         assert not torch.equal(plain[0], plain[2])  # the optimizer moved the weights
+
+
+@pytest.mark.parametrize("name", _names(scenarios.ATOMICS))
+def test_no_op_that_adds_atomically_on_cuda_in_the_experts_step(runs: Launches, name: str) -> None:
+    # Catches: a gather, combine or bias gradient of the experts summed by index_add_ /
+    # scatter_add_ (their atomic adds on CUDA change a gradient's bits from run to run).
+    for rank, result in enumerate(runs(2)[name]):
+        for backend in ("fused", "unfused"):
+            where = f"{name} rank {rank} {backend}"
+            assert result[f"{backend}/grads"], f"{where}: the backward did not run through"
+            assert result[backend] == [], where

@@ -1,4 +1,4 @@
-"""Which ops whose CUDA kernels add atomically a block of eager code dispatches: :func:`atomic_ops`.
+"""The ops a block of eager code dispatches whose CUDA kernels add atomically: :func:`atomic_ops`.
 
 CUDA's ``index_add_``, ``scatter_add_`` and their kind add in an order that
 changes from run to run, so a sum taken by one differs in its last bits
@@ -56,7 +56,7 @@ ATOMIC_ON_CUDA = frozenset(
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records the name of every aten op dispatched (``scatter_reduce`` with its reduction).
+    """Records the name of every aten op dispatched, with what makes some of its calls atomic.
 
     Attributes:
         names: ``"aten::index_add_"``, ``"aten::scatter_reduce(sum)"``, ...

@@ -482,8 +482,8 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_atomics(sc: dict[str, Any]) -> dict[str, Any]:
-    """Per backend, the ops that compute atomically on CUDA (``groupgrad_testsupport.atomic_ops``)
-    that one forward and backward of the layer's experts dispatch (the unfused with biases)."""
+    """Per backend (the unfused with biases), the ops one forward and backward of the layer's
+    experts dispatch whose CUDA kernels add atomically (``groupgrad_testsupport.atomic_ops``)."""
     from groupgrad_testsupport import atomic_ops
 
     setup_parallel(sc["ep"])

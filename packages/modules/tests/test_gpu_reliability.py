@@ -99,6 +99,20 @@ def test_bias_gradients_are_the_fp32_sums_and_bitwise_reproducible(
     assert all(torch.equal(run, runs[0]) for run in runs[1:]), "bias gradients differ between runs"
 
 
+def test_fp32_bias_gradients_stay_fp32_sums_with_tf32_allowed(monkeypatch) -> None:
+    # Catches: fp32 dy handed whole to the bias GEMM, whose reference path's cuBLAS then rounds
+    # it to TF32 (10 bits) where the user allowed TF32 (about 5e-4 relative per value).
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    torch.manual_seed(0)
+    module = GroupedLinear(E, K, 4096, device=CUDA, single_grouped_weight=True)
+    splits = [0, 1700, 3300, 1, 0, 6400, 900, 400]
+    x = _randn(sum(splits), K, seed=9, dtype=torch.float32)
+    dy = _randn(sum(splits), 4096, seed=10, dtype=torch.float32)
+    module(x, splits).backward(dy)
+    want = torch.cat([dy_e.double().sum(0) for dy_e in dy.split(splits)])
+    _close_fp32(module.bias.grad.flatten(), want, "bias gradients")
+
+
 @pytest.mark.parametrize("delay", [False, True])
 def test_refilling_device_splits_after_forward_changes_nothing(delay: bool) -> None:
     module = _fp32_grad_module(delay_wgrad_compute=delay)

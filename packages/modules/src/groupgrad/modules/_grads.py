@@ -369,9 +369,9 @@ def parameter_grads(
             written then.
     """
     deferred: list[DeferredWgrad] | None = None if queue is None else []
-    taken = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in layers]
-    later = [_weights_delivered(layer.target, layer.nodes, queue is not None) for layer in ahead]
-    every, takes_every = [*layers, *ahead], [*taken, *later]
+    every = [*layers, *ahead]
+    takes_every = [_weights_delivered(ly.target, ly.nodes, queue is not None) for ly in every]
+    taken = takes_every[: len(layers)]
     if compiled:
         _refuse_hooked(every, takes_every, "under torch.compile", biases=True)
     elif queue is not None:

@@ -308,7 +308,8 @@ def check_fsdp_units(
     """
     if zero_dp_strategy not in ("optim_grads_params", 3):
         return
-    classes = [_resolved(entry) for entry in fsdp_unit_modules or ()]
+    units = fsdp_unit_modules or ()
+    classes = [_resolved(entry) for entry in units]
     if None not in classes and not any(  # an unresolved path: Megatron-FSDP's own error
         isinstance(sub, tuple(cast(list[type], classes))) for sub in module.modules()
     ):
@@ -319,9 +320,9 @@ def check_fsdp_units(
             "ZeroDivisionError); expected the classes of the model's blocks, e.g. "
             "[GroupedLinear, GroupedMLP]"
         )
-    if not any(_names_class(entry, GroupedLinear) for entry in fsdp_unit_modules or ()):
+    if not any(_names_class(entry, GroupedLinear) for entry in units):
         return
-    if any(_names_class(entry, GroupedMLP) for entry in fsdp_unit_modules or ()):
+    if any(_names_class(entry, GroupedMLP) for entry in units):
         return
     for name, sub in module.named_modules():
         if isinstance(sub, GroupedMLP):

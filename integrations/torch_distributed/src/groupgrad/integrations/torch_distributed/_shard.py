@@ -76,10 +76,8 @@ def _refuse_shared(
     under the other, unmarked, and load them on every rank.
     """
     names: dict[int, list[str]] = {}
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        for attr, param in owner._parameters.items():
-            if param is not None:
-                names.setdefault(id(param), []).append(qualified(prefix, attr))
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
     for _, layer_names, weights in planned:
         for name, weight in zip(layer_names, weights, strict=True):
             others = [n for n in names.get(id(weight), ()) if n != name]

@@ -73,6 +73,14 @@ def test_fp32_grad_dtype_wgrads_come_unrounded_from_the_cutlass_epilogue(single:
     assert representable < 0.05, f"{representable:.1%} of the fp32 wgrad is bf16-representable"
 
 
+BIAS_SPLITS = [0, 1700, 3300, 1, 0, 6400, 900, 400]  # N = 4096: the CUTLASS bias GEMM
+
+
+def _bias_sums_fp64(dy: torch.Tensor) -> torch.Tensor:
+    """Every expert's fp64 sum of its rows of ``dy``, experts one after another."""
+    return torch.cat([dy_e.double().sum(0) for dy_e in dy.split(BIAS_SPLITS)])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("single", [False, True])
 def test_bias_gradients_are_the_fp32_sums_and_bitwise_reproducible(
@@ -85,17 +93,15 @@ def test_bias_gradients_are_the_fp32_sums_and_bitwise_reproducible(
     module = GroupedLinear(E, K, 4096, dtype=dtype, device=CUDA, single_grouped_weight=single)
     for p in module.parameters():
         p.grad_dtype = torch.float32
-    splits = [0, 1700, 3300, 1, 0, 6400, 900, 400]
-    x = _randn(sum(splits), K, seed=7, dtype=dtype)
-    dy = _randn(sum(splits), 4096, seed=8, dtype=dtype)
+    x = _randn(sum(BIAS_SPLITS), K, seed=7, dtype=dtype)
+    dy = _randn(sum(BIAS_SPLITS), 4096, seed=8, dtype=dtype)
     runs = []
     for _ in range(4):
         module.zero_grad(set_to_none=True)
-        module(x, splits).backward(dy)
+        module(x, BIAS_SPLITS).backward(dy)
         biases = [module.bias] if single else [getattr(module, f"bias{e}") for e in range(E)]
         runs.append(torch.cat([b.grad.flatten() for b in biases]))
-    want = torch.cat([dy_e.double().sum(0) for dy_e in dy.split(splits)])
-    _close_fp32(runs[0], want, "bias gradients")
+    _close_fp32(runs[0], _bias_sums_fp64(dy), "bias gradients")
     assert all(torch.equal(run, runs[0]) for run in runs[1:]), "bias gradients differ between runs"
 
 
@@ -105,12 +111,10 @@ def test_fp32_bias_gradients_stay_fp32_sums_with_tf32_allowed(monkeypatch) -> No
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     torch.manual_seed(0)
     module = GroupedLinear(E, K, 4096, device=CUDA, single_grouped_weight=True)
-    splits = [0, 1700, 3300, 1, 0, 6400, 900, 400]
-    x = _randn(sum(splits), K, seed=9, dtype=torch.float32)
-    dy = _randn(sum(splits), 4096, seed=10, dtype=torch.float32)
-    module(x, splits).backward(dy)
-    want = torch.cat([dy_e.double().sum(0) for dy_e in dy.split(splits)])
-    _close_fp32(module.bias.grad.flatten(), want, "bias gradients")
+    x = _randn(sum(BIAS_SPLITS), K, seed=9, dtype=torch.float32)
+    dy = _randn(sum(BIAS_SPLITS), 4096, seed=10, dtype=torch.float32)
+    module(x, BIAS_SPLITS).backward(dy)
+    _close_fp32(module.bias.grad.flatten(), _bias_sums_fp64(dy), "bias gradients")
 
 
 @pytest.mark.parametrize("delay", [False, True])

@@ -54,7 +54,8 @@ def bias_grad(dy_TN: Tensor, splits: Splits, dtype: torch.dtype) -> Tensor:
     Summed by the grouped wgrad GEMM against 8 columns of ones (``dy_e.T @ 1``, the
     narrowest the GEMM aligns): exact products, fp32 sums, bitwise reproducible,
     where CUDA's ``index_add_`` adds atomically in an order that changes from run to
-    run (and is 4-8x slower: DEVICE_RUNS 202). bf16 and fp16 ``dy`` go in as they are
+    run (for bf16 ``dy`` 4-8x slower: DEVICE_RUNS 202; fp32 ``dy``'s split makes this
+    route about 5x slower than it: DEVICE_RUNS 211). bf16 and fp16 ``dy`` go in as they are
     (their values are exact in TF32 too, should a reference-path GEMM use it); fp32
     ``dy`` as :func:`_exact_bf16_parts`, whose three sums are added in a fixed order.
     """

@@ -972,8 +972,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the FP8 weight cache ignores the version counter: after an optimizer step "
         "is_first_microbatch=False reuses weights quantized before it",
         "packages/modules/src/groupgrad/modules/_fp8_cache.py",
-        "    return [(p.data_ptr(), p._version, p.shape) for p in params]",
-        "    return [(p.data_ptr(), 0, p.shape) for p in params]",
+        "    return [(p.data_ptr(), p._version, p.shape, p.stride()) for p in params]",
+        "    return [(p.data_ptr(), 0, p.shape, p.stride()) for p in params]",
         (f"{MODULES}/test_fp8_linear.py",),
     ),
     Mutant(
@@ -1089,12 +1089,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fsdp2-fp8-weights-cached-across-forwards",
-        "FSDP2 units keep their FP8 layers' cached weights from one forward to the next "
-        "(is_first_microbatch=False after an optimizer step serves the old weights)",
-        "integrations/fsdp2/src/groupgrad/integrations/fsdp2/_fp8.py",
-        "            layer._fp8_weights.clear()",
-        "            pass",
-        ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
+        "FP8 layers under FSDP cache their gathered weights for is_first_microbatch (an FP8 copy "
+        "of each unsharded weight outlives the reshard; after an optimizer step the old "
+        "weights can be served)",
+        "packages/modules/src/groupgrad/modules/_fp8_recipe.py",
+        "    return None if fsdp_managed(module) else cache",
+        "    return cache",
+        (f"{MODULES}/test_fp8_linear.py", "integrations/fsdp2/tests/test_fsdp2_fp8.py"),
+    ),
+    Mutant(
+        "fp8-cache-stamps-without-strides",
+        "the FP8 weight cache compares pointer, version and shape only: a square weight "
+        "transposed in place (w.data = w.data.t()) is served stale",
+        "packages/modules/src/groupgrad/modules/_fp8_cache.py",
+        "    return [(p.data_ptr(), p._version, p.shape, p.stride()) for p in params]",
+        "    return [(p.data_ptr(), p._version, p.shape, ()) for p in params]",
+        (f"{MODULES}/test_fp8_linear.py",),
     ),
     Mutant(
         "hf-fp8-experts-run-bf16",
@@ -1163,8 +1173,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a layer under FSDP2's fully_shard keeps its quantized weights until backward (FSDP2 frees "
         "the gathered weights after forward: the FP8 copy would undo that)",
         _GROUP,
-        '        and not getattr(module, "_is_fsdp_managed_module", False)\n',
-        "",
+        " and not fsdp_managed(module)\n",
+        "\n",
         ("integrations/fsdp2/tests/test_fsdp2_fp8.py",),
     ),
     Mutant(

@@ -96,16 +96,16 @@ def check_matches_replay(
 def check_ran_in_fp8(cfg: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> None:
     """The expert gradients differ from an unquantized fp64 replay's by FP8's error, not 1e-5.
 
-    And without the weight cache no sharded layer keeps its quantized weights
-    from forward to backward (FSDP2 frees the gathered weights after forward;
-    the dgrad quantizes the re-gathered ones): the first backward quantizes
-    as many weights as the first forward did.
+    And no sharded layer keeps its quantized weights from forward to backward,
+    with or without ``is_first_microbatch`` (FSDP2 frees the gathered weights
+    after forward; FSDP weights are never cached: the dgrad quantizes the
+    re-gathered ones): the first backward quantizes as many weights as the
+    first forward did.
     """
     for result in ranks:
         forward, backward = result["weight_quantizations"]
         assert forward > 0, result["weight_quantizations"]
-        if cfg.get("fp8_cache") is None:
-            assert backward == forward, result["weight_quantizations"]
+        assert backward == forward, result["weight_quantizations"]
     init = {n: p.detach() for n, p in moe_model.build(cfg).named_parameters()}
     unquantized = reference.replay(cfg, init, len(ranks), torch.float64, moe_model)
     checked = 0

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
+from groupgrad.modules._fp8_cache import optimizer_steps
 from groupgrad_testsupport import Rank, run_worker
 from groupgrad_testsupport.calls import weight_quantizations
 
@@ -83,25 +84,22 @@ def shard(
 
 
 def same_address(model: nn.Module) -> None:
-    """At each forward of a unit, FSDP2 re-gathers its weights where the old ones were.
+    """At each forward of a unit, any FP8 weight a layer still caches is made to look current.
 
-    An FP8 layer's cached weights are served while their parameters keep
-    their identity, version, shape and ``data_ptr``. Under FSDP2 the first
-    three always hold: the unsharded parameter is the same object at every
+    A cached FP8 weight is served while its parameters keep their identity,
+    version, shape, strides and ``data_ptr`` and no ``torch.optim`` step ran
+    since. Under FSDP2 the unsharded parameter is the same object at every
     unshard, the all-gather copies into it under
-    ``_unsafe_preserve_version_counter``, its shape never changes. Only the
-    address can differ, as the allocator decides when the unit is gathered
-    again after its post-backward reshard freed the storage: glibc usually
-    hands out another one (the cache then drops its entry), but now and then
-    the same one, as a caching allocator would more often (then the entry,
-    quantized before the optimizer step, looks current). This forward
-    pre-hook on every unit, after
-    FSDP2's unshard and the integration's own hook, makes every run the
-    second case: an entry that outlived the unit's last forward gets the
-    re-gathered storage's address (only that; version and shape stay as
-    cached). With the integration the caches are empty by then and the hook
-    does nothing; a unit that kept its caches serves weights quantized
-    before the optimizer step at the next ``is_first_microbatch=False``.
+    ``_unsafe_preserve_version_counter``, and its shape and strides never
+    change; the address is the allocator's choice (after the post-backward
+    reshard freed the storage it may hand out the same one), and an optimizer
+    outside ``torch.optim`` counts no step. This forward pre-hook on every
+    unit, after FSDP2's unshard, makes every run that worst case: an entry
+    that outlived the unit's last forward gets the re-gathered storage's
+    address and the current step count (version, shape and strides stay as
+    cached). The layers never cache under FSDP, so the hook finds nothing; a
+    layer that cached would serve weights quantized before the optimizer step
+    at the next ``is_first_microbatch=False``.
     """
     names = dict(model.named_modules())
     units = [name for name, module in names.items() if isinstance(module, FSDPModule)]
@@ -128,14 +126,12 @@ def _re_gathered_in_place(layers: Sequence[nn.Module], module: nn.Module, args: 
         entry = cache._entry  # groupgrad.modules._fp8_cache: a cached weight and its stamps
         if entry is None:
             continue
-        params = [ref() for ref in entry.refs]
-        if any(p is None for p in params):
-            continue
-        stamps = [  # the cache's own form: a list of (data_ptr, version, shape)
-            (p.data_ptr(), version, shape)
-            for p, (_, version, shape) in zip(params, entry.stamps, strict=True)
+        params = list(entry.params)
+        stamps = [  # the cache's own form: a list of (data_ptr, version, shape, strides)
+            (p.data_ptr(), version, shape, strides)
+            for p, (_, version, shape, strides) in zip(params, entry.stamps, strict=True)
         ]
-        cache._entry = dataclasses.replace(entry, stamps=stamps)
+        cache._entry = dataclasses.replace(entry, stamps=stamps, steps=optimizer_steps())
         # the point of the hook: the moved entry looks current to the cache's own checks
         assert cache._entry.serves(params, entry.dtype), "same_address no longer mimics reuse"
 

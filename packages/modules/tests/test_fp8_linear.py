@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from groupgrad.kernels import Fp8Blocks, quantize_fp8
-from groupgrad.modules import GroupedLinear, grouped_linear
+from groupgrad.modules import GroupedLinear, GroupedMLP, grouped_linear
 from groupgrad.modules._fp8_recipe import keeps_weights_for_backward
 from groupgrad.protocol.testing import make_fake_group
 from groupgrad_testsupport.calls import token_quantizations, weight_quantizations
@@ -170,6 +170,46 @@ def test_the_cache_drops_weights_it_sees_changed(edit: str) -> None:
     after = _y(layer, x, False)
     assert not torch.equal(after, before)
     assert torch.equal(after, _y(layer, x, None))
+
+
+def test_the_cache_sees_a_square_weight_transposed_in_place() -> None:
+    # Catches: stamps without strides. `w.data = w.data.t()` on a square weight keeps its
+    # parameter, data pointer, version and shape; only the strides say its values moved.
+    torch.manual_seed(0)
+    layer = GroupedLinear(E, K, K, dtype=BF16, bias=False, **FP8)  # type: ignore[arg-type]
+    x = _randn(T, K, seed=1)
+    before = _y(layer, x, True)
+    for name in layer.weight_names:
+        weight = getattr(layer, name)
+        weight.data = weight.data.t()
+    after = _y(layer, x, False)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _y(layer, x, None))
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_fsdp_managed_layers_never_cache_their_weights(kind: str) -> None:
+    """DESIGN: FSDP weights are never cached across forwards (FSDP gathers them at every
+    forward); a cache would keep an FP8 copy of the gathered weights past the reshard.
+    ``fully_shard`` marks what it manages ``_is_fsdp_managed_module`` (the integration's
+    tests run the real one)."""
+    torch.manual_seed(0)
+    layer = _layer(bias=False) if kind == "linear" else GroupedMLP(E, K, 128, dtype=BF16, **FP8)  # type: ignore[arg-type]
+    for module in layer.modules():
+        module._is_fsdp_managed_module = True
+    x = _randn(T, K, seed=1).requires_grad_()
+    linears = [m for m in layer.modules() if isinstance(m, GroupedLinear)]
+
+    def step(flag: bool) -> None:
+        y = layer(x, SPLITS, is_first_microbatch=flag)
+        if flag:
+            y.sum().backward()
+
+    # forward and dgrad each quantize every layer's weights; nothing is held past the step
+    assert weight_quantizations(lambda: step(True)) == 2 * len(linears)
+    assert not any(m._fp8_weights for m in linears)
+    with torch.no_grad():
+        assert weight_quantizations(lambda: step(False)) == len(linears)
 
 
 def test_the_cache_keeps_the_addresses_it_recorded_taken() -> None:

@@ -7,7 +7,7 @@ micro-batches of one optimizer step, so their FP8 form need not be computed
 again: ``forward(..., is_first_microbatch=True)`` quantizes and caches,
 ``False`` reuses the cache. The caller's flag is the rule; the cache also
 drops an entry whose parameters changed in a way it can see — another
-parameter object, another ``data_ptr``, shape or dtype, a moved version
+parameter object, another ``data_ptr``, shape, strides or dtype, a moved version
 counter (an in-place update such as ``torch.optim``'s ``p.add_(...)``
 under ``no_grad``), or any ``torch.optim`` optimizer's step since (a fused
 optimizer kernel, ``fused=True``, moves no version counter). A write
@@ -54,13 +54,14 @@ def _count_step(optimizer: object, args: object, kwargs: object) -> None:
     _STEPS[0] += 1
 
 
-_Stamp = tuple[int, int, torch.Size]
+_Stamp = tuple[int, int, torch.Size, tuple[int, ...]]
 
 
 def _stamps(params: Sequence[Tensor]) -> list[_Stamp]:
-    """What the cache compares of each parameter: its data pointer, version and shape
-    (one comprehension: at 128 experts a layer's stamps are taken twice a step)."""
-    return [(p.data_ptr(), p._version, p.shape) for p in params]
+    """What the cache compares of each parameter: its data pointer, version, shape and
+    strides (``p.data = p.data.t()`` on a square weight keeps the other three) (one
+    comprehension: at 128 experts a layer's stamps are taken twice a step)."""
+    return [(p.data_ptr(), p._version, p.shape, p.stride()) for p in params]
 
 
 @dataclass(frozen=True)

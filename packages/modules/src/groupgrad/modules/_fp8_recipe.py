@@ -33,7 +33,7 @@ from torch import Tensor
 
 from groupgrad.kernels import Fp8Blocks, quantize_fp8
 from groupgrad.modules._fp8_cache import Fp8WeightCache
-from groupgrad.modules._group import Splits, checks_weight_versions
+from groupgrad.modules._group import Splits, checks_weight_versions, fsdp_managed
 from groupgrad.modules._operands import Operand
 from groupgrad.protocol import is_distributed_weight, is_fsdp_param
 
@@ -44,6 +44,7 @@ __all__ = [
     "check_fp8_sizes",
     "fp8_for_forward",
     "keeps_weights_for_backward",
+    "weight_cache",
 ]
 
 FP8_RECIPES = ("blockwise",)
@@ -172,7 +173,8 @@ class Fp8Blockwise:
         Megatron-FSDP parameters (``__fsdp_param__``): it re-gathers them for
         every forward, and under ZeRO-1 writes the updated weights into the
         same storage without moving a version counter, where a cached entry
-        looks current.
+        looks current. (A layer FSDP manages gets no cache at all:
+        :func:`weight_cache`.)
         """
         cache, held = self.cache, self.held
         if is_distributed_weight(params[0]) or is_fsdp_param(params[0]):
@@ -208,6 +210,14 @@ def keeps_weights_for_backward(module: torch.nn.Module) -> bool:
         checks_weight_versions(module)
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     )
+
+
+def weight_cache(module: torch.nn.Module, cache: Fp8WeightCache) -> Fp8WeightCache | None:
+    """``module``'s weight cache for ``is_first_microbatch``, or ``None`` where FSDP manages
+    ``module``: its weights are gathered at every forward and freed after it, so they are never
+    cached across forwards (DESIGN), and a cached FP8 copy of the gathered weights would stay
+    alive through backward and the optimizer step, each layer's whole unsharded weight."""
+    return None if fsdp_managed(module) else cache
 
 
 def fp8_for_forward(

@@ -172,10 +172,14 @@ def checks_weight_versions(module: torch.nn.Module) -> bool:
     (its graphs check mutations their own way) and not in a module FSDP2's ``fully_shard``
     manages (it gathers the weights into the same tensors again for backward)."""
     return (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not getattr(module, "_is_fsdp_managed_module", False)
+        torch.is_grad_enabled() and not torch.compiler.is_compiling() and not fsdp_managed(module)
     )
+
+
+def fsdp_managed(module: torch.nn.Module) -> bool:
+    """Whether FSDP manages ``module`` (``fully_shard`` marks every module it shards): its
+    weights are gathered for each forward (and backward) and freed after."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False))
 
 
 def expert_index(splits: Splits, num_groups: int, rows: int, device: torch.device) -> Tensor:

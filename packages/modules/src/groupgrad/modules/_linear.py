@@ -18,6 +18,7 @@ from groupgrad.modules._fp8_recipe import (
     check_fp8_sizes,
     fp8_for_forward,
     keeps_weights_for_backward,
+    weight_cache,
 )
 from groupgrad.modules._group import Splits, WeightGroupSpec, checks_weight_versions
 from groupgrad.modules._linear_fn import apply_grouped_linear
@@ -209,7 +210,7 @@ class GroupedLinear(GroupedModule):
             )
         fp8 = fp8_for_forward(
             self.fp8_recipe,
-            self._fp8_weights,
+            weight_cache(self, self._fp8_weights),
             is_first_microbatch,
             keep_weights=keeps_weights_for_backward(self),
         )

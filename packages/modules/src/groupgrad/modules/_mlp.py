@@ -13,6 +13,7 @@ from groupgrad.modules._fp8_recipe import (
     check_fp8_recipe,
     check_fp8_sizes,
     keeps_weights_for_backward,
+    weight_cache,
 )
 from groupgrad.modules._group import Splits, checks_weight_versions
 from groupgrad.modules._linear import GroupedLinear, check_sizes
@@ -207,7 +208,10 @@ class GroupedMLP(GroupedModule):
                 ``is_first_microbatch`` not ``None`` or a bool.
         """
         check_mlp_inputs(x, probs, self.hidden_size)
-        caches = (self.fc1._fp8_weights, self.fc2._fp8_weights)
+        caches = (
+            weight_cache(self, self.fc1._fp8_weights),
+            weight_cache(self, self.fc2._fp8_weights),
+        )
         forms = mlp_forms(
             self.fp8_recipe,
             caches,

@@ -8,7 +8,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from groupgrad.integrations.fsdp2._fp8 import FreshFp8Weights, fp8_layers
 from groupgrad.integrations.fsdp2._route import (
     UnshardedGradDtype,
     managed_slots,
@@ -26,7 +25,6 @@ from groupgrad.integrations.fsdp2._validate import (
     check_uniform_dtype,
     groupgrad_layers,
     mp_policy_of,
-    unit_members,
 )
 
 __all__ = ["fully_shard"]
@@ -71,10 +69,11 @@ def fully_shard(
     biases, ``reshard_after_forward`` True/False/int, gradient accumulation
     without sync, HSDP meshes, DCP (``torch.distributed.checkpoint``) of the
     sharded state dict, FP8 layers (``fp8_recipe="blockwise"``: their FP8
-    wgrads take the same route; their quantized weights are never kept from
-    one forward of the unit to the next, whatever ``is_first_microbatch``
-    says, since FSDP2 re-gathers the weights at every forward). A unit with ``reduce_dtype=None`` is passed through
-    unchanged (its gradients are already in the compute dtype).
+    wgrads take the same route; the layers never cache their quantized
+    weights under FSDP, whatever ``is_first_microbatch`` says: FSDP2
+    gathers the weights at every forward). A unit with ``reduce_dtype=None``
+    is passed through unchanged (its gradients are already in the compute
+    dtype).
 
     Args:
         module: The module (or list of modules, FSDP2's grouped form) to make
@@ -113,16 +112,11 @@ def fully_shard(
     reduce_dtype = check_reduce_dtype(modules, policy)
 
     before = plain_param_slots(modules)
-    fp8 = fp8_layers([m for _, m in unit_members(modules)])
     sharded = torch_fully_shard(module, **fsdp_kwargs)
     if reduce_dtype is not None:
         hook = UnshardedGradDtype(managed_slots(before), reduce_dtype)
         for sub in modules:
             sub.register_forward_pre_hook(hook)
-    if fp8:
-        fresh = FreshFp8Weights(fp8)
-        for sub in modules:
-            sub.register_forward_pre_hook(fresh)
     if layers := groupgrad_layers(modules):
         flags = LayerFlags(layers)
         for sub in modules:

@@ -35,7 +35,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as plain_fully_shard
 
 from groupgrad.integrations.fsdp2 import fully_shard
-from groupgrad.modules._fp8_cache import optimizer_steps
 from groupgrad_testsupport import Rank, run_worker
 from groupgrad_testsupport.calls import weight_quantizations
 
@@ -131,7 +130,9 @@ def _re_gathered_in_place(layers: Sequence[nn.Module], module: nn.Module, args: 
             (p.data_ptr(), version, shape, strides)
             for p, (_, version, shape, strides) in zip(params, entry.stamps, strict=True)
         ]
-        cache._entry = dataclasses.replace(entry, stamps=stamps, steps=optimizer_steps())
+        probe = type(cache)()  # the cache's own optimizer-step count, read off a fresh entry
+        probe.put([], entry.dtype, entry.blocks)
+        cache._entry = dataclasses.replace(entry, stamps=stamps, steps=probe._entry.steps)
         # the point of the hook: the moved entry looks current to the cache's own checks
         assert cache._entry.serves(params, entry.dtype), "same_address no longer mimics reuse"
 

@@ -2225,6 +2225,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/transformers/tests/test_experts.py",),
     ),
     Mutant(
+        "compiled-splits-snapshot-recomputed",
+        "the traced splits snapshot a plain clone: inductor's partitioner recomputes it in the "
+        "backward from the caller's buffer, refilled by then (wrong gradients, or autograd's "
+        "version error)",
+        _GROUP,
+        "        return _snapshot_op(splits)\n",
+        "        return splits.clone()\n",
+        (f"{MODULES}/test_compile.py::test_compiled_model_keeps_every_fp32_wgrad_route",),
+    ),
+    Mutant(
         "bias-fp32-dy-whole-into-the-gemm",
         "fp32 dy handed to the bias GEMM whole: on the GPU's reference path with TF32 allowed "
         "cuBLAS rounds it to 10 bits",

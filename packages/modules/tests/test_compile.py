@@ -118,13 +118,20 @@ def fp32_grads(model: Routes) -> Iterator[tuple[str, Tensor]]:
 
 
 def train(model: Routes, forward: Callable[..., Tensor], device: str) -> None:
-    """Two micro-batches (so ``.grad`` and ``main_grad`` accumulate, or are overwritten)."""
+    """Two micro-batches (so ``.grad`` and ``main_grad`` accumulate, or are overwritten).
+
+    The tokens-per-expert buffer is refilled after each forward (DESIGN: a
+    snapshot), which inductor's partitioner once undid: it recomputed the
+    snapshot's ``clone`` from the buffer in the backward.
+    """
     torch.manual_seed(1)
     for _ in range(2):
         splits = torch.bincount(torch.randint(0, E, (T,)), minlength=E).to(device)
         x = torch.randn(T, H, dtype=BF16, device=device, requires_grad=True)
         probs = torch.rand(T, device=device)
-        forward(x, splits, probs).float().square().sum().backward()
+        y = forward(x, splits, probs)
+        splits.copy_(torch.tensor([T, 0, 0, 0]))  # the next batch's routing
+        y.float().square().sum().backward()
         model.backward_dw()
 
 
@@ -605,3 +612,10 @@ def test_compiled_autograd_without_dynamo_refuses_a_delayed_layer() -> None:
     ):
         loss.backward()
     assert not any(p.main_grad.any() for p in layer.parameters())  # type: ignore[attr-defined]
+
+
+def test_the_splits_snapshot_op_passes_opcheck() -> None:
+    """``groupgrad::snapshot_splits`` (the traced copy of ``splits``): schema, fake, compile."""
+    from groupgrad.modules._group import _snapshot_op
+
+    torch.library.opcheck(_snapshot_op, (torch.tensor([3, 0, 5, 4]),))

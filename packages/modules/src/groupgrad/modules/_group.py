@@ -48,7 +48,8 @@ def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
 
     A tensor is cloned where it lives (on the device without a host sync, so
     the CUDA-graph path stays capturable); any other iterable (a sequence, a
-    generator) becomes a tuple, read once.
+    generator) becomes a tuple, read once. A traced tensor is copied by an
+    opaque op (:func:`_snapshot_op`): a compiled backward reads the copy.
     Values and length are checked by the kernels, not here. Under
     ``torch.compile`` a tensor's length is pinned to ``num_groups`` for the
     tracer (checked when the graph runs): a length traced from data (e.g.
@@ -56,12 +57,31 @@ def snapshot_splits(splits: Splits, num_groups: int) -> Splits:
     symbol that torch 2.11's tracer rejects.
     """
     if isinstance(splits, Tensor):
-        if torch.compiler.is_compiling() and splits.dim() == 1:
+        if not torch.compiler.is_compiling():
+            return splits.clone()
+        if splits.dim() == 1:
             torch._check(splits.shape[0] == num_groups)
-        return splits.clone()
+        return _snapshot_op(splits)
     if isinstance(splits, Iterable) and not isinstance(splits, str | bytes):
         return tuple(splits)  # once: a generator feeds every GEMM of the op the same counts
     return splits  # not a token count container: the kernels name the problem
+
+
+@torch.library.custom_op("groupgrad::snapshot_splits", mutates_args=())
+def _snapshot_op(splits: Tensor) -> Tensor:
+    """``splits.clone()`` as an opaque op, so that a compiled graph saves the copy.
+
+    Inductor's partitioner recomputes a traced ``clone`` in the backward from
+    the graph input it copies (a cheap op, rematerialized to save memory), so a
+    compiled backward would read the caller's buffer as it is then — after a
+    refill (torch 2.13). A custom op is not on its list of recomputable ops.
+    """
+    return splits.clone()
+
+
+@_snapshot_op.register_fake
+def _snapshot_fake(splits: Tensor) -> Tensor:
+    return torch.empty_like(splits)
 
 
 def device_splits(splits: Splits, device: torch.device) -> Splits:

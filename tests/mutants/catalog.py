@@ -762,6 +762,28 @@ MUTANTS: tuple[Mutant, ...] = (
         ("integrations/megatron_core/tests/test_megatron_moe.py",),
     ),
     Mutant(
+        "ddp-hooks-twice-a-bare-stopiteration",
+        "backward_dw() of a layer wrapped in Megatron's DDP twice looks for a frozen weight "
+        "where none is frozen: a bare StopIteration instead of an error naming the double wrap",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_hooks.py",
+        "        frozen = [i for i, w in enumerate(weights) if not w.requires_grad]\n",
+        "        frozen = [next(i for i, w in enumerate(weights) if not w.requires_grad)]\n",
+        (
+            "integrations/megatron_core/tests/test_specs_and_config.py",
+            "integrations/megatron_core/tests/test_megatron_moe.py::test_refused_setups_name_the_problem",
+        ),
+    ),
+    Mutant(
+        "expert-offloading-unchecked",
+        "fine-grained activation offloading of expert activations the experts keep is accepted: "
+        "the fused experts silently offload nothing, the grouped linears stop in Megatron's "
+        "set_save_original_input with a message about Transformer Engine",
+        "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_config.py",
+        '    if not getattr(config, "fine_grained_activation_offloading", False):\n',
+        "    if True:\n",
+        ("integrations/megatron_core/tests/test_specs_and_config.py",),
+    ),
+    Mutant(
         "fp8-recompute-without-te-accepted",
         "FP8 fused experts accept Megatron's recompute without Transformer Engine: the first "
         "forward stops inside Megatron (NameError: te_checkpoint)",

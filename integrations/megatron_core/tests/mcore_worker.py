@@ -471,14 +471,34 @@ def run_errors(sc: dict[str, Any]) -> dict[str, Any]:
         out_, _ = ddp(x.requires_grad_())
         out_.backward(dy)
         out[f"ddp_without_delay/{backend}"] = _message(layer.backward_dw)
-        written = [
-            name
-            for name, p in layer.named_parameters()
-            if "experts" in name
-            and (p.grad is not None or bool(getattr(p, "main_grad", torch.zeros(1)).any()))
-        ]
-        out[f"ddp_without_delay_wrote/{backend}"] = ", ".join(written) or "nothing"
+        out[f"ddp_without_delay_wrote/{backend}"] = (
+            ", ".join(_expert_grads_written(layer)) or "nothing"
+        )
+    # delayed wgrad under two DDPs wrapped around the same layer (a DDP rebuilt)
+    for backend in ("fused", "unfused"):
+        config = make_config({**sc, "ep": 2}, torch.float32, delay_wgrad_compute=True)
+        layer = build_layer(backend, config, sc["device"])
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, delay_wgrad_compute=True
+        )
+        DistributedDataParallel(config, ddp_config, layer)
+        ddp = DistributedDataParallel(config, ddp_config, layer)
+        x, dy = _data(sc, 0, sc["device"])
+        out_, _ = ddp(x.requires_grad_())
+        out_.backward(dy)
+        out[f"ddp_twice/{backend}"] = _message(layer.backward_dw)
+        out[f"ddp_twice_wrote/{backend}"] = ", ".join(_expert_grads_written(layer)) or "nothing"
     return out
+
+
+def _expert_grads_written(layer: Any) -> list[str]:
+    """The expert parameters with a ``.grad`` or a non-zero ``main_grad``."""
+    return [
+        name
+        for name, p in layer.named_parameters()
+        if "experts" in name
+        and (p.grad is not None or bool(getattr(p, "main_grad", torch.zeros(1)).any()))
+    ]
 
 
 def run_atomics(sc: dict[str, Any]) -> dict[str, Any]:

@@ -189,6 +189,11 @@ def test_refused_setups_name_the_problem(runs: Launches) -> None:
             assert "DistributedDataParallelConfig(delay_wgrad_compute=True)" in ddp
             # refused before its GEMMs: no expert gradient written (in main_grad or .grad)
             assert messages[f"ddp_without_delay_wrote/{backend}"] == "nothing", f"rank {rank}"
+            # Catches: a bare StopIteration (the frozen-weight check finding no frozen weight)
+            twice = messages[f"ddp_twice/{backend}"]
+            assert twice.startswith("RuntimeError:"), f"rank {rank}: {twice}"
+            assert "wrapped in Megatron's DistributedDataParallel more than once" in twice
+            assert messages[f"ddp_twice_wrote/{backend}"] == "nothing", f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", _names(scenarios.PARAM_GATHER))

@@ -210,6 +210,30 @@ def test_moe_act_recompute_without_transformer_engine_is_refused_for_megatrons_l
 
 
 @pytest.mark.parametrize(
+    ("build", "module"),
+    [
+        (lambda c: GroupgradFusedExperts(4, c), "expert_fc1"),
+        (lambda c: GroupgradFusedExperts(4, c), "moe_act"),
+        (lambda c: _linear(GroupgradColumnParallelGroupedLinear, c), "expert_fc1"),
+    ],
+    ids=["fused-expert_fc1", "fused-moe_act", "fc1-expert_fc1"],
+)
+def test_offloading_what_the_experts_keep_is_refused_at_construction(
+    build: Any, module: str
+) -> None:
+    # Catches: the fused experts silently not offloading, and Megatron's TEGroupedMLP stopping
+    # in set_save_original_input with a message about Transformer Engine's version.
+    # ('moe_act' with the grouped linears offloads: Megatron's TEGroupedMLP does it.)
+    config = _config(fine_grained_activation_offloading=True, offload_modules=[module])
+    with pytest.raises(
+        ValueError,
+        match=rf": fine_grained_activation_offloading is on and offload_modules holds "
+        rf"\['{module}'\], expected none of ",
+    ):
+        build(config)
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"gated_linear_unit": False}, "gated_linear_unit is False, expected True"),
@@ -277,6 +301,18 @@ def test_wgrad_hooks_refuse_a_weight_frozen_after_they_were_registered() -> None
     hooks.check("layer", [weights[0], torch.nn.Parameter(torch.zeros(2))])  # one per hook
     hooks.fire()
     assert calls == [0, 1]
+
+
+def test_wgrad_hooks_refuse_a_layer_wrapped_twice() -> None:
+    # Catches: a bare StopIteration from looking for a frozen weight where none is frozen.
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    hooks, calls = WgradHooks(), []
+    for index in range(4):  # two DDPs, one hook per weight each
+        hooks.register(lambda index=index: calls.append(index))
+    with pytest.raises(RuntimeError, match=r"4 wgrad hooks were registered for 2 weights: the "
+                       r"layer was wrapped in Megatron's DistributedDataParallel more than once"):  # fmt: skip
+        hooks.check("layer", weights)
+    assert calls == []
 
 
 # ---------------------------------------------------------------- the CPU shim

@@ -16,6 +16,7 @@ __all__ = [
     "check_expert_config",
     "check_expert_groups",
     "check_fused_config",
+    "check_offloading",
     "check_spec_experts",
     "check_unfused_recompute",
     "process_groups",
@@ -154,4 +155,43 @@ def check_unfused_recompute(config: Any, owner: str) -> None:
         "without Transformer Engine installed that fails at the first forward (NameError: "
         "FP8GlobalStateManager). Use the fused groupgrad experts (fused=True: they keep fc1's "
         "output and recompute the activation in backward anyway), or drop 'moe_act'"
+    )
+
+
+def check_offloading(config: Any, owner: str, *, fused: bool) -> None:
+    """Refuse fine-grained activation offloading of expert activations the experts keep.
+
+    Megatron's ``TEGroupedMLP`` offloads fc1's input (``"expert_fc1"``) by
+    switching its Transformer Engine linears to save their original input
+    (``set_save_original_input``, which raises a message about Transformer
+    Engine's version for any other linear); the fused experts save fc1's
+    output and the activation inside one op, which offloads neither
+    (``"expert_fc1"``, ``"moe_act"``) nor the whole MLP (0.19's
+    ``"fused_group_mlp"``).
+
+    Raises:
+        ValueError: ``fine_grained_activation_offloading`` with such a module
+            in ``offload_modules``.
+    """
+    if not getattr(config, "fine_grained_activation_offloading", False):
+        return
+    kept = {"expert_fc1", "moe_act", "fused_group_mlp"} if fused else {"expert_fc1"}
+    found = sorted(kept & set(getattr(config, "offload_modules", None) or ()))
+    if not found:
+        return
+    if fused:
+        how = (
+            "the fused groupgrad experts save fc1's output and the activation inside one op "
+            "and offload neither; drop them from offload_modules, or use the unfused groupgrad "
+            "experts (fused=False), which offload 'moe_act'"
+        )
+    else:
+        how = (
+            "Megatron offloads fc1's input by switching Transformer Engine linears to save "
+            "their original input, a switch groupgrad's grouped linears do not have; drop it "
+            "from offload_modules ('moe_act' offloads)"
+        )
+    raise ValueError(
+        f"{owner}: fine_grained_activation_offloading is on and offload_modules holds "
+        f"{found}, expected none of {sorted(kept)}: {how}"
     )

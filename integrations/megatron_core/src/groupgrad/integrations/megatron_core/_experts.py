@@ -31,6 +31,7 @@ from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
     check_expert_groups,
     check_fused_config,
+    check_offloading,
     check_spec_experts,
     process_groups,
 )
@@ -134,6 +135,7 @@ class GroupgradFusedExperts(MegatronModule):
         fp8_recipe = fused_experts_fp8_recipe(config, owner)
         check_spec_experts(type(self), config, owner)
         check_fused_config(config, owner)
+        check_offloading(config, owner, fused=True)
         super().__init__(config=config)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)

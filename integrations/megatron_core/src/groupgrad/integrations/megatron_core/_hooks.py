@@ -54,7 +54,8 @@ class WgradHooks:
                 ``main_grad`` buffers (a Megatron DDP built without
                 ``delay_wgrad_compute=True`` in its ``DistributedDataParallelConfig``);
                 or more hooks than weights that still require grad (a weight frozen
-                after the DDP registered its hook, which asserts ``requires_grad``).
+                after the DDP registered its hook, which asserts ``requires_grad``, or
+                the layer wrapped in DDP twice).
         """
         if not self._hooks and any(main_grad_or_none(w) is not None for w in weights):
             raise RuntimeError(
@@ -65,15 +66,23 @@ class WgradHooks:
                 "DistributedDataParallelConfig(delay_wgrad_compute=True)"
             )
         trainable = sum(bool(w.requires_grad) for w in weights)
-        if len(self._hooks) > trainable:
-            frozen = next(i for i, w in enumerate(weights) if not w.requires_grad)
+        if len(self._hooks) <= trainable:
+            return
+        frozen = [i for i, w in enumerate(weights) if not w.requires_grad]
+        if frozen:
             raise RuntimeError(
                 f"{owner}.backward_dw(): {len(self._hooks)} wgrad hooks were registered but only "
-                f"{trainable} weights require grad (weight {frozen} among the frozen ones): a "
+                f"{trainable} weights require grad (weight {frozen[0]} among the frozen ones): a "
                 "weight frozen after Megatron's DistributedDataParallel registered its hook, "
                 "which asserts requires_grad. Freeze the experts before wrapping the model in "
                 "DistributedDataParallel"
             )
+        raise RuntimeError(
+            f"{owner}.backward_dw(): {len(self._hooks)} wgrad hooks were registered for "
+            f"{trainable} weights: the layer was wrapped in Megatron's DistributedDataParallel "
+            "more than once (each wrap registers one hook per weight, and each hook adds the "
+            "gradient into main_grad); wrap the model once"
+        )
 
     def fire(self) -> None:
         """Run every hook, in registration order (after ``backward_dw()``'s GEMMs)."""

@@ -31,6 +31,7 @@ from groupgrad.integrations.megatron_core._checkpoint import (
 from groupgrad.integrations.megatron_core._config import (
     check_expert_config,
     check_expert_groups,
+    check_offloading,
     check_spec_experts,
     check_unfused_recompute,
     process_groups,
@@ -133,6 +134,7 @@ class GroupgradGroupedLinear(GroupedLinear):
         check_expert_config(config, owner)
         refuse_unfused_fp8(config, owner)
         check_unfused_recompute(config, owner)
+        check_offloading(config, owner, fused=False)
         check_spec_experts(type(self), config, owner)
         pg_collection = process_groups(pg_collection)
         check_expert_groups(pg_collection, owner)

@@ -2043,8 +2043,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "backward_dw() runs Megatron DDP's hook of a weight frozen after the DDP was built: "
         "its bare `assert param.requires_grad` is all the user sees",
         "integrations/megatron_core/src/groupgrad/integrations/megatron_core/_hooks.py",
-        "        if len(self._hooks) > trainable:",
-        "        if False:",
+        "        if len(self._hooks) <= trainable:\n            return\n",
+        "        return\n",
         ("integrations/megatron_core/tests/test_specs_and_config.py",),
     ),
     Mutant(

@@ -187,6 +187,10 @@ def test_calls_autograd_would_record_are_refused_before_the_op(monkeypatch):
     x = rand(T, K).requires_grad_()
     with pytest.raises(ValueError, match=r"^x requires grad, but grouped_fprop is not"):
         KERNEL.fprop(x, rand(E, N, K, seed=1), SPLITS)
+    listed = [rand(N, K, seed=e) for e in range(E)]
+    listed[2].requires_grad_()
+    with pytest.raises(ValueError, match=r"^weights\[2\] requires grad, but grouped_fprop is"):
+        KERNEL.fprop(x.detach(), listed, SPLITS)  # the member named, not the whole list
     assert not seen
 
 

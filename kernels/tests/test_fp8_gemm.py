@@ -276,7 +276,7 @@ def test_a_sealed_form_is_held_to_the_gemm_rules_on_every_call(
             grouped_fprop(operands["x"], w_2d, SPLITS)
     x = copy.copy(operands["x"])
     grouped_fprop(x, operands["w"], SPLITS)
-    seal = x._seal_holds()
+    seal = x._seal_holds("x")
     assert seal is not None
     assert seal[1]  # marked: the rules held
     x.dtype = torch.int32
@@ -426,10 +426,10 @@ def test_every_quantized_form_passes_the_full_layout_check(quantize) -> None:
     )
     for form in [*forms, h_rows, a_rows, dh_rows, dh_seg, a_seg]:
         assert form is not None
-        assert form._seal_holds()
+        assert form._seal_holds("x")
         form._seal = None
         assert _validate.fp8_operand("x", form, form.block) is form
-        assert form._seal_holds()
+        assert form._seal_holds("x")
 
 
 def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
@@ -463,7 +463,7 @@ def test_a_seal_says_whether_the_kernels_may_read_its_tensors_where_they_lie(
         form = copy.copy(operands[name])
         setattr(form, part, _misaligned_like(getattr(form, part)))
         assert torch.equal(run(form), want_dw if name == "dy_seg" else want)
-        assert form._seal_holds()
+        assert form._seal_holds("x")
         assert not form._placed(placed), (name, part)
     # Given a tensor it cannot seal (a subclass), a form keeps no seal, so no stale fact.
     x = copy.copy(operands["x"])
@@ -482,9 +482,9 @@ def test_a_sealed_form_changed_after_quantization_is_checked_again(
 ) -> None:
     x = copy.copy(operands["x"])  # sealed by the quantizer
     x.scales = x.scales.clone()  # same layout, another tensor: checked, then sealed again
-    assert not x._seal_holds()
+    assert not x._seal_holds("x")
     grouped_fprop(x, operands["w"], SPLITS)
-    assert x._seal_holds()
+    assert x._seal_holds("x")
     x.scales.t_()  # in place: another shape and strides
     with pytest.raises(ValueError, match=r"^x\.scales is \(3, 488\) \(488, 1\) torch\.float32"):
         grouped_fprop(x, operands["w"], SPLITS)
@@ -494,9 +494,9 @@ def test_a_sealed_form_changed_after_quantization_is_checked_again(
     x.scales = x.scales.clone()
     grouped_fprop(x, operands["w"], SPLITS)
     x.scales.data = x.scales.clone()  # another address, the same layout: passes, sealed again
-    assert not x._seal_holds()
+    assert not x._seal_holds("x")
     grouped_fprop(x, operands["w"], SPLITS)
-    assert x._seal_holds()
+    assert x._seal_holds("x")
     x.scales.data = x.scales.view(torch.int32)  # the same memory, read as int32
     with pytest.raises(TypeError, match=r"^x holds torch\.float8_e4m3fn data and torch\.int32"):
         grouped_fprop(x, operands["w"], SPLITS)
@@ -516,6 +516,43 @@ def test_a_sealed_form_changed_after_quantization_is_checked_again(
     longer.shape = (T + 1, K)  # the same tensors, another shape
     with pytest.raises(ValueError, match=r"^x\.data is \(488, 384\) \(384, 1\) .* expected \(489"):
         grouped_fprop(longer, operands["w"], [*SPLITS[:-1], 2])
+
+
+def test_dgrad_reads_the_transposed_weights_as_the_cuda_kernel_does(
+    operands: dict[str, Fp8Blocks],
+) -> None:
+    # Catches: the reference dgrad reading w.data where the CUDA kernel reads w.data_t, so a
+    # form whose two orientations disagree gave CPU and GPU different answers.
+    w = copy.copy(operands["w"])
+    w.data_t = torch.zeros_like(w.data_t)  # another tensor: the form is checked again
+    dx = grouped_dgrad(operands["dy"], w, SPLITS)
+    assert not dx.any()
+    w.data = torch.zeros_like(w.data)
+    w.data_t = operands["w"].data_t
+    want = grouped_dgrad(operands["dy"], operands["w"], SPLITS)
+    assert want.any()
+    assert torch.equal(grouped_dgrad(operands["dy"], w, SPLITS), want)
+
+
+def test_token_counts_written_in_place_after_quantization_are_refused() -> None:
+    # Catches: row_offsets edited in place to counts with the same 16-aligned segments and
+    # blocks ([3, 0, 7] -> [5, 0, 5]): the form passed every layout check for splits [5, 0, 5],
+    # and the wgrad read padding and shifted tokens (relative error 1.09, no NaN).
+    gen = torch.Generator().manual_seed(7)
+    x, dy = (torch.randn(10, 128, generator=gen) for _ in range(2))
+    xs = quantize_fp8(x, block=SEGMENTS, splits=[3, 0, 7])
+    dys = quantize_fp8(dy, block=SEGMENTS, splits=[5, 0, 5])
+    xs.row_offsets.copy_(torch.tensor([0, 5, 5, 10]))
+    out = torch.full((3, 128, 128), float("nan"))
+    with pytest.raises(ValueError, match=r"^x\.row_offsets was written in place since x was "
+                       r"built or checked \(version 0, now 1\)"):  # fmt: skip
+        grouped_wgrad(dys, xs, [5, 0, 5], out=out)
+    assert out.isnan().all()  # nothing written
+    checked = Fp8Blocks.from_tensors(xs.tensors(), block=SEGMENTS, dtype=x.dtype, shape=x.shape)
+    grouped_wgrad(dys, checked, [5, 0, 5])  # hand-built: checked, then sealed with its version
+    checked.row_offsets.add_(0)
+    with pytest.raises(ValueError, match=r"^x\.row_offsets was written in place since x was"):
+        grouped_wgrad(dys, checked, [5, 0, 5])
 
 
 def test_rejected_calls_write_nothing(operands: dict[str, Fp8Blocks]) -> None:

@@ -335,6 +335,35 @@ def test_backward_dw_without_delay_is_a_no_op() -> None:
         assert torch.equal(p.grad, before[name]), name
 
 
+def test_the_fused_ops_settings_are_the_mlps_and_a_loop_over_modules_runs_backward_dw() -> None:
+    # Catches: fc1 / fc2 given delay_wgrad_compute or fp8_recipe of their own, silently ignored
+    # by the fused op; the MLP's set after construction not reaching them; and a loop calling
+    # backward_dw() on every module stopping at fc1 ("no backward has queued ...").
+    module = GroupedMLP(E, H, FFN)
+    module.delay_wgrad_compute = True  # after construction: both layers follow
+    assert module.fc1.delay_wgrad_compute
+    assert module.fc2.delay_wgrad_compute
+    splits = [3, 1, 0, 4]
+    x, probs, dy = _inputs(splits)
+    module(x, splits, probs).backward(dy)
+    assert module.fc1.weight0.grad is None  # deferred
+    for sub in module.modules():  # the MLP first; fc1's and fc2's own queues are empty
+        sub.backward_dw()
+    assert module.fc1.weight0.grad is not None
+    with pytest.raises(RuntimeError, match=r"GroupedMLP\.backward_dw\(\) was called but no"):
+        module.backward_dw()
+    for fc, name, value in (
+        ("fc1", "delay_wgrad_compute", True),
+        ("fc2", "fp8_recipe", "blockwise"),
+    ):
+        module = GroupedMLP(E, H, FFN)
+        setattr(getattr(module, fc), name, value)
+        with pytest.raises(
+            ValueError, match=rf"^{fc}\.{name} is {value!r} but the GroupedMLP's is "
+        ):
+            module(x, splits, probs)
+
+
 # ---------------------------------------------------------------- distributed
 
 

@@ -7,6 +7,9 @@ the broken behaviour it catches.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -374,6 +377,37 @@ def test_frozen_fc2_member_of_a_grouped_mlp_is_untouched() -> None:
         _close(got.main_grad, expected)
 
 
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+@pytest.mark.parametrize(
+    ("main_grad", "delay"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_a_weight_frozen_at_forward_and_thawed_before_backward_gets_no_gradient(
+    layer: str, main_grad: bool, delay: bool
+) -> None:
+    # Catches: the wgrad GEMM reading requires_grad at backward: a weight frozen when the
+    # forward ran got a main_grad (and its flag) or a deferred .grad, where autograd gives none.
+    opts = {"bias": False, "accumulate_into_main_grad": main_grad, "delay_wgrad_compute": delay}
+    module = GroupedLinear(E, K, N, **opts) if layer == "linear" else GroupedMLP(E, K, 6, **opts)
+    params = dict(module.named_parameters())
+    _attach_main_grad(params.values())
+    thawed = "weight2" if layer == "linear" else "fc1.weight2"
+    params[thawed].requires_grad_(False)
+    x = _randn(sum(SPLITS), K, seed=17)
+    call = (lambda: module(x, SPLITS)) if layer == "linear" else (lambda: module(x, SPLITS, None))
+    y = call()
+    params[thawed].requires_grad_(True)
+    if main_grad or delay:  # past autograd: refused before anything is written
+        with pytest.raises(RuntimeError, match=rf"^'{thawed}' did not require grad when the "):
+            y.sum().backward()  # delayed or not, backward refuses it
+        for name, p in params.items():
+            assert not p.main_grad.any(), name
+            assert p.grad is None or not p.grad.any(), name
+        return
+    y.sum().backward()  # autograd drops the thawed weight's gradient, as for any op
+    assert params[thawed].grad is None
+    assert all(p.grad is not None for name, p in params.items() if name != thawed)
+
+
 # ------------------------------------------------ 4. the shared dummy is zero when handed out
 
 
@@ -460,6 +494,39 @@ def test_grouped_wgrad_refuses_to_write_into_a_tensor_that_requires_grad() -> No
     with torch.no_grad():  # as PyTorch allows in-place writes to leaves under no_grad
         grouped_wgrad(dy, x, [3, 3], out=out)
     assert not out.isnan().any()
+
+
+def test_a_module_saved_whole_overwrites_main_grad_in_a_new_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Catches: the per-parameter record of the backward that overwrote main_grad pickled with
+    # torch.save(module): a fresh process numbers its backwards from the same start, so its
+    # first backward took main_grad as already written and added to the stale buffer (off by
+    # exactly the 1000 the buffer held).
+    path = tmp_path / "layer.pt"
+    save = (
+        "import sys, torch\n"
+        "from groupgrad.modules import GroupedLinear\n"
+        "layer = GroupedLinear(4, 8, 4, bias=False, accumulate_into_main_grad=True)\n"
+        "for p in layer.parameters():\n"
+        "    p.main_grad = torch.zeros(p.shape); p.overwrite_main_grad = True\n"
+        "layer(torch.randn(12, 8), [3, 2, 5, 2]).sum().backward()  # a warm-up step\n"
+        "torch.save(layer, sys.argv[1])\n"
+    )
+    load = (
+        "import sys, torch\n"
+        "layer = torch.load(sys.argv[1], weights_only=False)\n"
+        "for p in layer.parameters():\n"
+        "    p.main_grad = torch.full(p.shape, 1000.0)  # stale: an overwrite never reads it\n"
+        "x = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))\n"
+        "layer(x, [3, 2, 5, 2]).sum().backward()\n"
+        "want = torch.ones(4, 3, dtype=torch.float64) @ x[:3].double()\n"
+        "print(float((layer.weight0.main_grad.double() - want).abs().max()))\n"
+    )
+    for code in (save, load):
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 1e-5
 
 
 # ------------------------------------------------ grad_dtype: fp32 wgrads, never bf16-rounded

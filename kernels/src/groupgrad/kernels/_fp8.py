@@ -9,7 +9,6 @@ CUDA) lives in ``_fp8_ops``.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -18,14 +17,13 @@ import torch
 from torch import Tensor
 
 from groupgrad.kernels import _fp8_ops, _rules
-from groupgrad.kernels._fp8_ops import token_map
+from groupgrad.kernels._fp8_ops import SEGMENT_ALIGN, segment_offsets, token_map
 from groupgrad.kernels._group import PLAIN_TYPES, listed_facts
 
 __all__ = ["Fp8Blocks", "check_splits", "quantize_fp8", "quantize_fp8_ref", "segment_offsets"]
 
 ROWS, WEIGHTS, SEGMENTS = (1, 128), (128, 128), (128, 1)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SEGMENT_ALIGN = 16  # tokens: each expert's data columns start 16-byte aligned
 
 Splits = Sequence[int] | Tensor
 Block = tuple[int, int]
@@ -37,12 +35,14 @@ def _state(form: Fp8Blocks) -> list[Any]:
     (``data``, ``data_t``, ``scales``, ``row_offsets``: the GEMMs derive a ``(128, 1)``
     form's other offsets from its token counts, as its quantizer did) the address, shape,
     strides and dtype (another tensor in its place, ``.data =``, ``resize_``, ``t_`` or
-    ``set_`` change them; values do not)."""
+    ``set_`` change them; values do not), and last the version of ``row_offsets`` (the
+    counts the data was cut by: :meth:`Fp8Blocks._seal_holds` refuses their in-place edit)."""
     state: list[Any] = [form.block, form.shape]
     for t in (form.data, form.data_t, form.scales, form.row_offsets):
         if t is not None:
             state += (t.data_ptr(), t.shape, t.stride(), t.dtype)
-    return state
+    offsets = form.row_offsets  # an inference tensor keeps no version
+    return [*state, None if offsets is None or torch.is_inference(offsets) else offsets._version]
 
 
 class Fp8Blocks:
@@ -135,13 +135,25 @@ class Fp8Blocks:
             seal[2] = find(self)
         return cast(bool, seal[2])
 
-    def _seal_holds(self) -> list[Any] | None:
+    def _seal_holds(self, name: str) -> list[Any] | None:
         """The seal :meth:`_sealed` recorded while it holds (the same block, shape and tensor
-        states), else ``None``."""
+        states), else ``None``.
+
+        Raises:
+            ValueError: Only ``row_offsets``' version moved: the counts the data was cut by
+                were written in place (``name``: how the message names the form).
+        """
         seal = self._seal
         if seal is None or torch.compiler.is_compiling():
             return None
-        return seal if seal[0] == _state(self) else None
+        state = _state(self)
+        if seal[0][:-1] == state[:-1] and seal[0][-1] != state[-1]:
+            raise ValueError(
+                f"{name}.row_offsets was written in place since {name} was built or checked "
+                f"(version {seal[0][-1]}, now {state[-1]}): its data was cut by the counts it "
+                "held then; quantize the tensor again"
+            )
+        return seal if seal[0] == state else None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
         """The tensors, to pass into a custom op: ``(data, data_t, scales, row_offsets,
@@ -252,25 +264,6 @@ def check_splits(splits: object, T: int, device: torch.device, rows: str = "t") 
     if isinstance(splits, Tensor):
         return splits
     return [operator.index(s) for s in cast("Sequence[Any]", splits)]
-
-
-def segment_offsets(
-    splits: Splits, device: torch.device, fused: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(row, seg, block)`` offsets, ``(E + 1,)`` int64 on ``device``: each expert's first
-    row of ``t``, data column (16-aligned) and scale row. Device splits: device math only,
-    ``fused`` in one kernel where it can (``_fp8_ops.offsets``; the ``*_ref`` twins keep
-    the reference's)."""
-    if isinstance(splits, Tensor):
-        sizes = splits.to(device=device)
-        if fused:
-            return _fp8_ops.offsets(sizes, SEGMENT_ALIGN)
-        return _fp8_ops.offsets_ref(sizes, SEGMENT_ALIGN)
-    counts = [int(n) for n in splits]
-    steps = (lambda n: n, lambda n: -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN, lambda n: -(-n // 128))
-    table = [list(itertools.accumulate(map(f, counts), initial=0)) for f in steps]
-    row, seg, block = torch.tensor(table, dtype=torch.int64, device=device).unbind(0)
-    return row, seg, block
 
 
 # ---------------------------------------------------------------- the three forms

@@ -70,9 +70,15 @@ def rows_ref(
 ) -> None:
     """FP8 fprop (``y_e = x_e @ w_e.T``) or dgrad (``dx_e = dy_e @ w_e``) on dequantized operands.
 
-    ``w_data_t`` (the CUDA kernel's dgrad operand) is not read.
+    Each reads the weight orientation its CUDA kernel reads: fprop ``w_data``, dgrad
+    ``w_data_t`` (with the same scales, transposed), so a form whose two orientations
+    disagree gives the same answer on either path.
     """
-    a32, w32 = _rows(a_data, a_scales), _weights(w_data, w_scales)
+    if op == "fprop":
+        w32 = _weights(w_data, w_scales)
+    else:
+        w32 = _weights(w_data_t, w_scales.transpose(-1, -2)).transpose(-1, -2)
+    a32 = _rows(a_data, a_scales)
     gemm = _reference.fprop if op == "fprop" else _reference.dgrad
     gemm(a32, [w32], splits, out)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -62,6 +63,7 @@ __all__ = [
     "rows",
     "rows_op",
     "say_once",
+    "segment_offsets",
     "segments",
     "segments_op",
     "token_map",
@@ -124,6 +126,28 @@ def weights_ref(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     spread = (slice(None), slice(None), None, slice(None), None)
     data = _to_e4m3(blocks, inverse[spread], finite[spread]).reshape(E, N, K)
     return data, data.transpose(1, 2).contiguous(), scale
+
+
+SEGMENT_ALIGN = 16  # tokens: each expert's data columns start 16-byte aligned
+
+
+def segment_offsets(
+    splits: Sequence[int] | Tensor, device: torch.device, fused: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row, seg, block)`` offsets, ``(E + 1,)`` int64 on ``device``: each expert's first
+    row of ``t``, data column (16-aligned) and scale row. Device splits: device math only,
+    ``fused`` in one kernel where it can (``_fp8_ops.offsets``; the ``*_ref`` twins keep
+    the reference's)."""
+    if isinstance(splits, Tensor):
+        sizes = splits.to(device=device)
+        if fused:
+            return offsets(sizes, SEGMENT_ALIGN)
+        return offsets_ref(sizes, SEGMENT_ALIGN)
+    counts = [int(n) for n in splits]
+    steps = (lambda n: n, lambda n: -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN, lambda n: -(-n // 128))
+    table = [list(itertools.accumulate(map(f, counts), initial=0)) for f in steps]
+    row, seg, block = torch.tensor(table, dtype=torch.int64, device=device).unbind(0)
+    return row, seg, block
 
 
 def offsets_ref(sizes: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,8 +22,7 @@ from torch import Tensor
 from groupgrad.kernels import _group
 from groupgrad.kernels._group import PLAIN_TYPES, ListedFacts, dense, listed_facts
 
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INPUT_DTYPES = WGRAD_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DTYPE_CHOICES = "torch.bfloat16, torch.float16 or torch.float32"
 
 
@@ -107,9 +106,8 @@ def wgrad_splits(
     if x_rows != dy_rows:
         raise ValueError(f"x has {x_rows} rows but dy has {dy_rows} rows")
     if type(accumulate) is not bool:
-        raise TypeError(
-            f"accumulate must be a bool, got {accumulate!r} ({type(accumulate).__name__})"
-        )
+        kind = type(accumulate).__name__
+        raise TypeError(f"accumulate is {accumulate!r} ({kind}), expected a bool")
     splits_E = splits_arg(splits, "x", x_rows, device, experts=None)
     if splits_E.shape[0] == 0:
         raise ValueError("splits has no entries, expected one token count per expert")
@@ -430,6 +428,8 @@ def check_unrecorded(
         else:
             recorded = _group.any_requires_grad(value)
         if recorded:
+            if not isinstance(value, Tensor):  # a group: name its first member that does
+                name += f"[{next(i for i, t in enumerate(value) if t.requires_grad)}]"
             raise ValueError(
                 f"{name} requires grad, but {op} is not differentiable: autograd would "
                 f"give {name} no gradient through it; expected tensors that do not require grad "

@@ -290,7 +290,7 @@ def fp8_operand(name: str, value: object, block: Block) -> Fp8Blocks:
         raise TypeError(
             f"{name} says it was quantized from {value.dtype}, expected {_rules.DTYPE_CHOICES}"
         )
-    seal = value._seal_holds()
+    seal = value._seal_holds(name)
     if seal and seal[1]:  # sealed, and this seal's shape passed the rules below before
         return value
     if not isinstance(value.shape, tuple):

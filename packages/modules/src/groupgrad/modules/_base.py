@@ -37,6 +37,7 @@ class GroupedModule(nn.Module):
         self.single_grouped_weight = single_grouped_weight
         self.delay_wgrad_compute = delay_wgrad_compute
         self._wgrad_queue = WgradQueue()
+        self._in_fused_op = False  # a GroupedMLP's fc1 / fc2: its op queues their GEMMs
 
     def _forward_queue(self) -> WgradQueue | None:
         """Where a forward's backward queues its wgrads: the queue when delayed, else ``None``.
@@ -62,7 +63,9 @@ class GroupedModule(nn.Module):
         """Run the weight-gradient GEMMs that one backward deferred (oldest first).
 
         A no-op with ``delay_wgrad_compute=False`` and nothing queued (jobs queued
-        before the option was switched off still run). With
+        before the option was switched off still run), and for a ``GroupedMLP``'s
+        ``fc1`` / ``fc2`` with nothing queued (the MLP's op queues their GEMMs in
+        the MLP's own queue, which its ``backward_dw()`` runs). With
         ``main_grad`` each GEMM writes it now (the flag and dummy went to
         autograd at backward); without, the gradient is added into ``.grad``
         as autograd would have; a distributed group is finalized now, right
@@ -75,7 +78,7 @@ class GroupedModule(nn.Module):
                 it reads was modified in place since backward, or a parameter
                 was frozen or unfrozen since.
         """
-        if self.delay_wgrad_compute or len(self._wgrad_queue):
+        if len(self._wgrad_queue) or (self.delay_wgrad_compute and not self._in_fused_op):
             self._wgrad_queue.pop_and_run(type(self).__name__)
 
     def extra_repr(self) -> str:

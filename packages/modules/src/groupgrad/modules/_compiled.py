@@ -74,11 +74,12 @@ class _Layout:
     forms: tuple[Fp8Form | None, Fp8Form | None]
     bias_dy: bool
     ahead: bool
+    frozen: tuple[bool, ...]  # per weight: it did not require grad at forward
 
     def bind(self, params: Sequence[Tensor]) -> LayerGrads:
         """The layer on its real parameters (weights, then biases)."""
         weights = tuple(params[: self.num_weights])
-        target = WgradTarget(self.spec, self.shape, weights)
+        target = WgradTarget(self.spec, self.shape, weights, self.frozen)
         return LayerGrads(target, tuple(params[self.num_weights :]), self.operands)
 
     def take(
@@ -98,14 +99,15 @@ def _layout_key(layouts: tuple[tuple[Any, ...], ...]) -> str:
     """Register the layers' layouts (when the graph is traced) and return their key.
 
     Each layout: names, packed, wgrad_into_main_grad, shape, weights, biases,
-    operand names, operand forms, whether a bias ``dy`` follows, whether it is ahead.
+    operand names, operand forms, whether a bias ``dy`` follows, whether it is ahead, which
+    weights did not require grad at forward.
     """
     key = repr(layouts)
     _LAYOUTS.setdefault(
         key,
         tuple(
-            _Layout(WeightGroupSpec(n, p, m), s, w, b, o, f, d, a)
-            for n, p, m, s, w, b, o, f, d, a in layouts
+            _Layout(WeightGroupSpec(n, p, m), s, w, b, o, f, d, a, z)
+            for n, p, m, s, w, b, o, f, d, a, z in layouts
         ),
     )
     return key
@@ -388,7 +390,8 @@ def _layout_of(
     """``layer``'s entry of :func:`_layout_key`."""
     spec, sizes = layer.target.spec, (len(layer.target.params), len(layer.biases))
     flags = (spec.packed, spec.wgrad_into_main_grad)
-    return (spec.names, *flags, layer.target.shape, *sizes, layer.operands, forms, bias_dy, ahead)
+    tail = (layer.operands, forms, bias_dy, ahead, layer.target.frozen_at_forward)
+    return (spec.names, *flags, layer.target.shape, *sizes, *tail)
 
 
 def refuse_derived_parameters(

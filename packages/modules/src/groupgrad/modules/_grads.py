@@ -373,6 +373,9 @@ def parameter_grads(
     every = [*layers, *ahead]
     takes_every = [_weights_delivered(ly.target, ly.nodes, queue is not None) for ly in every]
     taken = takes_every[: len(layers)]
+    for layer, takes in zip(every, takes_every, strict=True):
+        if takes:
+            layer.target.refuse_thawed(queue is not None)
     if compiled:
         _refuse_hooked(every, takes_every, "under torch.compile", biases=True)
     elif queue is not None:

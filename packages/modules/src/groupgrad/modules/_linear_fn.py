@@ -175,7 +175,8 @@ def layer_fprop(
             "(torch.compiler.disable), or run it without torch.compile"
         )
     materialized = materialize_weight_for_forward(list(weights))
-    target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights))
+    frozen = tuple(not w.requires_grad for w in weights)
+    target = WgradTarget(spec, tuple(materialized[0].shape), tuple(weights), frozen)
     gemm_weights = _gemm_weights(spec, weights, materialized, cast_dtype, fp8, forward=True)
     y = grouped_fprop(x, gemm_weights, splits, names=spec.names)
     return y, target, spec.num_groups(materialized)

@@ -5,6 +5,8 @@ Legend: ``T`` tokens, ``E`` experts, ``H`` hidden_size, ``F`` ffn_hidden_size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,9 @@ from groupgrad.modules._mlp_args import (
 from groupgrad.modules._mlp_fn import apply_grouped_mlp, mlp_forms
 
 __all__ = ["GroupedMLP"]
+
+
+_OP_SETTINGS = ("delay_wgrad_compute", "fp8_recipe")  # the fused op's, not each layer's
 
 
 class GroupedMLP(GroupedModule):
@@ -149,6 +154,26 @@ class GroupedMLP(GroupedModule):
 
         self.fc1 = layer(hidden_size, 2 * ffn_hidden_size)
         self.fc2 = layer(ffn_hidden_size, hidden_size)
+        self.fc1._in_fused_op = self.fc2._in_fused_op = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``delay_wgrad_compute`` and ``fp8_recipe`` are the fused op's: set on fc1 and fc2 too."""
+        super().__setattr__(name, value)
+        if name in _OP_SETTINGS and "fc2" in self._modules:
+            setattr(self.fc1, name, value)
+            setattr(self.fc2, name, value)
+
+    def _check_layers(self) -> None:
+        """Refuse fc1 or fc2 given an op-wide setting of its own (the op would ignore it)."""
+        for fc in ("fc1", "fc2"):
+            for name in _OP_SETTINGS:
+                mine, theirs = getattr(self, name), getattr(getattr(self, fc), name)
+                if theirs != mine:
+                    raise ValueError(
+                        f"{fc}.{name} is {theirs!r} but the GroupedMLP's is {mine!r}: the "
+                        f"GroupedMLP runs fc1 and fc2 as one op with its own {name}; set it on "
+                        "the GroupedMLP (which sets both layers)"
+                    )
 
     @property
     def accumulate_into_main_grad(self) -> bool:
@@ -203,11 +228,14 @@ class GroupedMLP(GroupedModule):
         Raises:
             ValueError: ``x`` is not ``(T, H)``; ``probs`` is not ``(T,)`` or
                 on another device; fc1 and fc2 are not both distributed or
-                both plain (the kernels check ``splits``, dtypes and devices).
+                both plain (the kernels check ``splits``, dtypes and devices);
+                fc1 or fc2 was given its own ``delay_wgrad_compute`` or
+                ``fp8_recipe`` (set them on the GroupedMLP).
             TypeError: ``probs`` is not a floating-point tensor, or
                 ``is_first_microbatch`` not ``None`` or a bool.
         """
         check_mlp_inputs(x, probs, self.hidden_size)
+        self._check_layers()
         caches = (
             weight_cache(self, self.fc1._fp8_weights),
             weight_cache(self, self.fc2._fp8_weights),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,6 +53,17 @@ __all__ = [
 #: lives as long as its parameter (dropping the record of a backward still running would let
 #: its next GEMM into that parameter overwrite the sum again).
 _WRITTEN_FOR = "_groupgrad_main_grad_written_for"
+
+#: This process's mark on the records kept as parameter attributes (``(mark, record)``):
+#: ``torch.save`` of a module pickles them with their parameters, and graph task numbers
+#: start again in another process, so a loaded record must not be taken for its own.
+_PROCESS = object()
+
+
+def _own(param: Tensor, attr: str) -> Any:
+    """``param``'s record ``attr`` if this process wrote it, else ``None``."""
+    value = getattr(param, attr, None)
+    return value[1] if isinstance(value, tuple) and value[0] is _PROCESS else None
 
 
 def overwrites_of(
@@ -98,7 +110,8 @@ def refuse_distributed_rewrite(plan: WeightGradPlan, task: int, pending: Abstrac
 def _written_for(param: Tensor, backward: int, pending: AbstractSet[int]) -> bool:
     """Whether a GEMM of ``backward`` (``_tasks.backward_of``) wrote ``param``'s ``main_grad``
     or is ``pending`` to write it."""
-    return id(param) in pending or backward_of(getattr(param, _WRITTEN_FOR, -1)) == backward
+    task = _own(param, _WRITTEN_FOR)
+    return id(param) in pending or (task is not None and backward_of(task) == backward)
 
 
 def record_written(plan: WeightGradPlan, task: int) -> None:
@@ -106,7 +119,7 @@ def record_written(plan: WeightGradPlan, task: int) -> None:
     gradient (see :data:`_WRITTEN_FOR`)."""
     for param, keep in zip(plan.weights, plan.trainable, strict=True):
         if keep:
-            setattr(param, _WRITTEN_FOR, task)
+            setattr(param, _WRITTEN_FOR, (_PROCESS, task))
 
 
 #: Per graph task that planned, per parameter (its id): the ``main_grad`` buffer a plan of
@@ -170,10 +183,10 @@ _QUEUED = "_groupgrad_deferred_tasks"
 def queue_deferred(params: Iterable[Tensor], task: int) -> None:
     """Record a deferred GEMM of backward ``task`` into each of ``params``."""
     for param in params:
-        tasks = getattr(param, _QUEUED, None)
+        tasks = _own(param, _QUEUED)
         if tasks is None:
             tasks = []
-            setattr(param, _QUEUED, tasks)
+            setattr(param, _QUEUED, (_PROCESS, tasks))
         tasks.append(task)
 
 
@@ -184,7 +197,7 @@ def unqueue_deferred(params: Sequence[Tensor], trainable: Sequence[bool], task: 
     mine = backward_of(task)
     last = []
     for param, keep in zip(params, trainable, strict=True):
-        tasks = getattr(param, _QUEUED, []) if keep else []
+        tasks = (_own(param, _QUEUED) or []) if keep else []
         if task in tasks:
             tasks.remove(task)
         last.append(all(backward_of(other) != mine for other in tasks))

@@ -86,11 +86,14 @@ class WgradTarget:
         shape: One parameter's full wgrad shape: the materialized weight's
             shape, ``(N, K)`` or packed ``(E, N, K)``.
         params: The layer's parameters (not materialized copies), leader first.
+        frozen_at_forward: Per parameter, whether it did not require grad when the
+            forward ran (``()``: not known, as in a compiled backward's op).
     """
 
     spec: WeightGroupSpec
     shape: tuple[int, ...]
     params: tuple[Tensor, ...]
+    frozen_at_forward: tuple[bool, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -100,6 +103,25 @@ class WgradTarget:
     def trainable(self) -> bool:
         """Whether any parameter requires grad (else there is no GEMM to run)."""
         return any(param.requires_grad for param in self.params)
+
+    def refuse_thawed(self, deferred: bool) -> None:
+        """Refuse a parameter that did not require grad when the forward ran and does now,
+        where its gradient would go past autograd (``main_grad``, a distributed weight, or a
+        ``deferred`` GEMM): autograd gives it none for this backward. On the immediate
+        autograd route autograd drops it itself, as for any op.
+
+        Raises:
+            RuntimeError: Naming the parameter (before anything is written).
+        """
+        known = zip(self.frozen_at_forward, self.params, self.spec.names, strict=False)  # () too
+        thawed = [name for frozen, param, name in known if frozen and param.requires_grad]
+        if thawed and (deferred or self.route() is not WgradRoute.AUTOGRAD):
+            raise RuntimeError(
+                f"{thawed[0]!r} did not require grad when the forward ran but does now: "
+                "autograd gives it no gradient for this backward, and its weight gradient GEMM "
+                "would write one; change requires_grad before a forward, not between it and "
+                "its backward (or backward_dw())"
+            )
 
     def route(self) -> WgradRoute:
         """Where the wgrad goes (the protocol's :func:`~groupgrad.protocol.wgrad_route`)."""
@@ -112,7 +134,12 @@ class WgradTarget:
     ) -> WeightGradPlan:
         """The protocol's plan for backward ``task``, made now (``overwrite_main_grad`` read
         now; ``get_main_grad()`` called now unless an earlier plan of that backward took the
-        parameter's buffer: ``_param_records.fetched_for``)."""
+        parameter's buffer: ``_param_records.fetched_for``).
+
+        Raises:
+            RuntimeError: :meth:`refuse_thawed`.
+        """
+        self.refuse_thawed(deferred)
         plan = plan_weight_grads(
             self.params,
             shape=self.shape,

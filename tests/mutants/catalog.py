@@ -298,6 +298,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:",
         (f"{MODULES}/test_linear.py",),
     ),
+    Mutant(
+        "masters-clip-norm-of-local-shards",
+        "MasterWeights.clip_grad_norm_ sums this rank's shards only: each rank clips by another, "
+        "smaller norm",
+        "integrations/torch_distributed/src/groupgrad/integrations/torch_distributed/_master.py",
+        "            dist.all_reduce(total, group=group)\n",
+        "",
+        (
+            f"{TORCH_DISTRIBUTED}/test_training_loop.py::test_clipping_the_masters_measures_every_ranks_shards",
+        ),
+    ),
     # --- torch_distributed: a training loop around sharded experts corrupts and loses nothing
     Mutant(
         "ddp-broadcasts-shards",

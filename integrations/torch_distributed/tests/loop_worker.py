@@ -394,7 +394,33 @@ def run_checkpoint_load(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
     return found
 
 
+def run_clip(cfg: dict[str, Any], rank: Rank) -> dict[str, Any]:
+    """``MasterWeights.clip_grad_norm_`` over a sharded layer's masters and a whole router."""
+    torch.manual_seed(cfg["seed"])  # the same weights on every rank before sharding
+    layer = GroupedLinear(3, 8, 12, bias=False, dtype=torch.bfloat16, device=rank.device)
+    router = nn.Linear(8, 3, device=rank.device)
+    td.shard_expert_weights(layer)
+    masters = td.MasterWeights(p for _, p in td.named_sharded_parameters(layer))
+    data = torch.Generator().manual_seed(cfg["seed"] * 100 + rank.rank)
+    x = integer_data(data, 12, 8, rank.device)
+    layer(x, [5, 0, 7]).backward(integer_data(data, 12, 12, rank.device))
+    router(x.float()).sum().backward()  # the same router gradient on every rank: a stand-in
+    dist.all_reduce(router.weight.grad)  # for DDP's average, identical on the ranks
+    masters.grads_from_main_grad()
+    before = [cpu(m.grad) for m in masters.parameters()]
+    router_before = cpu(router.weight.grad)
+    norm = masters.clip_grad_norm_(cfg["max_norm"], others=[router.weight])
+    return {
+        "norm": float(norm),
+        "before": before,
+        "after": [cpu(m.grad) for m in masters.parameters()],
+        "router_before": router_before,
+        "router_after": cpu(router.weight.grad),
+    }
+
+
 KINDS: dict[str, Callable[[dict[str, Any], Rank], dict[str, Any]]] = {
+    "clip": run_clip,
     "ddp": run_ddp,
     "ddp_root_layer": run_ddp_root_layer,
     "masters": run_masters,

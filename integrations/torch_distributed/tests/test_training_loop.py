@@ -78,8 +78,12 @@ def _masters_resume(folder: Path) -> dict[str, Any]:
             "folder": str(folder)}  # fmt: skip
 
 
+CLIP = {"name": "clip", "kind": "clip", "seed": 8, "max_norm": 1.0}
+
+
 def _two_rank_scenarios(folder: Path) -> list[dict[str, Any]]:
-    return [*DDP, ROOT_LAYER, *MASTERS, *FROZEN, *_checkpoints(folder), _masters_resume(folder)]
+    scenarios = [*DDP, ROOT_LAYER, *MASTERS, *FROZEN, *_checkpoints(folder)]
+    return [*scenarios, _masters_resume(folder), CLIP]
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +193,21 @@ def test_fp32_master_weights_with_adamw_match_the_fp32_reference(
     runs: Launches, cfg: dict[str, Any]
 ) -> None:
     check_master_weights(runs(2), cfg)
+
+
+def test_clipping_the_masters_measures_every_ranks_shards(runs: Launches) -> None:
+    # Catches: a norm over this rank's shards only (torch.nn.utils.clip_grad_norm_ over
+    # masters.parameters()): each rank clipped by another, smaller norm, and the ranks drifted.
+    ranks = runs(2)["clip"]
+    squares = sum(float(g.double().square().sum()) for r in ranks for g in r["before"])
+    want = (squares + float(ranks[0]["router_before"].double().square().sum())) ** 0.5
+    scale = min(1.0, CLIP["max_norm"] / (want + 1e-6))
+    assert scale < 0.5  # the test clips
+    for rank, result in enumerate(ranks):
+        assert abs(result["norm"] - want) <= 1e-5 * want, f"rank {rank}: {result['norm']} {want}"
+        pairs = [*zip(result["before"], result["after"], strict=True)]
+        for before, after in [*pairs, (result["router_before"], result["router_after"])]:
+            torch.testing.assert_close(after, before * scale, rtol=1e-5, atol=0)
 
 
 def test_a_resume_from_masters_state_dict_continues_bit_for_bit(runs: Launches) -> None:

@@ -33,7 +33,8 @@ class MasterWeights:
         masters.step(optimizer)  # masters' .grad = main_grad; step; copy back; zero main_grad
 
     or the same in pieces: :meth:`grads_from_main_grad`, ``optimizer.step()``,
-    :meth:`copy_to_model`, :meth:`zero_main_grad`.
+    :meth:`copy_to_model`, :meth:`zero_main_grad` (clip with :meth:`clip_grad_norm_`
+    between the first two: the norm over every rank's shards).
 
     Only the parameters given here are touched; the optimizer's other
     parameters keep their own ``.grad``. Checkpoints: the model's state holds
@@ -176,6 +177,52 @@ class MasterWeights:
             if takes_grad_added_flag(param):
                 param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             master.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, *, others: Iterable[Tensor] = ()) -> Tensor:
+        """Scale the gradients so that their 2-norm over the whole model is at most ``max_norm``.
+
+        ``torch.nn.utils.clip_grad_norm_(parameters(), ...)`` would measure this rank's
+        shards only, and each rank would clip by another, smaller norm. Here a master of
+        a row shard (a member of a sharded layer whose leader is among the masters) adds
+        the squares of its ``.grad`` summed over the ranks of its shard group (one
+        ``all_reduce`` per group: a collective, every rank of it calls this); any other
+        master and ``others`` (parameters every rank holds whole, e.g. a DDP-averaged
+        router) count once. Call it after :meth:`grads_from_main_grad`; a master without
+        ``.grad`` counts nothing. Every ``.grad`` is then scaled by
+        ``min(1, max_norm / (norm + 1e-6))``, as PyTorch's ``clip_grad_norm_`` does.
+
+        Returns:
+            The total norm, an fp32 scalar tensor.
+        """
+        groups: dict[int, Any] = {}  # member id -> its shard group's process group
+        for param in self.model_params:
+            shard_group = getattr(param, "shard_group", None)
+            for member in getattr(shard_group, "members", ()):
+                groups[id(member)] = shard_group.process_group  # type: ignore[union-attr]
+        sums: dict[int, tuple[Any, Tensor]] = {}  # id(process group) -> (group, sum of squares)
+        local = torch.zeros((), dtype=torch.float32, device=self.master_params[0].device)
+        for param, master in zip(self.model_params, self.master_params, strict=True):
+            if master.grad is None:
+                continue
+            square = master.grad.float().square().sum()
+            if id(param) not in groups:
+                local += square
+                continue
+            group = groups[id(param)]
+            _, total = sums.setdefault(id(group), (group, torch.zeros_like(local)))
+            total += square
+        for group, total in sums.values():  # the same groups, in the same order, on every rank
+            dist.all_reduce(total, group=group)
+            local += total
+        whole = [t for t in others if t.grad is not None]
+        for t in whole:
+            local += t.grad.float().square().sum()  # type: ignore[union-attr]
+        norm = local.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for t in [*(m for m in self.master_params if m.grad is not None), *whole]:
+            t.grad.mul_(scale.to(t.grad.dtype))  # type: ignore[union-attr]
+        return norm
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One optimizer step on the masters from ``main_grad``, then back into the model.

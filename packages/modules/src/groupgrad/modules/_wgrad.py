@@ -137,9 +137,12 @@ class WgradTarget:
         parameter's buffer: ``_param_records.fetched_for``).
 
         Raises:
-            RuntimeError: :meth:`refuse_thawed`.
+            RuntimeError: :meth:`refuse_thawed`, for a ``deferred`` GEMM (a weight may thaw
+                between backward and ``backward_dw()``; ``_grads.parameter_grads`` checked
+                the backward's own before anything was written).
         """
-        self.refuse_thawed(deferred)
+        if deferred:
+            self.refuse_thawed(True)
         plan = plan_weight_grads(
             self.params,
             shape=self.shape,

@@ -189,9 +189,10 @@ class GroupgradFusedExperts(MegatronModule):
         self.layer_number = layer_number
         if self.fp8_recipe is None:
             return
-        recipe = None if runs_in_bf16(self.config, layer_number) else self.fp8_recipe
-        for module in (self.grouped_mlp, self.grouped_mlp.fc1, self.grouped_mlp.fc2):
-            module.fp8_recipe = recipe
+        # the GroupedMLP's recipe, which it sets on fc1 and fc2 too
+        self.grouped_mlp.fp8_recipe = (
+            None if runs_in_bf16(self.config, layer_number) else self.fp8_recipe
+        )
 
     def _cache_flag(self) -> bool | None:
         """The ``is_first_microbatch`` this forward passes to the ``GroupedMLP``; clears the attribute.

@@ -697,6 +697,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{MODULES}/test_silent_wrong_gradients.py",),
     ),
     Mutant(
+        "held-hooks-record-loaded",
+        "the record of hooks a deferred wgrad holds back is pickled with torch.save(module) "
+        "(empty): the loaded copy takes its own hooks for held, and autograd runs them at "
+        "backward, before backward_dw() delivers the gradient",
+        "packages/protocol/src/groupgrad/protocol/_hooks.py",
+        "        return (type(None), ())\n",
+        "        return (_Held, ({},))\n",
+        (f"{MODULES}/test_silent_wrong_gradients.py",),
+    ),
+    Mutant(
         "thawed-weight-written",
         "a weight frozen when the forward ran and thawed before backward gets its wgrad in "
         "main_grad (or a deferred .grad): requires_grad read at backward only",

@@ -7,6 +7,7 @@ the broken behaviour it catches.
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -527,6 +528,35 @@ def test_a_module_saved_whole_overwrites_main_grad_in_a_new_process(tmp_path) ->
         )
         assert done.returncode == 0, done.stderr
     assert float(done.stdout) < 1e-5
+
+
+def test_a_module_saved_while_its_wgrad_is_deferred_loads_with_no_hooks_held() -> None:
+    # Catches: the record of the hooks a deferred wgrad holds back pickled with torch.save
+    # (torch drops the hooks themselves): the loaded copy took its own hooks for held already,
+    # so autograd ran them at backward, before backward_dw() delivered the gradient (they saw
+    # .grad None), and backward_dw() ran them again with the saved module's hooks.
+    saved_hook_calls: list[torch.Tensor | None] = []
+    layer = GroupedLinear(2, 8, 4, bias=False, delay_wgrad_compute=True)
+    layer.weight0.register_post_accumulate_grad_hook(lambda p: saved_hook_calls.append(p.grad))
+    x = _randn(6, 8, seed=40)
+    layer(x, [3, 3]).sum().backward()  # the wgrad queued: the hooks held until backward_dw()
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    layer.backward_dw()
+    saved_hook_calls.clear()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    seen: list[torch.Tensor | None] = []
+    loaded.weight0.register_post_accumulate_grad_hook(
+        lambda p: seen.append(None if p.grad is None else p.grad.clone())
+    )
+    loaded(x, [3, 3]).sum().backward()
+    assert seen == []  # held back: the gradient has not landed
+    loaded.backward_dw()
+    want = torch.ones(4, 3, dtype=torch.float64) @ x[:3].double()
+    assert len(seen) == 1 and seen[0] is not None
+    _close(seen[0], want)
+    assert saved_hook_calls == []  # torch.save drops hooks: the saved module's stay behind
 
 
 # ------------------------------------------------ grad_dtype: fp32 wgrads, never bf16-rounded

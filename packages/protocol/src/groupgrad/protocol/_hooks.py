@@ -33,7 +33,27 @@ __all__ = [
     "run_post_accumulate_grad_hooks",
 ]
 
-_HELD = "_groupgrad_held_hooks"  # [pending deferred gradients, the held hooks by handle id]
+_HELD = "_groupgrad_held_hooks"  # the parameter's _Held, while deferred gradients hold its hooks
+
+
+class _Held:
+    """A parameter's held hooks: how many pending deferred gradients hold them, and the hooks
+    by handle id.
+
+    Pickled as ``None``: ``torch.save`` of a module saves its parameters' attributes but not
+    their hooks, and no deferred gradient is pending in the loaded copy, so the copy holds
+    nothing (a held record loaded with it would keep the copy's own hooks running at backward,
+    before a deferred gradient lands, and run the saved ones after it).
+    """
+
+    __slots__ = ("count", "hooks")
+
+    def __init__(self, hooks: dict[int, Callable[[torch.Tensor], None]]) -> None:
+        self.count = 0
+        self.hooks = hooks
+
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        return (type(None), ())
 
 
 def _live(param: torch.Tensor) -> dict[int, Callable[[torch.Tensor], None]] | None:
@@ -51,11 +71,11 @@ def hold_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> None:
         held = param.__dict__.get(_HELD)
         if held is None:
             live = _live(param)
-            held = [0, dict(live or {})]
+            held = _Held(dict(live or {}))
             if live:
                 live.clear()
             setattr(param, _HELD, held)
-        held[0] += 1
+        held.count += 1
 
 
 def release_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> None:
@@ -64,16 +84,16 @@ def release_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> None:
         held = param.__dict__.get(_HELD)
         if held is None:
             continue
-        held[0] -= 1
-        if held[0] == 0:
+        held.count -= 1
+        if held.count == 0:
             delattr(param, _HELD)
-            if held[1]:
+            if held.hooks:
                 live = _live(param)
                 if live is None:  # nothing registered since: re-register in order
-                    for hook in held[1].values():
+                    for hook in held.hooks.values():
                         param.register_post_accumulate_grad_hook(hook)
                 else:
-                    restored = {**held[1], **live}
+                    restored = {**held.hooks, **live}
                     live.clear()
                     live.update(restored)
 
@@ -85,7 +105,7 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     step calls this once the gradient has landed.
     """
     held = param.__dict__.get(_HELD)
-    hooks = {**(held[1] if held is not None else {}), **(_live(param) or {})}
+    hooks = {**(held.hooks if held is not None else {}), **(_live(param) or {})}
     for hook in hooks.values():
         hook(param)
 

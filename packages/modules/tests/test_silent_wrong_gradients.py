@@ -554,7 +554,8 @@ def test_a_module_saved_while_its_wgrad_is_deferred_loads_with_no_hooks_held() -
     assert seen == []  # held back: the gradient has not landed
     loaded.backward_dw()
     want = torch.ones(4, 3, dtype=torch.float64) @ x[:3].double()
-    assert len(seen) == 1 and seen[0] is not None
+    assert len(seen) == 1
+    assert seen[0] is not None
     _close(seen[0], want)
     assert saved_hook_calls == []  # torch.save drops hooks: the saved module's stay behind
 

@@ -5,8 +5,9 @@ In-process: which ``TransformerConfig`` FP8 settings the fused experts run
 construction, naming the setting; the grouped-linear experts refuse FP8
 naming the fused backend; ``first_last_layers_bf16`` follows Megatron's rule.
 One gloo rank (``fp8_worker.py``): Megatron's ``DistributedOptimizer``
-writes the new bf16 weights through its buffers (no version bump, so only
-Megatron's ``is_first_microbatch`` flag can tell the experts), and the first
+writes the new bf16 weights through its buffers (no version bump: Megatron's
+``is_first_microbatch`` flag tells the experts, and so does the cache's count
+of ``torch.optim`` steps where Megatron's optimizer wraps one), and the first
 micro-batch after each ``step()`` must use the new weights quantized
 afresh; the ``first_last_layers_bf16`` layers' experts run bf16.
 """

@@ -11,8 +11,9 @@ parameter object, another ``data_ptr``, shape, strides or dtype, a moved version
 counter (an in-place update such as ``torch.optim``'s ``p.add_(...)``
 under ``no_grad``), or any ``torch.optim`` optimizer's step since (a fused
 optimizer kernel, ``fused=True``, moves no version counter). A write
-through ``.data`` (``p.data.copy_(new)``) moves no version counter and
-keeps the pointer: only the flag catches it.
+through ``.data`` (``p.data.copy_(new)``) or into the storage
+(``p.untyped_storage().copy_(...)``) moves no version counter and keeps the
+pointer: only the flag catches it.
 
 The entry holds its parameters by strong reference, not by ``weakref``: a
 weak reference makes ``torch.utils.swap_tensors`` (``module.to()`` and

@@ -219,7 +219,7 @@ def autograd_dummies(weights: WeightGroup) -> list[torch.Tensor | None]:
     of one shape and grad dtype share one cached buffer: it is fetched (and
     re-zeroed where needed) once and each member gets its own ``.detach()``
     alias. Sets no flag. A trainable member's ``.grad`` that is an alias of a dummy is
-    dropped first (:func:`~groupgrad.protocol._attrs.drop_dummy_grads`).
+    dropped first (``_attrs.drop_dummy_grads``).
     """
     members = as_weight_list(weights)
     drop_dummy_grads(p for p in members if p.requires_grad)

@@ -281,7 +281,7 @@ def load_full_state_dict(
             its shape and the expected one); with ``strict``, keys are missing
             or unexpected. Nothing is written then.
         RuntimeError: A sharded weight's ``DTensor`` is over other ranks or
-            holds another rank's rows (:func:`_check_entry`). Nothing is
+            holds another rank's rows (``_check_entry``). Nothing is
             written then either.
     """
     check_module(module)
